@@ -1,0 +1,41 @@
+"""Names on the wire that more than one component must spell the same way.
+
+Sources: ../shared/reference/protocols.md (GAIE ext_proc, vLLM metrics, llm-d
+P/D headers).
+"""
+from __future__ import annotations
+
+# Routing headers (GAIE / llm-d). Clients must never be able to set these.
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+DESTINATION_METADATA_NAMESPACE = "envoy.lb"
+PREFILLER_HEADER = "x-prefiller-host-port"
+DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
+ROUTING_HEADERS = (DESTINATION_HEADER, PREFILLER_HEADER)
+
+# Every worker response names the worker that served it.
+ENDPOINT_HEADER = "x-kvyard-endpoint"
+
+# Pod role label (kvyard.io/role: prefill|decode|both).
+ROLE_LABEL = "kvyard.io/role"
+ROLES = ("prefill", "decode", "both")
+
+# Conventional ports (GAIE).
+EPP_EXT_PROC_PORT = 9002
+EPP_HEALTH_PORT = 9003
+EPP_METRICS_PORT = 9090
+
+# vLLM metric names that the EPP scrapes and the workers export.
+M_WAITING = "vllm:num_requests_waiting"
+M_RUNNING = "vllm:num_requests_running"
+M_KV_USAGE = "vllm:kv_cache_usage_perc"
+M_KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"
+M_CACHE_CONFIG = "vllm:cache_config_info"
+M_LORA_INFO = "vllm:lora_requests_info"
+M_TTFT = "vllm:time_to_first_token_seconds"
+M_TPOT = "vllm:time_per_output_token_seconds"
+M_ITL = "vllm:inter_token_latency_seconds"
+M_E2E = "vllm:e2e_request_latency_seconds"
+M_PROMPT_TOKENS = "vllm:prompt_tokens_total"
+M_GENERATION_TOKENS = "vllm:generation_tokens_total"
+M_PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+M_PREFIX_HITS = "vllm:prefix_cache_hits_total"

@@ -1,0 +1,51 @@
+"""Fixtures every component's tests share: free ports, deadlines, the demo model.
+
+Tests start and stop their own servers on free loopback ports and poll with
+deadlines; nothing sleeps to synchronise.
+"""
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def free_port() -> Callable[[], int]:
+    return _free_port
+
+
+def _wait_until(pred: Callable[[], object], timeout: float = 30.0, interval: float = 0.02,
+                what: str = "condition") -> object:
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            v = pred()
+            if v:
+                return v
+        except Exception as e:  # noqa: BLE001 - keep polling until the deadline
+            last_exc = e
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}: {last_exc!r}")
+
+
+@pytest.fixture
+def wait_until() -> Callable[..., object]:
+    return _wait_until
+
+
+@pytest.fixture(scope="session")
+def demo_gguf() -> Path:
+    from kvyard.common.models import demo_gguf_path
+
+    return demo_gguf_path()

@@ -1,0 +1,67 @@
+"""The engine's public contract: what the server, benchmarks and KV connectors use.
+
+Everything else in `kvyard.workers.engine` is internal. Names follow vLLM's
+where the concept is the same so users' habits carry over.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0      # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1               # -1 disables
+    seed: int | None = None       # per-request generator: same seed, same tokens
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One increment of a request's progress (streamed), or its end."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str               # stop strings already trimmed
+    finished: bool
+    finish_reason: str | None     # "stop" | "length" | "abort" | None while running
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int        # prompt tokens served from the prefix cache or kvstore
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot for /metrics and the EPP's scrapes."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float         # 0..1, blocks in use by live sequences
+    num_blocks: int
+    block_size: int
+    prefix_queries_tokens: int    # cumulative, vLLM semantics (tokens, not blocks)
+    prefix_hits_tokens: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+class KVConnector(Protocol):
+    """Hook for an external KV store (kvstore) or a P/D transfer.
+
+    The engine binds the per-layer KV cache tensors once, then, for a request
+    whose prefix misses the local prefix cache, asks how many leading blocks
+    the connector has and has them copied into freshly allocated blocks before
+    prefill; after prefill it hands over newly computed full blocks to save.
+    `block_hashes` are `kvyard.common.hashing.block_hashes` values.
+    """
+
+    def bind(self, kv_caches: Sequence[object], block_size: int) -> None: ...
+    def lookup(self, block_hashes: Sequence[int]) -> int: ...
+    def load(self, block_hashes: Sequence[int], block_ids: Sequence[int]) -> int: ...
+    def save(self, block_hashes: Sequence[int], block_ids: Sequence[int]) -> None: ...
