@@ -1,0 +1,189 @@
+"""The Envoy bootstrap for kvyard's gateway, rendered from one small dataclass.
+
+Envoy does the bytes (HTTP/1.1 and h2, streaming, limits); the EPP does the
+choosing. The EPP sees every request over ext_proc and answers with
+`x-gateway-destination-endpoint`, which an ORIGINAL_DST cluster turns into the
+upstream address. Three things matter for correctness and are easy to get
+wrong, so they are spelled out here:
+
+* Client-supplied routing headers are removed by the connection manager's
+  *early* header mutation, which runs before any HTTP filter. A route-level
+  `request_headers_to_remove` would run after ext_proc and delete the EPP's
+  own answer.
+* The upstream route only matches when the destination header is present.
+  Without it an ORIGINAL_DST cluster would fall back to the downstream
+  connection's original destination, i.e. the gateway itself (a loop).
+* Responses are never sent to the EPP and never buffered, and generation can
+  be long, so the route has no overall timeout, only a stream idle timeout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvyard.common.wire import DESTINATION_HEADER, ROUTING_HEADERS
+
+_T = "type.googleapis.com/"
+WORKERS_CLUSTER = "kvyard_workers"
+EPP_CLUSTER = "kvyard_epp"
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    """Everything that varies between a laptop stack, tests and a pod."""
+
+    listen_port: int = 8080
+    listen_address: str = "127.0.0.1"
+    epp_address: str = "127.0.0.1:9002"
+    admin_port: int = 9901
+    # Largest request body accepted; above it Envoy answers 413 itself.
+    body_limit_bytes: int = 4 * 1024 * 1024
+    # How long Envoy waits for one EPP answer; a 50k-token prompt must fit.
+    ext_proc_timeout_s: float = 5.0
+    # Generation can run for minutes, but a silent stream is dead.
+    stream_idle_timeout_s: float = 300.0
+    upstream_connect_timeout_s: float = 2.0
+    epp_connect_timeout_s: float = 1.0
+    # Status Envoy returns when the EPP is unreachable or errors (fail closed).
+    status_on_epp_error: int = 503
+    # A fixed upstream instead of the EPP: the baseline for `kvyard bench epp`.
+    direct_upstream: str | None = None
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:g}s"
+
+
+def _socket_address(hostport: str) -> dict[str, Any]:
+    host, _, port = hostport.rpartition(":")
+    return {"socket_address": {"address": host.strip("[]"), "port_value": int(port)}}
+
+
+def _static_cluster(name: str, hostport: str, connect_s: float, http2: bool) -> dict[str, Any]:
+    cluster: dict[str, Any] = {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": _duration(connect_s),
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket_address(hostport)}}]}],
+        },
+    }
+    if http2:
+        cluster["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        }
+    return cluster
+
+
+def _workers_cluster(cfg: GatewayConfig) -> dict[str, Any]:
+    if cfg.direct_upstream:
+        return _static_cluster(WORKERS_CLUSTER, cfg.direct_upstream,
+                               cfg.upstream_connect_timeout_s, http2=False)
+    return {
+        "name": WORKERS_CLUSTER,
+        "type": "ORIGINAL_DST",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "connect_timeout": _duration(cfg.upstream_connect_timeout_s),
+        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
+    }
+
+
+def _http_filters(cfg: GatewayConfig) -> list[dict[str, Any]]:
+    # The buffer filter enforces the body limit (413) before the EPP sees anything,
+    # and raises the stream's buffer limit so ext_proc's BUFFERED mode can hold it.
+    filters: list[dict[str, Any]] = [{
+        "name": "envoy.filters.http.buffer",
+        "typed_config": {"@type": _T + "envoy.extensions.filters.http.buffer.v3.Buffer",
+                         "max_request_bytes": cfg.body_limit_bytes},
+    }]
+    if not cfg.direct_upstream:
+        filters.append({
+            "name": "envoy.filters.http.ext_proc",
+            "typed_config": {
+                "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER},
+                                 "timeout": _duration(cfg.ext_proc_timeout_s)},
+                "failure_mode_allow": False,
+                "message_timeout": _duration(cfg.ext_proc_timeout_s),
+                "status_on_error": {"code": cfg.status_on_epp_error},
+                # Pinned with the EPP: headers and the whole body in, nothing out.
+                "processing_mode": {
+                    "request_header_mode": "SEND",
+                    "request_body_mode": "BUFFERED",
+                    "request_trailer_mode": "SKIP",
+                    "response_header_mode": "SKIP",
+                    "response_body_mode": "NONE",
+                    "response_trailer_mode": "SKIP",
+                },
+            },
+        })
+    filters.append({"name": "envoy.filters.http.router",
+                    "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"}})
+    return filters
+
+
+def _routes(cfg: GatewayConfig) -> list[dict[str, Any]]:
+    upstream = {"cluster": WORKERS_CLUSTER, "timeout": "0s",
+                "idle_timeout": _duration(cfg.stream_idle_timeout_s)}
+    if cfg.direct_upstream:
+        return [{"match": {"prefix": "/"}, "route": upstream}]
+    return [
+        {"match": {"prefix": "/", "headers": [{"name": DESTINATION_HEADER, "present_match": True}]},
+         "route": upstream},
+        # Reached only if the EPP let a request through without a pick.
+        {"match": {"prefix": "/"},
+         "direct_response": {"status": 503, "body": {"inline_string": "no endpoint picked\n"}}},
+    ]
+
+
+def _connection_manager(cfg: GatewayConfig) -> dict[str, Any]:
+    early = {
+        "name": "kvyard.strip_routing_headers",
+        "typed_config": {
+            "@type": _T + "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+            "mutations": [{"remove": h} for h in ROUTING_HEADERS],
+        },
+    }
+    return {
+        "@type": _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "kvyard_gateway",
+        "codec_type": "AUTO",
+        "early_header_mutation_extensions": [early],
+        "stream_idle_timeout": _duration(cfg.stream_idle_timeout_s),
+        "request_timeout": "0s",
+        "route_config": {
+            "name": "kvyard",
+            "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": _routes(cfg)}],
+        },
+        "http_filters": _http_filters(cfg),
+    }
+
+
+def render(cfg: GatewayConfig) -> dict[str, Any]:
+    """The full bootstrap as plain data (dump it as YAML or JSON)."""
+    clusters = [_workers_cluster(cfg)]
+    if not cfg.direct_upstream:
+        clusters.append(_static_cluster(EPP_CLUSTER, cfg.epp_address,
+                                        cfg.epp_connect_timeout_s, http2=True))
+    listener = {
+        "name": "kvyard_gateway",
+        "address": _socket_address(f"{cfg.listen_address}:{cfg.listen_port}"),
+        "filter_chains": [{"filters": [{
+            "name": "envoy.filters.network.http_connection_manager",
+            "typed_config": _connection_manager(cfg),
+        }]}],
+    }
+    return {
+        "admin": {"address": _socket_address(f"127.0.0.1:{cfg.admin_port}")},
+        "static_resources": {"listeners": [listener], "clusters": clusters},
+    }
+
+
+def render_yaml(cfg: GatewayConfig) -> str:
+    import yaml
+
+    return yaml.safe_dump(render(cfg), sort_keys=False)
