@@ -1,0 +1,25 @@
+"""`kvyard down`: stop everything `kvyard up` started, from the state file alone,
+so it works after `up`, a worker, or the whole shell crashed."""
+from __future__ import annotations
+
+import argparse
+
+from kvyard.stack.rundir import add_run_dir, run_dir
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds before SIGKILL")
+    add_run_dir(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvyard.stack.launch import StackState, stop_stack
+
+    rd = run_dir(args)
+    state = StackState.load(rd)
+    if state is None:
+        print(f"kvyard: no stack in {rd}")
+        return 0
+    stop_stack(state, args.timeout)
+    print(f"kvyard: stopped {len(state.procs)} process(es) from {rd}")
+    return 0

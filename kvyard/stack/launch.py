@@ -1,0 +1,235 @@
+"""Starting a whole local stack: workers, the EPP, Envoy (and any extra service).
+
+Used by `kvyard up`, the end-to-end tests and `kvyard bench epp`, so all
+three run exactly the processes and flags a user runs. Services start in
+dependency order (extras such as a redis for the kvstore, then workers, then
+the EPP that scrapes them, then Envoy that calls the EPP); on any failure
+everything already started is stopped and the error carries the log tail.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from kvyard.common import wire
+from kvyard.gateway.config import GatewayConfig
+from kvyard.gateway.envoy import envoy_command, write_config
+from kvyard.stack import procs
+from kvyard.stack.procs import Proc
+
+STATE_FILE = "state.json"
+
+
+@dataclass(slots=True)
+class ServiceSpec:
+    """A generic extra process (e.g. redis-server for the kvstore). `ready` is
+    `http://...` (GET must return 200) or `tcp:PORT` (a connect must succeed)."""
+
+    name: str
+    cmd: list[str]
+    ready: str
+    ports: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StackSpec:
+    run_dir: Path
+    workers: int = 2
+    gateway_port: int = 8080
+    model: str = "demo"
+    dtype: str | None = None
+    # Stand-in workers (no model): for tests and benchmarks of the routing path.
+    standin: bool = False
+    worker_base_port: int = 8100
+    epp_ports: tuple[int, int, int] = (wire.EPP_EXT_PROC_PORT, wire.EPP_HEALTH_PORT,
+                                       wire.EPP_METRICS_PORT)
+    admin_port: int = 9901
+    envoy_concurrency: int = 1
+    body_limit_bytes: int = 4 * 1024 * 1024
+    ready_timeout_s: float = 180.0
+    extras: list[ServiceSpec] = field(default_factory=list)
+    worker_args: list[str] = field(default_factory=list)
+    epp_args: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StackState:
+    """What `down` and `status` need, persisted as JSON in the run dir."""
+
+    run_dir: str
+    gateway_url: str
+    admin_url: str
+    epp_metrics_url: str
+    endpoints: list[str]
+    procs: list[Proc]
+    spec: dict = field(default_factory=dict)
+
+    def save(self) -> None:
+        data = {"run_dir": self.run_dir, "gateway_url": self.gateway_url,
+                "admin_url": self.admin_url, "epp_metrics_url": self.epp_metrics_url,
+                "endpoints": self.endpoints, "procs": [p.to_json() for p in self.procs],
+                "spec": self.spec}
+        path = Path(self.run_dir) / STATE_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(path)  # atomic: `down` never reads half a file
+
+    @classmethod
+    def load(cls, run_dir: Path) -> "StackState | None":
+        try:
+            d = json.loads((run_dir / STATE_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        return cls(run_dir=d["run_dir"], gateway_url=d["gateway_url"], admin_url=d["admin_url"],
+                   epp_metrics_url=d["epp_metrics_url"], endpoints=d["endpoints"],
+                   procs=[Proc(**p) for p in d["procs"]], spec=d.get("spec", {}))
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+
+def py_module(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def worker_cmd(spec: StackSpec, port: int) -> list[str]:
+    addr = f"127.0.0.1:{port}"
+    if spec.standin:
+        return py_module("kvyard.stack.standin", "--port", str(port), "--advertise-address", addr)
+    cmd = py_module("kvyard.cli", "worker", "--model", spec.model, "--port", str(port),
+                    "--advertise-address", addr)
+    if spec.dtype:
+        cmd += ["--dtype", spec.dtype]
+    return cmd + spec.worker_args
+
+
+def write_endpoints(path: Path, addresses: list[str], role: str = "both") -> Path:
+    """The EPP's endpoints file; the EPP reloads it on change. Written atomically."""
+    import yaml
+
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump([{"address": a, "role": role} for a in addresses]))
+    tmp.replace(path)
+    return path
+
+
+def epp_cmd(model: str, ports: tuple[int, int, int], endpoints_file: Path,
+            extra: list[str] | None = None) -> list[str]:
+    ext, health, metrics = ports
+    return py_module("kvyard.cli", "epp", "--ext-proc-port", str(ext), "--health-port",
+                     str(health), "--metrics-port", str(metrics), "--endpoints-file",
+                     str(endpoints_file), "--model", model, *(extra or []))
+
+
+def tcp_ok(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _ready_check(ready: str) -> Callable[[], bool]:
+    if ready.startswith("tcp:"):
+        port = int(ready[4:])
+        return lambda: tcp_ok(port)
+    return lambda: procs.http_ok(ready)
+
+
+def epp_sees(metrics_url: str, n: int) -> Callable[[], bool]:
+    """Ready once the EPP serves /debug/endpoints listing at least `n` endpoints."""
+    def check() -> bool:
+        code, body = procs.http_get(metrics_url + "/debug/endpoints")
+        return code == 200 and len(parse_endpoints(json.loads(body))) >= n
+    return check
+
+
+def parse_endpoints(doc: object) -> list[dict]:
+    """The EPP's /debug/endpoints rows, whether it answers a list or {"endpoints": [...]}."""
+    rows = doc.get("endpoints", []) if isinstance(doc, dict) else doc
+    return [r for r in rows or [] if isinstance(r, dict)]
+
+
+class _Started(list):
+    """Started processes, recorded in the state file as each one starts, so
+    `kvyard down` can stop them even if `up` itself is killed mid-way."""
+
+    def __init__(self, run: Path) -> None:
+        super().__init__()
+        self.run = run
+
+    def add(self, p: Proc) -> Proc:
+        self.append(p)
+        StackState(run_dir=str(self.run), gateway_url="", admin_url="", epp_metrics_url="",
+                   endpoints=[], procs=list(self), spec={"starting": True}).save()
+        return p
+
+
+def start_stack(spec: StackSpec) -> StackState:
+    """Start everything, wait until all of it is ready, save the state file."""
+    run = spec.run_dir
+    run.mkdir(parents=True, exist_ok=True)
+    logs = run / "logs"
+    taken: set[int] = set()
+    started = _Started(run)
+    try:
+        checks: list[tuple[Proc, Callable[[], bool]]] = []
+        for ex in spec.extras:
+            p = procs.spawn(ex.name, ex.cmd, logs / f"{ex.name}.log", ports=ex.ports)
+            started.add(p)
+            checks.append((p, _ready_check(ex.ready)))
+        addresses = []
+        for i in range(spec.workers):
+            port = procs.free_port(spec.worker_base_port + i, taken)
+            addresses.append(f"127.0.0.1:{port}")
+            p = procs.spawn(f"worker-{i}", worker_cmd(spec, port), logs / f"worker-{i}.log",
+                            ports={"http": port})
+            started.add(p)
+            checks.append((p, _ready_check(f"http://127.0.0.1:{port}/health")))
+        # Workers load models in parallel; wait for them before the EPP scrapes.
+        procs.wait_ready(checks, spec.ready_timeout_s)
+        epp_ports = tuple(procs.free_port(p, taken) for p in spec.epp_ports)
+        endpoints_file = write_endpoints(run / "endpoints.yaml", addresses)
+        epp = procs.spawn("epp", epp_cmd(spec.model, epp_ports, endpoints_file, spec.epp_args),
+                          logs / "epp.log", ports=dict(zip(("ext_proc", "health", "metrics"),
+                                                           epp_ports)))
+        started.add(epp)
+        metrics_url = f"http://127.0.0.1:{epp_ports[2]}"
+        gw_port = procs.free_port(spec.gateway_port, taken)
+        admin_port = procs.free_port(spec.admin_port, taken)
+        cfg = GatewayConfig(listen_port=gw_port, epp_address=f"127.0.0.1:{epp_ports[0]}",
+                            admin_port=admin_port, body_limit_bytes=spec.body_limit_bytes)
+        conf = write_config(cfg, run / "envoy.yaml")
+        envoy = procs.spawn("envoy", envoy_command(conf, concurrency=spec.envoy_concurrency),
+                            logs / "envoy.log", ports={"http": gw_port, "admin": admin_port})
+        started.add(envoy)
+        admin_url = f"http://127.0.0.1:{admin_port}"
+        procs.wait_ready([(epp, epp_sees(metrics_url, spec.workers)),
+                          (envoy, _ready_check(admin_url + "/ready"))], spec.ready_timeout_s)
+    except BaseException:
+        procs.stop([p.pid for p in reversed(started)])
+        (run / STATE_FILE).unlink(missing_ok=True)
+        raise
+    state = StackState(run_dir=str(run), gateway_url=f"http://127.0.0.1:{gw_port}",
+                       admin_url=admin_url, epp_metrics_url=metrics_url, endpoints=addresses,
+                       procs=list(started), spec={"workers": spec.workers, "model": spec.model,
+                                            "dtype": spec.dtype, "standin": spec.standin,
+                                            "started": time.time()})
+    state.save()
+    return state
+
+
+def stack_alive(state: StackState) -> bool:
+    """All recorded processes run and the gateway answers its admin readiness."""
+    return all(procs.alive(p.pid) for p in state.procs) and procs.http_ok(state.admin_url + "/ready")
+
+
+def stop_stack(state: StackState, timeout_s: float = 5.0) -> None:
+    """Front to back (Envoy first) so no new traffic reaches dying workers."""
+    procs.stop(list(reversed(state.pids())), timeout_s)
+    (Path(state.run_dir) / STATE_FILE).unlink(missing_ok=True)
