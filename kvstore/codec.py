@@ -1,0 +1,64 @@
+"""The stored form of one block: a fixed 80-byte header, then the raw payload.
+
+Header (little-endian, struct "<4sHBB6IQQ32s"):
+  magic b"KVYB" | version u16 | dtype code u8 | ndim u8 | shape 6 x u32 (unused
+  dims 0) | payload length u64 | xxh3-64 of the payload u64 | the 32-byte key.
+
+The payload is the block's elements in C order of `KVLayout.shape`, exactly
+as the engine's tensors hold them; no pickling, so reads can hand out a
+memoryview into the buffer they read. Every field is checked on every read
+from SSD or Redis against what the reader expects: a wrong key (a renamed or
+misplaced file), a wrong layout, a short payload or a bad checksum all mean
+"corrupt", never "hit". DRAM holds payloads only and is not re-verified: it
+never leaves the process.
+"""
+from __future__ import annotations
+
+import struct
+
+import xxhash
+
+from kvyard.kvstore.layout import KEY_BYTES, KVLayout
+
+MAGIC = b"KVYB"
+VERSION = 1
+HEADER = struct.Struct("<4sHBB6IQQ32s")
+HEADER_BYTES = HEADER.size  # 80
+
+
+class CorruptBlock(ValueError):
+    """A stored block failed verification; the caller deletes it and counts a miss."""
+
+
+def checksum(payload) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+def encode_header(key: bytes, layout: KVLayout, payload) -> bytes:
+    shape = list(layout.shape) + [0] * (6 - len(layout.shape))
+    n = memoryview(payload).nbytes
+    if n != layout.nbytes:
+        raise ValueError(f"block payload is {n} bytes, layout needs {layout.nbytes}")
+    return HEADER.pack(MAGIC, VERSION, layout.dtype_code, len(layout.shape), *shape, n,
+                       checksum(payload), key)
+
+
+def decode(blob, key: bytes, layout: KVLayout) -> memoryview:
+    """The payload of `blob` as a read-only view (no copy), or CorruptBlock."""
+    mv = memoryview(blob).cast("B")
+    if mv.nbytes < HEADER_BYTES:
+        raise CorruptBlock(f"truncated: {mv.nbytes} bytes, header alone is {HEADER_BYTES}")
+    magic, version, dcode, ndim, *rest = HEADER.unpack_from(mv)
+    shape, (n, csum, stored_key) = rest[:6], rest[6:]
+    if magic != MAGIC or version != VERSION:
+        raise CorruptBlock(f"bad magic/version {magic!r}/{version}")
+    if stored_key != key or len(key) != KEY_BYTES:
+        raise CorruptBlock("key mismatch")
+    if dcode != layout.dtype_code or tuple(shape[:ndim]) != layout.shape or n != layout.nbytes:
+        raise CorruptBlock(f"layout mismatch: dtype {dcode} shape {shape[:ndim]} len {n}")
+    if mv.nbytes != HEADER_BYTES + n:
+        raise CorruptBlock(f"length {mv.nbytes - HEADER_BYTES} != header's {n}")
+    payload = mv[HEADER_BYTES:].toreadonly()
+    if checksum(payload) != csum:
+        raise CorruptBlock("checksum mismatch")
+    return payload

@@ -1,0 +1,40 @@
+"""Prometheus export of the store's counters, as a Collector the worker registers.
+
+A custom Collector (rather than Counter objects updated on the hot path) reads
+the tiers' plain-int stats only when scraped, so the store pays nothing per
+operation for metrics, and several stores can be registered side by side.
+"""
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvyard.kvstore.store import KVStore
+
+_COUNTERS = (
+    ("hits", "kvyard:kvstore_hits_total", "Blocks served by this tier"),
+    ("misses", "kvyard:kvstore_misses_total", "Block reads this tier could not serve"),
+    ("evictions", "kvyard:kvstore_evictions_total", "Blocks evicted from this tier"),
+    ("errors", "kvyard:kvstore_errors_total",
+     "Failed operations or corrupt blocks detected in this tier"),
+)
+
+
+class KVStoreCollector(Collector):
+    def __init__(self, store: KVStore) -> None:
+        self.store = store
+
+    def collect(self):
+        stats = self.store.stats()
+        for field, name, doc in _COUNTERS:
+            fam = CounterMetricFamily(name, doc, labels=["tier"])
+            for tier, s in stats.items():
+                fam.add_metric([tier], s[field])
+            yield fam
+        g = GaugeMetricFamily("kvyard:kvstore_bytes", "Bytes held by this tier", labels=["tier"])
+        for tier, s in stats.items():
+            g.add_metric([tier], s["bytes"])
+        yield g
+        yield CounterMetricFamily("kvyard:kvstore_dropped_writes_total",
+                                  "Block writes dropped because the writer queue was full",
+                                  value=self.store.dropped_writes)

@@ -1,0 +1,161 @@
+"""The shared remote tier: a real Redis (or Redis Cluster), values = header + payload.
+
+Keys are `<prefix><namespace hex>:<hash hex>`; batches go out as one MGET (or
+`mget_nonatomic` on a cluster, whose keys span slots) and one pipeline of
+SETs with the TTL. Capacity and LRU are Redis's own (`maxmemory` +
+`maxmemory-policy allkeys-lru` on the server); `stats.bytes` is what this
+client has written, an upper bound on what it holds there: TTL expiry, server
+eviction and deletes of corrupt values are not observed.
+
+Fail fast: short socket timeouts, redis-py's own retries off, and a circuit
+breaker; while it is open every call is an immediate miss, so a dead Redis
+never slows the engine, and the first trial after the backoff reconnects.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Sequence
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvyard.kvstore.breaker import CircuitBreaker
+from kvyard.kvstore.codec import CorruptBlock, decode
+from kvyard.kvstore.layout import KVLayout
+from kvyard.kvstore.stats import TierStats
+
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+class RedisTier:
+    name = "redis"
+
+    def __init__(self, url: str, *, password: str | None = None, prefix: str = "kvyard:kv:",
+                 ttl_s: int | None = None, cluster: bool = False, timeout_s: float = 0.25,
+                 backoff_s: tuple[float, float] = (0.5, 10.0)) -> None:
+        scheme = urlsplit(url).scheme
+        if scheme in CLUSTER_SCHEMES:  # redis+cluster://host:port selects RedisCluster
+            cluster = True
+            url = urlunsplit((CLUSTER_SCHEMES[scheme], *urlsplit(url)[1:]))
+        self.url = url
+        self.cluster = cluster
+        self.prefix = prefix
+        self.ttl_s = ttl_s or None
+        self.stats = TierStats()
+        self.breaker = CircuitBreaker(*backoff_s)
+        self._opts = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                          retry=Retry(NoBackoff(), 0), retry_on_timeout=False)
+        if password is None:
+            password = os.environ.get("KVYARD_REDIS_PASSWORD") or None
+        if password is not None:
+            self._opts["password"] = password
+        self._client = None
+        self._client_lock = threading.Lock()
+        self._lock = threading.Lock()
+
+    def _redis(self):
+        """The client, created on first use: a RedisCluster connects in its constructor."""
+        if self._client is None:
+            with self._client_lock:
+                if self._client is None:
+                    if self.cluster:
+                        from redis.cluster import RedisCluster
+                        opts = {k: v for k, v in self._opts.items() if k != "retry_on_timeout"}
+                        self._client = RedisCluster.from_url(self.url, **opts)
+                    else:
+                        self._client = redis.Redis.from_url(self.url, **self._opts)
+        return self._client
+
+    def rkey(self, key: bytes) -> bytes:
+        return b"%s%s:%s" % (self.prefix.encode(), key[:16].hex().encode(), key[16:].hex().encode())
+
+    def _call(self, fn):
+        """Run `fn(client)` behind the breaker; (ok, result). Failures count an error."""
+        if not self.breaker.allow():
+            return False, None
+        try:
+            out = fn(self._redis())
+        except (redis.RedisError, OSError):
+            self.breaker.failure()
+            with self._lock:
+                self.stats.errors += 1
+            return False, None
+        self.breaker.success()
+        return True, out
+
+    @property
+    def available(self) -> bool:
+        return not self.breaker.is_open
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        def run(r):
+            p = r.pipeline(transaction=False)
+            for k in keys:
+                p.exists(self.rkey(k))
+            return p.execute()
+        ok, res = self._call(run)
+        return [bool(x) for x in res] if ok else [False] * len(keys)
+
+    def get_many(self, keys: Sequence[bytes], layout: KVLayout) -> list[memoryview | None]:
+        rkeys = [self.rkey(k) for k in keys]
+        ok, vals = self._call(
+            lambda r: r.mget_nonatomic(rkeys) if self.cluster else r.mget(rkeys))
+        if not ok:
+            with self._lock:
+                self.stats.misses += len(keys)
+            return [None] * len(keys)
+        out: list[memoryview | None] = []
+        bad: list[bytes] = []
+        hits = misses = 0
+        for k, rk, v in zip(keys, rkeys, vals):
+            if v is None:
+                misses += 1
+                out.append(None)
+                continue
+            try:
+                out.append(decode(v, k, layout))
+                hits += 1
+            except CorruptBlock:
+                bad.append(rk)
+                misses += 1
+                out.append(None)
+        with self._lock:
+            self.stats.hits += hits
+            self.stats.misses += misses
+            self.stats.errors += len(bad)
+        if bad:
+            self._delete(bad)
+        return out
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes, object]]) -> bool:
+        """items: (key, header, payload). The value is header + payload in one buffer."""
+        values = [(self.rkey(k), b"".join((h, memoryview(p).cast("B")))) for k, h, p in items]
+
+        def run(r):
+            p = r.pipeline(transaction=False)
+            for rk, v in values:
+                p.set(rk, v, ex=self.ttl_s)
+            return p.execute()
+        ok, _ = self._call(run)
+        if ok:
+            with self._lock:
+                self.stats.bytes += sum(len(v) for _, v in values)
+        return ok
+
+    def _delete(self, rkeys: list[bytes]) -> None:
+        def run(r):
+            p = r.pipeline(transaction=False)
+            for rk in rkeys:
+                p.delete(rk)
+            return p.execute()
+        self._call(run)
+
+    def close(self) -> None:
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:  # noqa: BLE001 - closing a dead connection may raise anything
+                pass

@@ -1,0 +1,223 @@
+"""The tiered store: DRAM ▸ SSD ▸ Redis, write-through, reads promote upward.
+
+`put` never blocks the engine: DRAM takes the buffer at once (no copy), and
+the slower tiers are fed by one background writer through a bounded queue;
+when the queue is full the write to SSD/Redis is dropped and counted, never
+waited for. `get` tries the tiers fastest first; a hit below DRAM is promoted
+into DRAM (and a Redis hit into SSD, through the writer). `lookup` answers how
+many leading blocks are available anywhere, with the tier of each.
+
+Ownership: buffers passed to `put` belong to the store afterwards (the caller
+must not mutate them); views returned by `get` are read-only and stay valid
+as long as the caller holds them, whatever the store evicts meanwhile.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvyard.kvstore.codec import encode_header
+from kvyard.kvstore.dram import DramTier
+from kvyard.kvstore.layout import Namespace
+from kvyard.kvstore.redis_tier import RedisTier
+from kvyard.kvstore.ssd import SsdTier
+
+_STOP = object()
+_BATCH = 64  # blocks per writer round: one Redis pipeline, one queue drain
+
+
+@dataclass(slots=True)
+class StoreConfig:
+    """Capacities in bytes; a tier with no capacity (or no dir/URL) is off."""
+
+    dram_bytes: int = 0
+    ssd_dir: str | None = None
+    ssd_bytes: int = 0
+    ssd_fsync: bool = False
+    redis_url: str | None = None
+    redis_password: str | None = None
+    redis_prefix: str = "kvyard:kv:"
+    redis_ttl_s: int | None = None
+    redis_cluster: bool = False
+    redis_timeout_s: float = 0.25
+    queue_blocks: int = 1024
+
+    @property
+    def any_tier(self) -> bool:
+        return bool(self.dram_bytes > 0 or (self.ssd_dir and self.ssd_bytes > 0) or self.redis_url)
+
+
+class KVStore:
+    def __init__(self, namespace: Namespace, *, dram: DramTier | None = None,
+                 ssd: SsdTier | None = None, redis: RedisTier | None = None,
+                 queue_blocks: int = 1024) -> None:
+        self.namespace = namespace
+        self.layout = namespace.layout
+        self.dram, self.ssd, self.redis = dram, ssd, redis
+        self.tiers = {t.name: t for t in (dram, ssd, redis) if t is not None}
+        self.dropped_writes = 0
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, queue_blocks))
+        self._writer: threading.Thread | None = None
+        if ssd is not None or redis is not None:
+            self._writer = threading.Thread(target=self._write_loop, name="kvstore-writer",
+                                            daemon=True)
+            self._writer.start()
+
+    @classmethod
+    def from_config(cls, namespace: Namespace, cfg: StoreConfig) -> "KVStore":
+        dram = DramTier(cfg.dram_bytes) if cfg.dram_bytes > 0 else None
+        ssd = SsdTier(cfg.ssd_dir, cfg.ssd_bytes, fsync=cfg.ssd_fsync) \
+            if cfg.ssd_dir and cfg.ssd_bytes > 0 else None
+        red = RedisTier(cfg.redis_url, password=cfg.redis_password, prefix=cfg.redis_prefix,
+                        ttl_s=cfg.redis_ttl_s, cluster=cfg.redis_cluster,
+                        timeout_s=cfg.redis_timeout_s) if cfg.redis_url else None
+        return cls(namespace, dram=dram, ssd=ssd, redis=red, queue_blocks=cfg.queue_blocks)
+
+    # -- writes --------------------------------------------------------------
+    def put(self, block_hashes: Sequence[int], blocks: Sequence[object]) -> int:
+        """Store blocks; returns how many were queued for the lower tiers (or kept)."""
+        keys = self.namespace.keys(block_hashes)
+        nbytes = self.layout.nbytes
+        accepted = 0
+        for key, blk in zip(keys, blocks, strict=True):
+            mv = memoryview(blk).cast("B")
+            if mv.nbytes != nbytes:
+                raise ValueError(f"block is {mv.nbytes} bytes, layout needs {nbytes}")
+            if self.dram is not None:
+                self.dram.put(key, mv)
+            if self._writer is None:
+                accepted += 1
+                continue
+            try:
+                self._q.put_nowait((key, mv, True))
+                accepted += 1
+            except queue.Full:
+                self.dropped_writes += 1
+        return accepted
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._q.get()
+            batch = [item]
+            while len(batch) < _BATCH:
+                try:
+                    batch.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._write_batch([b for b in batch if b is not _STOP])
+            finally:
+                for _ in batch:
+                    self._q.task_done()
+            if any(b is _STOP for b in batch):
+                return
+
+    def _write_batch(self, batch: list[tuple[bytes, memoryview, bool]]) -> None:
+        items = [(k, encode_header(k, self.layout, p), p, to_redis) for k, p, to_redis in batch]
+        if self.ssd is not None:
+            for k, h, p, _ in items:
+                self.ssd.put(k, h, p)
+        if self.redis is not None:
+            remote = [(k, h, p) for k, h, p, to_redis in items if to_redis]
+            if remote:
+                self.redis.put_many(remote)
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued write has reached its tiers (tests, benchmarks, shutdown)."""
+        deadline = time.monotonic() + timeout
+        with self._q.all_tasks_done:
+            while self._q.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._q.all_tasks_done.wait(left)
+        return True
+
+    wait_idle = flush
+
+    # -- reads ---------------------------------------------------------------
+    def lookup(self, block_hashes: Sequence[int]) -> tuple[int, list[str]]:
+        """(length of the longest leading run of blocks present, the tier of each)."""
+        keys = self.namespace.keys(block_hashes)
+        tiers: list[str | None] = []
+        unresolved: list[int] = []
+        remote = self.redis is not None and self.redis.breaker.ready()
+        for i, k in enumerate(keys):
+            if self.dram is not None and self.dram.contains(k):
+                tiers.append("dram")
+            elif self.ssd is not None and self.ssd.contains(k):
+                tiers.append("ssd")
+            else:
+                tiers.append(None)
+                unresolved.append(i)
+                if not remote:
+                    break
+        if unresolved and remote:
+            for i, there in zip(unresolved, self.redis.contains_many([keys[i] for i in unresolved])):
+                if there:
+                    tiers[i] = "redis"
+        n = 0
+        while n < len(tiers) and tiers[n] is not None:
+            n += 1
+        return n, tiers[:n]
+
+    def get(self, block_hashes: Sequence[int]) -> list[memoryview | None]:
+        """Each block's payload (read-only view) or None; faster tiers first, hits promoted."""
+        keys = self.namespace.keys(block_hashes)
+        out: list[memoryview | None] = [None] * len(keys)
+        missing = list(range(len(keys)))
+        if self.dram is not None:
+            for i in missing:
+                out[i] = self.dram.get(keys[i])
+            missing = [i for i in missing if out[i] is None]
+        if self.ssd is not None and missing:
+            for i in missing:
+                got = self.ssd.get(keys[i], self.layout)
+                if got is not None:
+                    out[i] = got[0]
+                    if self.dram is not None:
+                        self.dram.put(keys[i], got[0])
+            missing = [i for i in missing if out[i] is None]
+        if self.redis is not None and missing:
+            vals = self.redis.get_many([keys[i] for i in missing], self.layout)
+            for i, v in zip(missing, vals):
+                if v is None:
+                    continue
+                out[i] = v
+                if self.dram is not None:
+                    self.dram.put(keys[i], v)
+                if self.ssd is not None:
+                    try:
+                        self._q.put_nowait((keys[i], v, False))
+                    except queue.Full:
+                        self.dropped_writes += 1
+        return out
+
+    # -- async twins (the server's event loop must not block on disk or network) --
+    async def aput(self, block_hashes: Sequence[int], blocks: Sequence[object]) -> int:
+        return await asyncio.to_thread(self.put, block_hashes, blocks)
+
+    async def alookup(self, block_hashes: Sequence[int]) -> tuple[int, list[str]]:
+        return await asyncio.to_thread(self.lookup, block_hashes)
+
+    async def aget(self, block_hashes: Sequence[int]) -> list[memoryview | None]:
+        return await asyncio.to_thread(self.get, block_hashes)
+
+    async def aflush(self, timeout: float = 30.0) -> bool:
+        return await asyncio.to_thread(self.flush, timeout)
+
+    # -- housekeeping --------------------------------------------------------
+    def stats(self) -> dict[str, dict[str, int]]:
+        return {name: t.stats.as_dict() for name, t in self.tiers.items()}
+
+    def close(self, timeout: float = 30.0) -> None:
+        if self._writer is not None and self._writer.is_alive():
+            self.flush(timeout)
+            self._q.put(_STOP)
+            self._writer.join(timeout)
+        if self.redis is not None:
+            self.redis.close()
