@@ -40,15 +40,16 @@ class ServiceSpec:
 class StackSpec:
     run_dir: Path
     workers: int = 2
-    gateway_port: int = 8080
+    # Preferred ports; a taken one (or None) means any free port.
+    gateway_port: int | None = 8080
     model: str = "demo"
     dtype: str | None = None
     # Stand-in workers (no model): for tests and benchmarks of the routing path.
     standin: bool = False
-    worker_base_port: int = 8100
-    epp_ports: tuple[int, int, int] = (wire.EPP_EXT_PROC_PORT, wire.EPP_HEALTH_PORT,
-                                       wire.EPP_METRICS_PORT)
-    admin_port: int = 9901
+    worker_base_port: int | None = 8100
+    epp_ports: tuple[int | None, int | None, int | None] = (
+        wire.EPP_EXT_PROC_PORT, wire.EPP_HEALTH_PORT, wire.EPP_METRICS_PORT)
+    admin_port: int | None = 9901
     envoy_concurrency: int = 1
     body_limit_bytes: int = 4 * 1024 * 1024
     ready_timeout_s: float = 180.0
@@ -185,7 +186,8 @@ def start_stack(spec: StackSpec) -> StackState:
             checks.append((p, _ready_check(ex.ready)))
         addresses = []
         for i in range(spec.workers):
-            port = procs.free_port(spec.worker_base_port + i, taken)
+            base = spec.worker_base_port
+            port = procs.free_port(None if base is None else base + i, taken)
             addresses.append(f"127.0.0.1:{port}")
             p = procs.spawn(f"worker-{i}", worker_cmd(spec, port), logs / f"worker-{i}.log",
                             ports={"http": port})

@@ -77,6 +77,10 @@ def make_app(st: StandinState) -> web.Application:
         return web.json_response({"object": "list", "data": [{"id": st.model, "object": "model"}]},
                                  headers=hdr)
 
+    async def stats(_: web.Request) -> web.Response:
+        return web.json_response({"served": st.served, "waiting": st.waiting,
+                                  "running": st.running}, headers=hdr)
+
     async def set_queue(req: web.Request) -> web.Response:
         st.waiting = int((await req.json())["waiting"])
         return web.json_response({"waiting": st.waiting}, headers=hdr)
@@ -94,8 +98,10 @@ def make_app(st: StandinState) -> web.Application:
         try:
             text = f"[{st.address}] {_last_user_text(body)}"
             rid = f"standin-{st.served}"
+            # Lets tests see routing headers as the worker received them.
+            rh = {**hdr, "x-standin-prefiller": req.headers.get(wire.PREFILLER_HEADER, "-")}
             if body.get("stream"):
-                return await _stream(req, st, rid, text, chat, hdr)
+                return await _stream(req, st, rid, text, chat, rh)
             if st.token_delay_s:
                 await asyncio.sleep(st.token_delay_s * st.tokens)
             choice = ({"index": 0, "message": {"role": "assistant", "content": text},
@@ -105,7 +111,7 @@ def make_app(st: StandinState) -> web.Application:
                 "id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": st.model, "choices": [choice],
                 "usage": {"prompt_tokens": 1, "completion_tokens": st.tokens,
-                          "total_tokens": 1 + st.tokens}}, headers=hdr)
+                          "total_tokens": 1 + st.tokens}}, headers=rh)
         finally:
             st.running -= 1
 
@@ -116,6 +122,7 @@ def make_app(st: StandinState) -> web.Application:
     app.router.add_post("/v1/chat/completions", generate)
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/standin/queue", set_queue)
+    app.router.add_get("/standin/stats", stats)
     return app
 
 
