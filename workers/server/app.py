@@ -1,0 +1,75 @@
+"""The worker's aiohttp application: routes, the endpoint header, engine lifecycle.
+
+`build_app` takes an already constructed engine so loading the model (slow,
+blocking) happens before the event loop serves anything, and so tests or
+other components can wrap any engine with the same HTTP surface.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from kvyard.common import wire
+
+from .errors import error_middleware
+from .generate import chat_completions, completions
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .state import STATE, ServerState, get_state
+
+DEFAULT_MAX_BODY_BYTES = 32 << 20
+
+
+async def _models(request: web.Request) -> web.Response:
+    state = get_state(request.app)
+    created = int(state.started_at)
+    return web.json_response({"object": "list", "data": [
+        {"id": name, "object": "model", "created": created, "owned_by": "kvyard",
+         "root": state.served_names[0], "parent": None,
+         "max_model_len": state.engine.max_model_len}
+        for name in state.served_names]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    """Liveness and readiness: the server only listens once the engine has started."""
+    state = get_state(request.app)
+    return web.json_response({"status": "ok", "role": state.role})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = get_state(request.app).metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def _stamp_endpoint(request: web.Request, response: web.StreamResponse) -> None:
+    """Every response, errors and streams included, names the worker that produced it."""
+    response.headers[wire.ENDPOINT_HEADER] = get_state(request.app).advertise
+
+
+def build_app(engine: Any, *, advertise: str, served_names: list[str] | None = None,
+              role: str = "both", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              manage_engine: bool = True) -> web.Application:
+    """An app serving `engine`; with `manage_engine` the app starts and shuts it down."""
+    names = list(served_names or [engine.served_model_name])
+    app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
+    state = ServerState(
+        engine=engine, served_names=names, advertise=advertise, role=role,
+        metrics=ServerMetrics(engine.stats, names[0]),
+        vocab_size=getattr(engine.tokenizer, "vocab_size", None))
+    app[STATE] = state
+    app.on_response_prepare.append(_stamp_endpoint)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    if manage_engine:
+        async def start(_: web.Application) -> None:
+            await engine.start()
+
+        async def stop(_: web.Application) -> None:
+            await engine.shutdown()
+
+        app.on_startup.append(start)
+        app.on_cleanup.append(stop)
+    return app

@@ -1,0 +1,152 @@
+"""`/v1/completions` and `/v1/chat/completions`: from a request body to tokens out.
+
+The one rule that matters here: a request the client no longer waits for must
+leave the engine at once, or it keeps its KV blocks and batch slot. aiohttp
+cancels the handler when the connection drops (the app runs with
+`handler_cancellation=True`), and a failed write ends a stream; both paths go
+through `_drive`'s `finally`, which closes the engine's generator (its abort
+path) and aborts the request id explicitly for good measure.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from contextlib import aclosing
+import uuid
+from typing import AsyncIterator
+
+from aiohttp import web
+
+try:  # DEV-ONLY fallback until kvyard.common.tokenizer lands
+    from kvyard.common.tokenizer import ChatTemplateError
+except ImportError:
+    from kvyard.common.chat import ChatTemplateError
+from kvyard.workers.engine.api import RequestOutput
+
+from .errors import ApiError, sse_error
+from .metrics import RequestClock
+from .protocol import GenerateRequest, check_length, parse_body, parse_request
+from .responses import DONE, Shaper, Usage
+from .state import ServerState, get_state
+
+_TOKENIZE_IN_THREAD_CHARS = 8192  # long prompts are tokenized off the event loop
+
+
+async def _prompt_ids(state: ServerState, req: GenerateRequest) -> list[int]:
+    tok = state.engine.tokenizer
+    try:
+        if req.messages is not None:
+            big = sum(len(m["content"]) for m in req.messages) > _TOKENIZE_IN_THREAD_CHARS
+            call = lambda: tok.encode_chat(req.messages, add_generation_prompt=True)  # noqa: E731
+        elif req.prompt_text is not None:
+            big = len(req.prompt_text) > _TOKENIZE_IN_THREAD_CHARS
+            call = lambda: tok.encode(req.prompt_text)  # noqa: E731
+        else:
+            ids = req.prompt_ids or []
+            vocab = state.vocab_size
+            if vocab and ids and max(ids) >= vocab:
+                raise ApiError(400, f"token id {max(ids)} is out of range: the vocabulary has "
+                               f"{vocab} tokens", param="prompt", code="invalid_value")
+            return ids
+        return list(await asyncio.to_thread(call) if big else call())
+    except ChatTemplateError as e:
+        raise ApiError(400, f"messages cannot be rendered with the chat template: {e}",
+                       param="messages", code="invalid_messages") from None
+
+
+class _Run:
+    """One request inside the engine; remembers how it ended."""
+
+    __slots__ = ("state", "request_id", "clock", "finish_reason", "usage")
+
+    def __init__(self, state: ServerState, request_id: str, num_prompt: int) -> None:
+        self.state = state
+        self.request_id = request_id
+        self.clock: RequestClock = state.metrics.clock()
+        self.finish_reason: str | None = None
+        self.usage = Usage(num_prompt, 0)
+
+    async def drive(self, ids: list[int], params) -> AsyncIterator[RequestOutput]:
+        engine = self.state.engine
+        gen = engine.generate(self.request_id, ids, params)
+        try:
+            async for out in gen:
+                self.clock.on_tokens(len(out.new_token_ids))
+                self.usage = Usage(out.num_prompt_tokens, out.num_output_tokens,
+                                   out.num_cached_tokens)
+                if out.finished:
+                    self.finish_reason = out.finish_reason or "stop"
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self.clock.finish(self.finish_reason or "abort")
+            await gen.aclose()
+            if self.finish_reason is None:
+                await engine.abort(self.request_id)
+
+
+async def _complete(run: _Run, shaper: Shaper, ids: list[int], params) -> web.Response:
+    parts: list[str] = []
+    async with aclosing(run.drive(ids, params)) as outs:
+        async for out in outs:
+            if out.text_delta:
+                parts.append(out.text_delta)
+    if run.finish_reason in (None, "abort"):
+        raise ApiError(503, "the request was aborted by the server (shutting down?)",
+                       code="aborted")
+    return web.json_response(shaper.final("".join(parts), run.finish_reason, run.usage))
+
+
+async def _stream(request: web.Request, run: _Run, shaper: Shaper, ids: list[int], params,
+                  include_usage: bool) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    chat = shaper.kind == "chat"
+    try:
+        if chat:  # the role arrives before any content, as with OpenAI
+            await resp.write(shaper.chunk("", role=True, with_usage_field=include_usage))
+        async with aclosing(run.drive(ids, params)) as outs:
+            async for out in outs:  # a write cancelled mid-way still closes `outs`
+                if out.text_delta:
+                    await resp.write(shaper.chunk(out.text_delta,
+                                                  with_usage_field=include_usage))
+        if run.finish_reason in (None, "abort"):
+            await resp.write(sse_error(ApiError(503, "the request was aborted by the server",
+                                                code="aborted")))
+        else:
+            await resp.write(shaper.chunk(None, run.finish_reason,
+                                          with_usage_field=include_usage))
+            if include_usage:
+                await resp.write(shaper.usage_chunk(run.usage))
+        await resp.write(DONE)
+        await resp.write_eof()
+    except ConnectionResetError:
+        pass  # the client left; drive()'s finally has already aborted the request
+    return resp
+
+
+async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
+    state = get_state(request.app)
+    body = parse_body(await request.read())
+    req = parse_request(body, kind, state.served_names)
+    ids = await _prompt_ids(state, req)
+    max_tokens = check_length(len(ids), req.max_tokens, state.engine.max_model_len,
+                              "messages" if kind == "chat" else "prompt")
+    params = dataclasses.replace(req.params, max_tokens=max_tokens)
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    shaper = Shaper(kind, request_id, req.model)
+    run = _Run(state, request_id, len(ids))
+    if req.stream:
+        return await _stream(request, run, shaper, ids, params, req.include_usage)
+    return await _complete(run, shaper, ids, params)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _handle(request, "completion")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _handle(request, "chat")

@@ -1,0 +1,275 @@
+"""Turns an OpenAI request body into what the engine needs, or an `ApiError`.
+
+Validation is strict and explicit because a wrong type that slips through
+would surface as an exception deep in the engine's step loop, where it hurts
+every request in the batch, not just the bad one. Fields we cannot honour
+(logprobs, n > 1, tools, ...) are refused rather than silently ignored, so a
+client never gets an answer to a question it did not ask.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvyard.workers.engine.api import SamplingParams
+
+from .errors import ApiError
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """A validated request. Exactly one of prompt_text / prompt_ids / messages is set."""
+
+    kind: str                                  # "completion" | "chat"
+    model: str
+    params: SamplingParams
+    max_tokens: int | None                     # None: fill the remaining context
+    stream: bool = False
+    include_usage: bool = False
+    prompt_text: str | None = None
+    prompt_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    raw: dict[str, Any] = field(default_factory=dict)  # extensions (e.g. kv_transfer_params)
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_body(data: bytes) -> dict[str, Any]:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"request body is not valid UTF-8: {e.reason} at byte {e.start}",
+                       code="invalid_encoding") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except ValueError as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _type_error(name: str, want: str, got: Any) -> ApiError:
+    return ApiError(400, f"'{name}' must be {want}, got {json.dumps(got)[:80]}",
+                    param=name, code="invalid_type")
+
+
+def _opt_bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _type_error(name, "a boolean", v)
+    return v
+
+
+def _opt_int(body: dict[str, Any], name: str) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _type_error(name, "an integer", v)
+    return v
+
+
+def _opt_num(body: dict[str, Any], name: str, default: float, lo: float, hi: float,
+             lo_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _type_error(name, "a number", v)
+    if v < lo or v > hi or (lo_open and v == lo):
+        left = "(" if lo_open else "["
+        raise ApiError(400, f"'{name}' must be in {left}{lo}, {hi}], got {v}", param=name,
+                       code="invalid_value")
+    return float(v)
+
+
+def _token_ids(v: Any, name: str) -> list[int]:
+    if not isinstance(v, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v):
+        raise _type_error(name, "a list of non-negative integers", v)
+    return v
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """Fields whose non-default values would change the answer in ways we cannot deliver."""
+    checks: list[tuple[str, bool]] = [
+        ("logprobs", body.get("logprobs") not in (None, False, 0)),
+        ("top_logprobs", body.get("top_logprobs") not in (None, 0)),
+        ("echo", body.get("echo") not in (None, False)),
+        ("suffix", body.get("suffix") not in (None, "")),
+        ("best_of", body.get("best_of") not in (None, 1)),
+        ("presence_penalty", body.get("presence_penalty") not in (None, 0, 0.0)),
+        ("frequency_penalty", body.get("frequency_penalty") not in (None, 0, 0.0)),
+        ("logit_bias", body.get("logit_bias") not in (None, {})),
+        ("tools", body.get("tools") not in (None, [])),
+        ("min_tokens", body.get("min_tokens") not in (None, 0)),
+    ]
+    rf = body.get("response_format")
+    checks.append(("response_format", rf is not None and rf != {"type": "text"}))
+    for name, bad in checks:
+        if bad:
+            raise ApiError(400, f"'{name}' is not supported by this server", param=name,
+                           code="unsupported_parameter")
+
+
+def _sampling(body: dict[str, Any]) -> SamplingParams:
+    top_k = _opt_int(body, "top_k")
+    if top_k is not None and top_k < -1:
+        raise ApiError(400, f"'top_k' must be -1 (disabled) or positive, got {top_k}",
+                       param="top_k", code="invalid_value")
+    stop = body.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = list(stop)
+    else:
+        raise _type_error("stop", "a string or a list of strings", stop)
+    if any(s == "" for s in stops):
+        raise ApiError(400, "'stop' strings must not be empty", param="stop",
+                       code="invalid_value")
+    stop_ids = body.get("stop_token_ids")
+    return SamplingParams(
+        temperature=_opt_num(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_opt_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=-1 if not top_k else top_k,
+        seed=_opt_int(body, "seed"),
+        stop=stops,
+        stop_token_ids=[] if stop_ids is None else _token_ids(stop_ids, "stop_token_ids"),
+        ignore_eos=_opt_bool(body, "ignore_eos"),
+    )
+
+
+def _max_tokens(body: dict[str, Any], kind: str) -> int | None:
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    v = _opt_int(body, name)
+    if v is not None and v <= 0:
+        raise ApiError(400, f"'{name}' must be at least 1, got {v}", param=name,
+                       code="invalid_value")
+    if v is None and kind == "completion":
+        return COMPLETIONS_DEFAULT_MAX_TOKENS
+    return v
+
+
+def _text_content(content: Any, i: int) -> str:
+    """Chat content as plain text: a string, or a list of {"type": "text"} parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported",
+                               param=f"messages[{i}].content", code="invalid_value")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _type_error(f"messages[{i}].content", "a string or a list of text parts", content)
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    msgs = body.get("messages")
+    if msgs is None:
+        raise ApiError(400, "'messages' is required", param="messages", code="missing_required")
+    if not isinstance(msgs, list) or not msgs:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages",
+                       code="invalid_value")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise _type_error(f"messages[{i}]", "an object", m)
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise _type_error(f"messages[{i}].role", "a non-empty string", role)
+        content = m.get("content")
+        if content is None and role != "assistant":
+            raise ApiError(400, f"messages[{i}].content is required", param=f"messages[{i}]",
+                           code="missing_required")
+        msg = {"role": role, "content": "" if content is None else _text_content(content, i)}
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def _prompt(body: dict[str, Any], req: GenerateRequest) -> None:
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one: the only batch size we serve
+    if isinstance(p, str):
+        req.prompt_text = p
+    elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+        req.prompt_ids = _token_ids(p, "prompt")
+    elif p is None:
+        raise ApiError(400, "'prompt' is required", param="prompt", code="missing_required")
+    elif isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+        raise ApiError(400, "only one prompt per request is supported", param="prompt",
+                       code="unsupported_parameter")
+    else:
+        raise _type_error("prompt", "a string or a non-empty list of token ids", p)
+
+
+def parse_request(body: dict[str, Any], kind: str, served_names: list[str]) -> GenerateRequest:
+    """Validates `body` for `kind` ("completion" or "chat") against the served model names."""
+    model = body.get("model", served_names[0])
+    if model is None:
+        model = served_names[0]
+    if not isinstance(model, str):
+        raise _type_error("model", "a string", model)
+    if model not in served_names:
+        raise ApiError(404, f"The model `{model}` does not exist. Served: "
+                       f"{', '.join(served_names)}", param="model", code="model_not_found")
+    n = _opt_int(body, "n")
+    if n is not None and n != 1:
+        raise ApiError(400, f"only n=1 is supported, got n={n}", param="n",
+                       code="unsupported_parameter")
+    _refuse_unsupported(body)
+    stream = _opt_bool(body, "stream")
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not stream:
+            raise ApiError(400, "'stream_options' is only allowed when 'stream' is true",
+                           param="stream_options", code="invalid_value")
+        if not isinstance(opts, dict):
+            raise _type_error("stream_options", "an object", opts)
+        include_usage = _opt_bool(opts, "include_usage")
+    req = GenerateRequest(kind=kind, model=model, params=_sampling(body),
+                          max_tokens=_max_tokens(body, kind), stream=stream,
+                          include_usage=include_usage, raw=body)
+    if kind == "chat":
+        req.messages = _messages(body)
+    else:
+        _prompt(body, req)
+    return req
+
+
+def check_length(num_prompt: int, max_tokens: int | None, max_model_len: int,
+                 prompt_param: str = "prompt") -> int:
+    """The max_tokens to run with; refuses prompts that cannot fit, saying the numbers."""
+    if num_prompt == 0:
+        raise ApiError(400, "the prompt is empty", param=prompt_param, code="invalid_value")
+    if num_prompt >= max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                       f"However, your prompt has {num_prompt} tokens, leaving no room for "
+                       "output.", param=prompt_param, code="context_length_exceeded")
+    if max_tokens is None:
+        return max_model_len - num_prompt
+    if num_prompt + max_tokens > max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                       f"However, you requested {num_prompt + max_tokens} tokens "
+                       f"({num_prompt} in the prompt, {max_tokens} for the completion). "
+                       "Please reduce the prompt or max_tokens.", param="max_tokens",
+                       code="context_length_exceeded")
+    return max_tokens

@@ -1,0 +1,51 @@
+"""Running the app until SIGTERM/SIGINT, then draining.
+
+Kubernetes sends SIGTERM and waits `terminationGracePeriodSeconds`; we stop
+accepting connections at once, give in-flight requests `shutdown_timeout`
+seconds, cancel what is left (which aborts it in the engine), then stop the
+engine. A second signal is not special-cased: the drain is already bounded.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Any
+
+from aiohttp import web
+
+from .app import build_app
+from .state import get_state
+
+log = logging.getLogger("kvyard.server")
+
+
+async def serve(engine: Any, *, host: str, port: int, advertise: str,
+                served_names: list[str] | None = None, role: str = "both",
+                max_body_bytes: int = 32 << 20, shutdown_timeout: float = 30.0,
+                stop: asyncio.Event | None = None) -> int:
+    """Serves until a signal (or `stop`, for embedding) arrives; returns the exit code."""
+    app = build_app(engine, advertise=advertise, served_names=served_names, role=role,
+                    max_body_bytes=max_body_bytes)
+    # handler_cancellation: a dropped connection cancels its handler, which aborts the request.
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout,
+                           access_log=None)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await runner.setup()  # starts the engine (on_startup)
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        log.info("serving %s on http://%s:%d (advertised as %s)",
+                 ", ".join(get_state(app).served_names), host, port, advertise)
+        await stop.wait()
+        log.info("shutting down: draining in-flight requests (up to %.0fs)", shutdown_timeout)
+    finally:
+        await runner.cleanup()  # stops listening, drains, then stops the engine (on_cleanup)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    log.info("stopped")
+    return 0
+

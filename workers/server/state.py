@@ -1,0 +1,28 @@
+"""What every handler of one server shares, kept on the aiohttp app under a typed key."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from .metrics import ServerMetrics
+
+
+@dataclass(slots=True)
+class ServerState:
+    engine: Any                 # kvyard.workers.engine.async_engine.AsyncLLMEngine (duck-typed)
+    served_names: list[str]     # the first is reported in responses that do not echo `model`
+    advertise: str              # host:port that the x-kvyard-endpoint header carries
+    role: str
+    metrics: ServerMetrics
+    vocab_size: int | None = None  # bounds token-id prompts when the tokenizer tells us
+    started_at: float = field(default_factory=time.time)
+
+
+STATE: web.AppKey[ServerState] = web.AppKey("kvyard_state", ServerState)
+
+
+def get_state(app: web.Application) -> ServerState:
+    return app[STATE]
