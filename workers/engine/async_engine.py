@@ -1,0 +1,179 @@
+"""The engine behind the server: an asyncio face on a step loop in its own thread.
+
+Torch releases the GIL inside its kernels, so a dedicated thread keeps the
+event loop responsive while a step runs. All engine state lives on that
+thread: requests and aborts reach it through a thread-safe queue and are
+applied between steps; outputs come back to the event loop in one batch per
+step via `call_soon_threadsafe`. When idle the thread sleeps on an Event.
+
+A request whose consumer goes away (stops iterating, is cancelled: a client
+disconnect) is aborted and its blocks freed on the next loop turn.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import Any, AsyncIterator, Sequence as Seq
+
+from .api import EngineStats, RequestOutput, SamplingParams
+from .config import EngineConfig
+from .llm_engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine failed while serving this request (the request did not complete)."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
+        self.engine = engine if engine is not None else LLMEngine.from_config(config)
+        self.config = config
+        self.tokenizer = self.engine.tokenizer
+        self.model_config = self.engine.model_config
+        self.served_model_name = self.engine.served_model_name
+        self.max_model_len = self.engine.max_model_len
+        self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+
+    # ---- lifecycle -----------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="kvyard-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        thread = self._thread
+        if thread is None:
+            return
+        self._stopping = True
+        self._wake.set()
+        await asyncio.to_thread(thread.join)
+        self._thread = None
+        self.engine.abort_all()
+        err = EngineError("the engine shut down before this request finished")
+        for q in self._queues.values():
+            q.put_nowait(err)
+
+    # ---- requests ------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: Seq[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; the last one has `finished` set.
+
+        Raises ValueError for a request that can never run (checked before it
+        queues) and EngineError if the engine fails while serving it.
+        """
+        if self._thread is None:
+            await self.start()
+        if asyncio.get_running_loop() is not self._loop:
+            raise RuntimeError("generate() must run on the event loop that started the engine")
+        self.engine.validate(prompt_token_ids, params)
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        self._submit(("add", request_id, list(prompt_token_ids), params))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if self._queues.get(request_id) is q:
+                del self._queues[request_id]
+            if not finished:
+                self._submit(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its stream ends with finish_reason "abort"."""
+        self._submit(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    # ---- the engine thread ---------------------------------------------------
+    def _submit(self, cmd: tuple[Any, ...]) -> None:
+        self._cmds.put(cmd)
+        self._wake.set()
+
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            self._wake.clear()          # before draining: a later submit wakes the wait below
+            out: list[RequestOutput | tuple[str, BaseException]] = []
+            self._apply_commands(out)
+            if self._stopping:
+                self._deliver(out)
+                return
+            if eng.has_unfinished_requests():
+                try:
+                    out.extend(eng.step())
+                except Exception as e:  # noqa: BLE001 - every request must hear about it
+                    log.exception("engine step failed")
+                    err = EngineError(f"engine step failed: {type(e).__name__}: {e}")
+                    failed = list(eng.scheduler.requests)
+                    try:
+                        eng.abort_all()
+                    except Exception:  # noqa: BLE001
+                        log.exception("could not free the failed requests' blocks")
+                    out.extend((rid, err) for rid in failed)
+            self._deliver(out)
+            if not eng.has_unfinished_requests() and self._cmds.empty():
+                self._wake.wait()
+
+    def _apply_commands(self, out: list) -> None:
+        eng = self.engine
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, ids, params = cmd
+                try:
+                    eng.add_request(rid, ids, params)
+                except Exception as e:  # noqa: BLE001 - reported to that request only
+                    out.append((rid, e))
+            else:
+                done = eng.abort_request(cmd[1])
+                if done is not None:
+                    out.append(done)
+
+    def _deliver(self, items: list) -> None:
+        if not items or self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._dispatch, items)
+        except RuntimeError:    # the event loop is closed: nobody is listening any more
+            pass
+
+    def _dispatch(self, items: list) -> None:
+        """Runs on the event loop: route each output or error to its request's queue."""
+        for item in items:
+            if isinstance(item, tuple):
+                rid, payload = item
+            else:
+                rid, payload = item.request_id, item
+            q = self._queues.get(rid)
+            if q is not None:
+                q.put_nowait(payload)

@@ -1,0 +1,157 @@
+"""The synchronous engine: one `step()` = schedule, run the model, sample, emit outputs.
+
+Single-threaded on purpose: every structure it touches (sequences, block
+tables, the prefix cache) is owned by the thread calling `step()`, so none of
+them needs a lock. `AsyncLLMEngine` drives it from its own thread.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence as Seq
+
+import torch
+
+from kvyard.common.models import resolve_model
+
+from .api import EngineStats, RequestOutput, SamplingParams
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .model_runner import ModelRunner, num_blocks_for, resolve_dtype
+from .sampler import Sampler, make_generator
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .stopping import append_token
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: Any, model_config: Any,
+                 tokenizer: Any = None, served_model_name: str | None = None) -> None:
+        if config.role not in ("prefill", "decode", "both"):
+            raise ValueError(f"role must be prefill, decode or both, not {config.role!r}")
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.served_model_name = served_model_name or config.served_model_name or config.model
+        self.dtype = resolve_dtype(config.dtype)
+        bs = config.block_size
+        num_blocks = num_blocks_for(model_config, bs, self.dtype, config.kv_cache_memory_bytes)
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.runner = ModelRunner(model, model_config, bs, num_blocks, self.dtype)
+        self.connector = config.kv_connector
+        if self.connector is not None:
+            self.connector.bind(self.runner.kv_caches, bs)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens, self.connector)
+        self.sampler = Sampler(config.seed)
+        limit = config.max_model_len or model_config.max_position_embeddings
+        # a sequence can never outgrow the whole cache: cap it, or it would preempt itself forever
+        self.max_model_len = min(limit, num_blocks * bs)
+        self.eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.last_step_time = 0.0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        """Load weights and tokenizer from `config.model` (never from the network)."""
+        from kvyard.common.tokenizer import load_tokenizer
+        from kvyard.workers.model import load_model
+
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        src = resolve_model(config.model)
+        model, model_config = load_model(src, resolve_dtype(config.dtype))
+        tokenizer = load_tokenizer(config.model)
+        return cls(config, model, model_config, tokenizer,
+                   config.served_model_name or src.served_name)
+
+    # ---- requests ------------------------------------------------------------
+    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+        """Reject what could never finish, before it takes a queue slot (safe from any thread)."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens; this model accepts at most "
+                             f"{self.max_model_len - 1} prompt tokens")
+        if params.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if params.temperature < 0 or not 0.0 < params.top_p <= 1.0:
+            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if params.top_k == 0 or params.top_k < -1:
+            raise ValueError("top_k must be -1 (off) or positive")
+
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params,
+                       arrival=time.monotonic())
+        if params.seed is not None:
+            seq.generator = make_generator(params.seed)
+        if self.tokenizer is not None:
+            seq.detokenizer = self.tokenizer.incremental_detokenizer()
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Free the request's blocks now; returns its final output, None if unknown."""
+        seq = self.scheduler.abort(request_id)
+        return None if seq is None else self._output(seq, [], "")
+
+    def abort_all(self) -> list[RequestOutput]:
+        return [o for rid in list(self.scheduler.requests) if (o := self.abort_request(rid))]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        t0 = time.perf_counter()
+        logits, samplers = self.runner.execute(sched)
+        tokens: list[int] = []
+        if samplers:
+            tokens = self.sampler(logits, [s.params for s in samplers], [s.generator for s in samplers])
+        for seq, n in zip(sched.seqs, sched.num_new_tokens):
+            seq.num_computed_tokens += n
+            newly = self.block_manager.cache_blocks(seq)
+            if newly and self.connector is not None:
+                self.connector.save([h for h, _ in newly], [b for _, b in newly])
+        outputs: list[RequestOutput] = []
+        for seq, tok in zip(samplers, tokens):
+            if seq.num_output_tokens == 0:
+                self.prompt_tokens_total += seq.num_prompt_tokens
+            self.generation_tokens_total += 1
+            delta, reason = append_token(seq, tok, self.eos_token_ids, self.max_model_len)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            outputs.append(self._output(seq, [tok], delta))
+        self.last_step_time = time.perf_counter() - t0
+        return outputs
+
+    def _output(self, seq: Sequence, new_ids: list[int], delta: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_ids,
+            text_delta=delta,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=bm.usage,
+            num_blocks=bm.num_blocks,
+            block_size=bm.block_size,
+            prefix_queries_tokens=bm.prefix_queries_tokens,
+            prefix_hits_tokens=bm.prefix_hits_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )

@@ -1,0 +1,111 @@
+"""Turns a scheduled batch into one model call and the logits to sample from.
+
+Owns the paged KV cache tensors (one per layer, the layout in
+`kvyard.workers.attention`). Logits are computed only for the last token of
+sequences that sample this step: a partial prefill chunk produces no token,
+and the LM head over a whole prompt would cost more than the rest of a small
+model's step.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from kvyard.workers.attention import AttentionMetadata
+
+from .scheduler import SchedulerOutput
+from .sequence import Sequence
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """'auto' is bfloat16 only where the CPU computes it natively; emulated bf16 is slower than fp32."""
+    if name == "auto":
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}: auto, float32 or bfloat16") from None
+
+
+def kv_block_bytes(model_config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block costs across all layers (K and V)."""
+    per_layer = 2 * block_size * model_config.num_kv_heads * model_config.head_dim
+    return per_layer * model_config.num_layers * torch.empty((), dtype=dtype).element_size()
+
+
+def num_blocks_for(model_config, block_size: int, dtype: torch.dtype, memory_bytes: int) -> int:
+    return memory_bytes // kv_block_bytes(model_config, block_size, dtype)
+
+
+class ModelRunner:
+    def __init__(self, model, model_config, block_size: int, num_blocks: int, dtype: torch.dtype) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.dtype = dtype
+        shape = (2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in range(model_config.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """Run the batch; returns (logits [n, V] float32 or None, the n sequences that sample)."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        samplers: list[Sequence] = []
+        for seq, n in zip(sched.seqs, sched.num_new_tokens):
+            c = seq.num_computed_tokens
+            end = c + n
+            if n == 1:
+                ids.append(seq.token_ids[c])
+                pos.append(c)
+            else:
+                ids.extend(seq.token_ids[c:end])
+                pos.extend(range(c, end))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(end)
+            tables.append(seq.block_table)
+            if end == seq.num_tokens:
+                sample_rows.append(qsl[-1] - 1)
+                samplers.append(seq)
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        positions = torch.tensor(pos, dtype=torch.int64)
+        input_ids = torch.tensor(ids, dtype=torch.int64)
+        counts = torch.tensor(sched.num_new_tokens, dtype=torch.int64)
+        row = torch.repeat_interleave(torch.arange(len(tables)), counts)
+        slot_mapping = block_tables[row, positions // bs] * bs + positions % bs
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            num_decodes=sched.num_decodes,
+        )
+        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+        if not samplers:
+            return None, samplers
+        last = hidden[sample_rows] if len(sample_rows) < hidden.shape[0] else hidden
+        return self.model.compute_logits(last).float(), samplers

@@ -1,0 +1,74 @@
+"""Next-token choice for a whole batch in a few tensor ops.
+
+Greedy rows take the argmax. Sampled rows are tempered, cut by top-k and
+top-p on one shared descending sort, and drawn with the exponential-race
+trick (argmax of p / Exp(1) noise), which needs no per-row multinomial call.
+A request with a seed draws its noise from its own generator, exactly one
+vocabulary-sized draw per step, so its tokens do not depend on which other
+requests share the batch.
+"""
+from __future__ import annotations
+
+from typing import Sequence as Seq
+
+import torch
+
+from .api import SamplingParams
+
+_GREEDY_EPS = 1e-5
+
+
+def make_generator(seed: int) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed(int(seed))
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = make_generator(seed)   # for requests without a seed of their own
+
+    def __call__(self, logits: torch.Tensor, params: Seq[SamplingParams],
+                 generators: Seq[torch.Generator | None]) -> list[int]:
+        """`logits` [n, V] float32, one row per sampling request; returns n token ids."""
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        tokens = logits.argmax(dim=-1)
+        rows = [i for i, p in enumerate(params) if p.temperature > _GREEDY_EPS]
+        if rows:
+            picked = self._sample(logits[rows], [params[i] for i in rows],
+                                  [generators[i] for i in rows])
+            tokens[rows] = picked
+        return tokens.tolist()
+
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> torch.Tensor:
+        n, vocab = logits.shape
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        x = logits / temps.unsqueeze(1)
+        ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        ps = [p.top_p if 0.0 < p.top_p < 1.0 else 2.0 for p in params]
+        if min(ks) < vocab or min(ps) < 1.0:
+            x = _top_k_top_p(x, ks, ps)
+        probs = torch.softmax(x, dim=-1)
+        noise = torch.empty_like(probs)
+        shared = [i for i, g in enumerate(generators) if g is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), vocab).exponential_(generator=self.generator)
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _top_k_top_p(x: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
+    """Mask (to -inf) what falls outside each row's top-k, then outside its top-p nucleus."""
+    vals, order = x.sort(dim=-1, descending=True)
+    vocab = x.shape[1]
+    rank = torch.arange(vocab).unsqueeze(0)
+    drop = rank >= torch.tensor(ks).unsqueeze(1)
+    if min(ps) < 1.0:
+        vals = vals.masked_fill(drop, float("-inf"))
+        probs = torch.softmax(vals, dim=-1)
+        before = probs.cumsum(dim=-1) - probs          # mass strictly ahead of each token
+        drop |= before >= torch.tensor(ps).unsqueeze(1)
+    vals = vals.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, vals)

@@ -1,0 +1,69 @@
+"""A request's state inside the engine, shared by the scheduler, block manager and runner.
+
+One object per request, mutated in place by the engine thread only; nothing
+outside `kvyard.workers.engine` sees it (the public view is `RequestOutput`).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvyard.common.hashing import NONE_HASH, block_hashes
+
+from .api import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    request_id: str
+    token_ids: list[int]                 # prompt, then every sampled token
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival: float = 0.0
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0         # leading tokens whose K/V sit in this seq's blocks
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of the full blocks of token_ids
+    num_cached_blocks: int = 0           # leading blocks already registered in the prefix cache
+    num_cached_tokens: int = 0           # prompt tokens served from cache at first admission
+    admitted_once: bool = False          # counters and cache stats only count first admission
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    generator: Any = None                # torch.Generator when params.seed is set
+    detokenizer: Any = None              # incremental detokenizer (tokenizer-provided)
+    output_text: str = ""                # detokenized output, stop strings trimmed
+    num_emitted_chars: int = 0           # of output_text already streamed
+    first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def update_block_hashes(self, block_size: int) -> list[int]:
+        """Hash newly completed full blocks only, so a long generation stays linear."""
+        done = len(self.block_hashes)
+        if (len(self.token_ids) // block_size) > done:
+            parent = self.block_hashes[-1] if done else NONE_HASH
+            self.block_hashes += block_hashes(
+                self.token_ids[done * block_size:], block_size, parent=parent
+            )
+        return self.block_hashes
