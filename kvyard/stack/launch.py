@@ -143,10 +143,11 @@ def _ready_check(ready: str) -> Callable[[], bool]:
 
 
 def epp_sees(metrics_url: str, n: int) -> Callable[[], bool]:
-    """Ready once the EPP serves /debug/endpoints listing at least `n` endpoints."""
+    """Ready once the EPP's /debug/endpoints lists at least `n` freshly scraped endpoints."""
     def check() -> bool:
         code, body = procs.http_get(metrics_url + "/debug/endpoints")
-        return code == 200 and len(parse_endpoints(json.loads(body))) >= n
+        rows = parse_endpoints(json.loads(body)) if code == 200 else []
+        return sum(1 for r in rows if r.get("fresh", True)) >= n
     return check
 
 
