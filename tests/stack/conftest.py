@@ -1,0 +1,117 @@
+"""A real local stack for end-to-end tests: Envoy, the EPP process and stand-in
+workers, all on free loopback ports, started through the same code as `kvyard up`."""
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+from urllib.parse import urlsplit
+
+import pytest
+
+from kvyard.stack import procs
+from kvyard.stack.launch import StackSpec, StackState, start_stack, stop_stack
+
+
+@dataclass(slots=True)
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    seconds: float
+
+    @property
+    def endpoint(self) -> str | None:
+        return self.headers.get("x-kvyard-endpoint")
+
+    def json(self) -> dict:
+        return json.loads(self.body)
+
+
+def request(url: str, body: bytes | dict, headers: dict[str, str] | None = None,
+            path: str = "/v1/chat/completions", timeout: float = 10.0) -> Reply:
+    """One POST over a fresh loopback connection; the whole body is read."""
+    u = urlsplit(url)
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    t0 = time.monotonic()
+    try:
+        conn.request("POST", path, body=raw,
+                     headers={"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        data = r.read()
+        return Reply(r.status, {k.lower(): v for k, v in r.getheaders()}, data,
+                     time.monotonic() - t0)
+    finally:
+        conn.close()
+
+
+def chat_body(user: str, system: str | None = None, stream: bool = False) -> dict:
+    msgs = ([{"role": "system", "content": system}] if system else []) + \
+        [{"role": "user", "content": user}]
+    return {"model": "SmolLM2-135M-Instruct", "messages": msgs, "max_tokens": 4, "stream": stream}
+
+
+def make_spec(run_dir: Path, workers: int) -> StackSpec:
+    return StackSpec(run_dir=run_dir, workers=workers, standin=True, gateway_port=None,
+                     worker_base_port=None, epp_ports=(None, None, None), admin_port=None,
+                     ready_timeout_s=90.0)
+
+
+def epp_rows(state: StackState) -> dict[str, dict]:
+    code, body = procs.http_get(state.epp_metrics_url + "/debug/endpoints")
+    assert code == 200
+    doc = json.loads(body)
+    rows = doc.get("endpoints", doc) if isinstance(doc, dict) else doc
+    return {r["address"]: r for r in rows}
+
+
+def set_queue(address: str, waiting: int) -> None:
+    h, _, p = address.rpartition(":")
+    r = request(f"http://{h}:{p}", {"waiting": waiting}, path="/standin/queue")
+    assert r.status == 200
+
+
+def served(address: str) -> int:
+    code, body = procs.http_get(f"http://{address}/standin/stats")
+    assert code == 200
+    return json.loads(body)["served"]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackState]:
+    """Three stand-ins behind one EPP and one Envoy, shared by a module's tests
+    (each test leaves queue depths as it found them)."""
+    state = start_stack(make_spec(tmp_path_factory.mktemp("stack"), 3))
+    try:
+        yield state
+    finally:
+        stop_stack(state)
+
+
+@pytest.fixture
+def own_stack(tmp_path: Path) -> Iterator[Callable[[int], StackState]]:
+    """A private stack for tests that kill parts of it."""
+    states: list[StackState] = []
+
+    def start(workers: int = 2) -> StackState:
+        states.append(start_stack(make_spec(tmp_path / f"s{len(states)}", workers)))
+        return states[-1]
+
+    try:
+        yield start
+    finally:
+        for s in states:
+            stop_stack(s)
+
+
+@pytest.fixture
+def h():
+    """The helpers above, for test modules (which cannot import conftest)."""
+    import types
+
+    return types.SimpleNamespace(request=request, chat_body=chat_body, epp_rows=epp_rows,
+                                 set_queue=set_queue, served=served)
