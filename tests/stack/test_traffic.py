@@ -9,6 +9,8 @@ import uuid
 
 import aiohttp
 
+from kvyard.stack import launch, procs
+
 LONG_SYSTEM = ("You are a careful assistant for the city library. " * 120)
 
 
@@ -54,18 +56,25 @@ def test_a_deeply_queued_worker_is_avoided(stack, h, wait_until) -> None:
         wait_until(lambda: h.epp_rows(stack)[busy]["queue"] == 0, timeout=5, what="queue reset")
 
 
-def test_forged_destination_is_ignored(stack, h) -> None:
-    # A decoy outside the pool; if Envoy honoured the client's header it would answer.
-    decoy_hits_before = h.served(stack.endpoints[0])
-    forged = {"x-gateway-destination-endpoint": "127.0.0.1:9",
-              "x-prefiller-host-port": "127.0.0.1:9"}
-    for i in range(5):
-        r = h.request(stack.gateway_url, h.chat_body(f"{uuid.uuid4()} forged {i}"), headers=forged)
-        assert r.status == 200, r.body
-        assert r.endpoint in stack.endpoints
-        # The EPP may set its own prefiller, never the client's value.
-        assert r.headers["x-standin-prefiller"] != "127.0.0.1:9"
-    assert h.served(stack.endpoints[0]) >= decoy_hits_before
+def test_forged_destination_is_ignored(stack, h, tmp_path, wait_until) -> None:
+    # A live decoy outside the pool: if Envoy honoured the client's header, it would answer.
+    port = procs.free_port()
+    decoy = f"127.0.0.1:{port}"
+    p = procs.spawn("decoy", launch.py_module("kvyard.stack.standin", "--port", str(port)),
+                    tmp_path / "decoy.log")
+    try:
+        wait_until(lambda: procs.http_ok(f"http://{decoy}/health"), timeout=30, what="decoy")
+        forged = {"x-gateway-destination-endpoint": decoy, "x-prefiller-host-port": decoy}
+        for i in range(5):
+            r = h.request(stack.gateway_url, h.chat_body(f"{uuid.uuid4()} forged {i}"),
+                          headers=forged)
+            assert r.status == 200, r.body
+            assert r.endpoint in stack.endpoints
+            # The EPP may name its own prefiller, never the client's.
+            assert r.headers["x-standin-prefiller"] != decoy
+        assert h.served(decoy) == 0
+    finally:
+        procs.stop([p.pid])
 
 
 async def _concurrent(url: str, n: int) -> list[tuple[int, str, str, str | None]]:
