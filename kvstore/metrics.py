@@ -6,6 +6,8 @@ operation for metrics, and several stores can be registered side by side.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -21,11 +23,18 @@ _COUNTERS = (
 
 
 class KVStoreCollector(Collector):
-    def __init__(self, store: KVStore) -> None:
-        self.store = store
+    """`store` may be a KVStore or a zero-argument callable returning one (or None
+    while it does not exist yet: the connector creates its store when the engine
+    binds its KV cache, after the server has built its registry)."""
+
+    def __init__(self, store: KVStore | Callable[[], KVStore | None]) -> None:
+        self._store = store
 
     def collect(self):
-        stats = self.store.stats()
+        store = self._store if isinstance(self._store, KVStore) else self._store()
+        if store is None:
+            return
+        stats = store.stats()
         for field, name, doc in _COUNTERS:
             fam = CounterMetricFamily(name, doc, labels=["tier"])
             for tier, s in stats.items():
@@ -37,4 +46,4 @@ class KVStoreCollector(Collector):
         yield g
         yield CounterMetricFamily("kvyard:kvstore_dropped_writes_total",
                                   "Block writes dropped because the writer queue was full",
-                                  value=self.store.dropped_writes)
+                                  value=store.dropped_writes)
