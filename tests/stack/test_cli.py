@@ -1,0 +1,69 @@
+"""`kvyard up` / `status --json` / `down` as a user runs them (stand-in workers)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from kvyard.stack import procs
+from kvyard.stack.launch import StackState
+
+
+def kvyard(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvyard.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_up_status_down(tmp_path: Path, h) -> None:
+    rd = str(tmp_path / "run")
+    port = procs.free_port()
+    up = kvyard("up", "--workers", "2", "--standin-workers", "--port", str(port), "--run-dir", rd)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert f"gateway: http://127.0.0.1:{port}" in up.stdout
+        state = StackState.load(Path(rd))
+        assert state is not None and len(state.endpoints) == 2
+        assert h.request(state.gateway_url, h.chat_body("via up")).status == 200
+
+        st = kvyard("status", "--json", "--run-dir", rd)
+        assert st.returncode == 0, st.stderr
+        doc = json.loads(st.stdout)
+        assert doc["gateway"] == state.gateway_url
+        assert sorted(e["address"] for e in doc["endpoints"]) == sorted(state.endpoints)
+        for e in doc["endpoints"]:
+            assert set(e) == {"address", "role", "queue", "kv_usage", "picks", "prefix_hits"}
+        assert sum(e["picks"] for e in doc["endpoints"]) >= 1
+
+        table = kvyard("status", "--run-dir", rd)
+        assert table.returncode == 0 and state.endpoints[0] in table.stdout
+
+        again = kvyard("up", "--workers", "2", "--standin-workers", "--run-dir", rd)
+        assert again.returncode == 0 and "already running" in again.stdout
+        assert StackState.load(Path(rd)).pids() == state.pids()  # reused, not restarted
+    finally:
+        down = kvyard("down", "--run-dir", rd)
+    assert down.returncode == 0, down.stderr
+    assert not any(procs.alive(pid) for pid in state.pids())
+    assert StackState.load(Path(rd)) is None
+    assert kvyard("down", "--run-dir", rd).returncode == 0  # idempotent
+
+
+def test_down_after_a_crash_stops_the_rest(tmp_path: Path) -> None:
+    rd = str(tmp_path / "run")
+    up = kvyard("up", "--workers", "1", "--standin-workers", "--port", str(procs.free_port()),
+                "--run-dir", rd)
+    assert up.returncode == 0, up.stdout + up.stderr
+    state = StackState.load(Path(rd))
+    procs.stop([state.procs[0].pid], timeout_s=2)  # a worker "crashes"
+    assert kvyard("down", "--run-dir", rd).returncode == 0
+    assert not any(procs.alive(pid) for pid in state.pids())
+
+
+def test_up_failure_tears_down_and_shows_the_log(tmp_path: Path) -> None:
+    rd = tmp_path / "run"
+    up = kvyard("up", "--workers", "1", "--model", "/nonexistent/model.gguf", "--run-dir", str(rd),
+                "--timeout", "60", timeout=120)
+    assert up.returncode != 0
+    assert "worker-0" in up.stderr
+    assert StackState.load(rd) is None

@@ -1,0 +1,51 @@
+"""Parts of the stack dying: a worker (traffic moves away within a second and
+comes back when it restarts) and the EPP (Envoy fails closed, fast)."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from kvyard.stack import procs
+
+
+def _worker_proc(state, address: str):
+    port = int(address.rpartition(":")[2])
+    return next(p for p in state.procs if p.name.startswith("worker") and p.ports.get("http") == port)
+
+
+def test_killed_worker_stops_getting_traffic_and_comes_back(own_stack, h, wait_until) -> None:
+    state = own_stack(3)
+    victim = state.endpoints[0]
+    proc = _worker_proc(state, victim)
+    procs.stop([proc.pid], timeout_s=2)
+    killed_at = time.monotonic()
+    # From one second after the kill, every request must succeed elsewhere.
+    while time.monotonic() - killed_at < 1.0:
+        h.request(state.gateway_url, h.chat_body(f"{uuid.uuid4()} during"))
+    after = [h.request(state.gateway_url, h.chat_body(f"{uuid.uuid4()} after"))
+             for _ in range(30)]
+    assert [r.status for r in after] == [200] * 30
+    assert victim not in {r.endpoint for r in after}
+
+    restarted = procs.spawn(proc.name, proc.cmd, tmp_log := __import__("pathlib").Path(proc.log))
+    state.procs.append(restarted)  # so the fixture stops it too
+    assert tmp_log.exists()
+    wait_until(lambda: procs.http_ok(f"http://{victim}/health"), timeout=30, what="restart")
+
+    def lands_on_victim() -> bool:
+        r = h.request(state.gateway_url, h.chat_body(f"{uuid.uuid4()} back"))
+        assert r.status == 200
+        return r.endpoint == victim
+
+    wait_until(lands_on_victim, timeout=10, interval=0.0, what="traffic on the restarted worker")
+
+
+def test_epp_down_gives_a_fast_clean_5xx(own_stack, h) -> None:
+    state = own_stack(1)
+    assert h.request(state.gateway_url, h.chat_body("before")).status == 200
+    epp = next(p for p in state.procs if p.name == "epp")
+    procs.stop([epp.pid], timeout_s=2)
+    for i in range(3):
+        r = h.request(state.gateway_url, h.chat_body(f"without epp {i}"), timeout=10)
+        assert 500 <= r.status < 600
+        assert r.seconds < 2.0
