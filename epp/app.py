@@ -1,0 +1,165 @@
+"""Wires the EPP together and owns its lifecycle (ports, tasks, threads).
+
+Start order is chosen for a fast, honest start: servers bind first (so
+Envoy can connect and get 503s rather than connection errors), discovery and
+scraping follow, and the tokenizer loads in a worker thread — until it is
+there prompts are hashed as bytes and readiness stays false.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+from kvyard.common import wire
+
+from .discovery_file import FileDiscovery
+from .discovery_k8s import K8sDiscovery
+from .endpoints import EndpointPool, EndpointSpec
+from .health import HealthServer
+from .observability import EppMetrics, debug_app
+from .prompt import PromptHasher
+from .router import Router
+from .scheduler import build_scheduler, load_config
+from .scraper import Scraper
+from .server import ExtProcServicer
+
+log = logging.getLogger("kvyard.epp")
+
+
+@dataclass(slots=True)
+class EppConfig:
+    host: str = "0.0.0.0"
+    ext_proc_port: int = wire.EPP_EXT_PROC_PORT
+    health_port: int = wire.EPP_HEALTH_PORT
+    metrics_port: int = wire.EPP_METRICS_PORT
+    endpoints: list[EndpointSpec] = field(default_factory=list)
+    endpoints_file: str | None = None
+    k8s_namespace: str | None = None
+    k8s_selector: str = ""
+    target_port: int = 8000
+    scrape_interval: float = 0.05
+    scrape_timeout: float = 0.3
+    stale_after: float = 2.0
+    fail_threshold: int = 3
+    model: str = "demo"  # tokenizer source; "none" hashes bytes
+    served_model_names: list[str] = field(default_factory=list)
+    max_body_bytes: int = 4 * 1024 * 1024
+    config: str | None = None  # scheduler YAML
+    seed: int | None = None
+
+
+def _served_names(cfg: EppConfig) -> list[str]:
+    if cfg.served_model_names:
+        return list(cfg.served_model_names)
+    if cfg.model.lower() == "none":
+        return []
+    try:
+        from kvyard.common.models import resolve_model
+        return [resolve_model(cfg.model).served_name]
+    except Exception as e:  # noqa: BLE001 - serving any model beats not starting
+        log.warning("cannot resolve --model %s (%s); accepting any model name", cfg.model, e)
+        return []
+
+
+@dataclass(slots=True)
+class EppApp:
+    cfg: EppConfig
+    pool: EndpointPool = field(init=False)
+    metrics: EppMetrics = field(init=False)
+    router: Router = field(init=False)
+    tokenizer_state: str = "none"  # none | loading | loaded | failed
+    _grpc: grpc.aio.Server | None = None
+    _health: HealthServer | None = None
+    _web: web.AppRunner | None = None
+    _tasks: list[asyncio.Task] = field(default_factory=list)
+    _k8s: K8sDiscovery | None = None
+    ports: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        c = self.cfg
+        self.pool = EndpointPool(stale_after=c.stale_after)
+        self.metrics = EppMetrics()
+        sched = build_scheduler(load_config(c.config), seed=c.seed)
+        self.pool.on_remove(sched.forget)
+        hasher = PromptHasher(block_size=sched.block_size)
+        self.router = Router(self.pool, sched, hasher, _served_names(c))
+
+    def is_ready(self) -> bool:
+        return self.tokenizer_state in ("none", "loaded", "failed") and self.pool.ready()
+
+    def _debug(self) -> dict:
+        h = self.router.hasher
+        return {"tokenizer": self.tokenizer_state, "prefix_hash": h.mode,
+                "served_models": self.router.served_models}
+
+    async def start(self) -> None:
+        c = self.cfg
+        self._grpc = grpc.aio.server()
+        ep_grpc.add_ExternalProcessorServicer_to_server(
+            ExtProcServicer(self.router, self.metrics, c.max_body_bytes), self._grpc)
+        port = self._grpc.add_insecure_port(f"{c.host}:{c.ext_proc_port}")
+        if port == 0:
+            raise OSError(f"cannot bind ext_proc port {c.ext_proc_port}")
+        self.ports["ext_proc"] = port
+        await self._grpc.start()
+        self._health = HealthServer(c.health_port, self.is_ready, host=c.host)
+        await self._health.start()
+        self.ports["health"] = c.health_port
+        self._web = web.AppRunner(debug_app(self.metrics, self.pool, self._debug),
+                                  access_log=None)
+        await self._web.setup()
+        site = web.TCPSite(self._web, c.host, c.metrics_port)
+        await site.start()
+        self.ports["metrics"] = self._web.addresses[0][1]
+        if c.endpoints:
+            self.pool.set_source("static", c.endpoints)
+        if c.endpoints_file:
+            fd = FileDiscovery(Path(c.endpoints_file), self.pool)
+            fd.poll()
+            self._tasks.append(asyncio.create_task(fd.run()))
+        if c.k8s_namespace:
+            self._k8s = K8sDiscovery(c.k8s_namespace, c.k8s_selector, c.target_port, self.pool,
+                                     asyncio.get_running_loop())
+            self._k8s.start()
+        scraper = Scraper(self.pool, c.scrape_interval, c.scrape_timeout, c.fail_threshold)
+        self._tasks.append(asyncio.create_task(scraper.run()))
+        if c.model.lower() != "none":
+            self.tokenizer_state = "loading"
+            self._tasks.append(asyncio.create_task(self._load_tokenizer()))
+        log.info("EPP serving: ext_proc :%d, health :%d, metrics :%d",
+                 self.ports["ext_proc"], c.health_port, self.ports["metrics"])
+
+    async def _load_tokenizer(self) -> None:
+        def load():
+            from kvyard.common.tokenizer import ChatTemplateError, load_tokenizer
+            return load_tokenizer(self.cfg.model), ChatTemplateError
+        try:
+            tok, err = await asyncio.get_running_loop().run_in_executor(None, load)
+        except Exception as e:  # noqa: BLE001 - byte hashing still routes well
+            log.error("tokenizer for %s failed to load (%s); hashing prompt bytes",
+                      self.cfg.model, e)
+            self.tokenizer_state = "failed"
+            return
+        self.router.hasher.set_tokenizer(tok, err)
+        self.tokenizer_state = "loaded"
+        log.info("tokenizer for %s loaded", self.cfg.model)
+
+    async def stop(self) -> None:
+        if self._k8s is not None:
+            self._k8s.stop()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._health is not None:
+            await self._health.stop()
+        if self._grpc is not None:
+            await self._grpc.stop(0.5)
+        if self._web is not None:
+            await self._web.cleanup()

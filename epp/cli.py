@@ -1,0 +1,90 @@
+"""`kvyard epp`: run the Endpoint Picker.
+
+Heavy imports (grpc, protobuf classes, aiohttp) happen in `run`, so
+`kvyard --help` stays instant; nothing here ever imports torch.
+"""
+from __future__ import annotations
+
+import argparse
+
+from kvyard.common import wire
+
+
+def _endpoint(value: str):
+    from .endpoints import parse_spec
+    addr, _, role = value.partition("=")
+    try:
+        return parse_spec({"address": addr, "role": role or "both"})
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("ports")
+    g.add_argument("--host", default="0.0.0.0", help="bind address for all three servers")
+    g.add_argument("--ext-proc-port", type=int, default=wire.EPP_EXT_PROC_PORT)
+    g.add_argument("--health-port", type=int, default=wire.EPP_HEALTH_PORT)
+    g.add_argument("--metrics-port", type=int, default=wire.EPP_METRICS_PORT,
+                   help="Prometheus /metrics and /debug/endpoints")
+    g = p.add_argument_group("endpoints")
+    g.add_argument("--endpoint", action="append", default=[], type=_endpoint,
+                   metavar="IP:PORT[=ROLE]", help="a fixed endpoint (repeatable)")
+    g.add_argument("--endpoints-file", help="YAML list of {address, role}; reloaded on change")
+    g.add_argument("--k8s-namespace", help="watch Ready pods in this namespace")
+    g.add_argument("--k8s-selector", default="", help="pod label selector key=value,...")
+    g.add_argument("--target-port", type=int, default=8000, help="worker port on each pod")
+    g = p.add_argument_group("scraping")
+    g.add_argument("--scrape-interval", type=float, default=0.05, help="seconds")
+    g.add_argument("--scrape-timeout", type=float, default=0.3, help="seconds")
+    g.add_argument("--stale-after", type=float, default=2.0, help="seconds")
+    g.add_argument("--fail-threshold", type=int, default=3,
+                   help="failed scrapes in a row before an endpoint gets no traffic")
+    g = p.add_argument_group("requests")
+    g.add_argument("--model", default="demo",
+                   help="tokenizer source: demo, a .gguf or a HF dir; 'none' hashes bytes")
+    g.add_argument("--served-model-name", action="append", default=[],
+                   help="model name(s) clients may ask for (default: the --model's name)")
+    g.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    g.add_argument("--config", help="scheduler YAML (filters, scorers, weights, objectives)")
+    g.add_argument("--seed", type=int, default=None, help="tie-break RNG seed")
+    p.add_argument("--log-level", default="info")
+
+
+def config_from_args(args: argparse.Namespace):
+    from .app import EppConfig
+    from .discovery_k8s import selector_string
+    return EppConfig(
+        host=args.host, ext_proc_port=args.ext_proc_port, health_port=args.health_port,
+        metrics_port=args.metrics_port, endpoints=list(args.endpoint),
+        endpoints_file=args.endpoints_file, k8s_namespace=args.k8s_namespace,
+        k8s_selector=selector_string(args.k8s_selector), target_port=args.target_port,
+        scrape_interval=args.scrape_interval, scrape_timeout=args.scrape_timeout,
+        stale_after=args.stale_after, fail_threshold=args.fail_threshold, model=args.model,
+        served_model_names=list(args.served_model_name), max_body_bytes=args.max_body_bytes,
+        config=args.config, seed=args.seed)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import signal
+
+    from .app import EppApp
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def main() -> None:
+        app = EppApp(config_from_args(args))
+        await app.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await app.stop()
+
+    asyncio.run(main())
+    return 0

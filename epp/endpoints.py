@@ -1,0 +1,115 @@
+"""The live endpoint pool: who can receive traffic, and how loaded they are.
+
+Discovery sources (file, Kubernetes) each own a subset; the pool is their
+union, so two sources never fight over an entry. The scraper writes metrics
+into the same `Endpoint` objects the scheduler reads, which keeps the hot path
+free of copies: a decision touches plain attributes only.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from kvyard.common.wire import ROLES
+
+
+@dataclass(slots=True, frozen=True)
+class EndpointSpec:
+    """What discovery knows: an address and a role."""
+
+    address: str  # ip:port
+    role: str = "both"
+
+
+@dataclass(slots=True)
+class Endpoint:
+    """One worker as the scheduler sees it; mutated in place by the scraper."""
+
+    address: str
+    role: str = "both"
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    last_ok: float = 0.0  # monotonic time of the last good scrape; 0 = never
+    failures: int = 0  # consecutive failed scrapes
+    down: bool = False  # dropped from candidates until a scrape succeeds
+    last_error: str = ""
+    pending: int = 0  # picks since the last good scrape (not yet in `waiting`)
+    picks: int = 0
+    prefix_hits: int = 0  # picks that matched at least one cached block
+
+    def fresh(self, now: float, stale_after: float) -> bool:
+        return self.last_ok > 0.0 and now - self.last_ok <= stale_after
+
+    def snapshot(self, now: float, stale_after: float) -> dict:
+        return {
+            "address": self.address, "role": self.role, "queue": self.waiting,
+            "running": self.running, "kv_usage": self.kv_usage, "picks": self.picks,
+            "prefix_hits": self.prefix_hits, "fresh": self.fresh(now, stale_after),
+            "down": self.down, "failures": self.failures, "pending": self.pending,
+            "last_error": self.last_error,
+            "age_s": round(now - self.last_ok, 3) if self.last_ok else None,
+        }
+
+
+def parse_spec(entry: object) -> EndpointSpec:
+    """Accepts `"ip:port"` or `{address: ip:port, role: ...}`; raises ValueError."""
+    if isinstance(entry, str):
+        address, role = entry, "both"
+    elif isinstance(entry, dict) and isinstance(entry.get("address"), str):
+        address, role = entry["address"], str(entry.get("role", "both"))
+    else:
+        raise ValueError(f"endpoint entry {entry!r}: want 'ip:port' or {{address, role}}")
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"endpoint address {address!r}: want ip:port")
+    if role not in ROLES:
+        raise ValueError(f"endpoint {address}: role {role!r} not in {ROLES}")
+    return EndpointSpec(address, role)
+
+
+@dataclass(slots=True)
+class EndpointPool:
+    """Union of discovery sources; notifies listeners when an endpoint leaves."""
+
+    stale_after: float = 2.0
+    _sources: dict[str, dict[str, EndpointSpec]] = field(default_factory=dict)
+    _endpoints: dict[str, Endpoint] = field(default_factory=dict)
+    _on_remove: list[Callable[[str], None]] = field(default_factory=list)
+
+    def on_remove(self, fn: Callable[[str], None]) -> None:
+        self._on_remove.append(fn)
+
+    def set_source(self, source: str, specs: Iterable[EndpointSpec]) -> None:
+        """Replaces what `source` contributes; endpoints join and leave live."""
+        self._sources[source] = {s.address: s for s in specs}
+        wanted: dict[str, EndpointSpec] = {}
+        for owned in self._sources.values():
+            wanted.update(owned)
+        for addr in [a for a in self._endpoints if a not in wanted]:
+            del self._endpoints[addr]
+            for fn in self._on_remove:
+                fn(addr)
+        for addr, spec in wanted.items():
+            ep = self._endpoints.get(addr)
+            if ep is None:
+                self._endpoints[addr] = Endpoint(addr, spec.role)
+            else:
+                ep.role = spec.role
+
+    def all(self) -> list[Endpoint]:
+        return list(self._endpoints.values())
+
+    def get(self, address: str) -> Endpoint | None:
+        return self._endpoints.get(address)
+
+    def __len__(self) -> int:
+        return len(self._endpoints)
+
+    def ready(self, now: float | None = None) -> bool:
+        """Known endpoints, at least one of them up with fresh metrics."""
+        now = time.monotonic() if now is None else now
+        return any(not e.down and e.fresh(now, self.stale_after) for e in self._endpoints.values())

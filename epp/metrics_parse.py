@@ -1,0 +1,68 @@
+"""Reads the few vLLM gauges the scheduler needs from Prometheus text.
+
+A full exposition parser costs far more than the scheduler itself at a 50 ms
+scrape interval over dozens of pods; we only look at lines that start with
+one of five names and ignore everything else (comments, histograms, labels we
+do not use). Values from several label sets (e.g. several engines in one
+pod) are summed for queue/running and maxed for KV usage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvyard.common.wire import M_CACHE_CONFIG, M_KV_USAGE, M_KV_USAGE_OLD, M_RUNNING, M_WAITING
+
+
+@dataclass(slots=True)
+class WorkerMetrics:
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    seen: int = 0  # how many wanted lines were found; 0 means "not a vLLM endpoint"
+
+
+def _value(line: str) -> float:
+    # "name{labels} value [timestamp]" — the value is the token after the labels.
+    rest = line[line.rindex("}") + 1:] if "}" in line else line.split(" ", 1)[1]
+    return float(rest.split()[0])
+
+
+def _label(line: str, key: str) -> str | None:
+    i = line.find(key + '="')
+    if i < 0:
+        return None
+    i += len(key) + 2
+    return line[i:line.index('"', i)]
+
+
+def parse_vllm_metrics(text: str) -> WorkerMetrics:
+    m = WorkerMetrics()
+    kv_new: float | None = None
+    kv_old: float | None = None
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        try:
+            if name == M_WAITING:
+                m.waiting += _value(line)
+            elif name == M_RUNNING:
+                m.running += _value(line)
+            elif name == M_KV_USAGE:
+                kv_new = max(kv_new or 0.0, _value(line))
+            elif name == M_KV_USAGE_OLD:
+                kv_old = max(kv_old or 0.0, _value(line))
+            elif name == M_CACHE_CONFIG:
+                bs, nb = _label(line, "block_size"), _label(line, "num_gpu_blocks")
+                m.block_size = int(bs) if bs and bs.isdigit() else m.block_size
+                m.num_gpu_blocks = int(nb) if nb and nb.isdigit() else m.num_gpu_blocks
+            else:
+                continue
+        except (ValueError, IndexError):
+            continue  # one malformed line must not hide the rest
+        m.seen += 1
+    kv = kv_new if kv_new is not None else kv_old
+    m.kv_usage = min(1.0, max(0.0, kv or 0.0))
+    return m

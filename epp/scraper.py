@@ -1,0 +1,96 @@
+"""Keeps every endpoint's load metrics fresh by scraping `/metrics`.
+
+One aiohttp session for all endpoints (keep-alive connections), one scrape
+in flight per endpoint, all endpoints concurrently, a new round every
+`interval`. Failure policy, chosen so a dead worker stops getting traffic in
+well under a second without flapping on one slow scrape:
+
+* connection refused / unreachable → `down` at once (the process is gone);
+* other failures (timeout, HTTP error, not vLLM text) → `down` after
+  `fail_threshold` in a row (3 × 0.3 s timeout < 1 s for a hung worker);
+* metrics older than `stale_after` are deprioritised by the scheduler;
+* the first good scrape brings an endpoint back.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from .endpoints import Endpoint, EndpointPool
+from .metrics_parse import parse_vllm_metrics
+
+log = logging.getLogger("kvyard.epp.scraper")
+
+
+@dataclass(slots=True)
+class Scraper:
+    pool: EndpointPool
+    interval: float = 0.05
+    timeout: float = 0.3
+    fail_threshold: int = 3
+    _session: aiohttp.ClientSession | None = None
+    _inflight: dict[str, asyncio.Task] = field(default_factory=dict)
+    rounds: int = 0
+
+    async def scrape(self, ep: Endpoint) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.get(f"http://{ep.address}/metrics") as r:
+                if r.status != 200:
+                    raise ValueError(f"HTTP {r.status}")
+                text = await r.text()
+            m = parse_vllm_metrics(text)
+            if m.seen == 0:
+                raise ValueError("no vLLM metrics in the response")
+        except aiohttp.ClientConnectorError as e:
+            self._failed(ep, f"unreachable: {e.os_error or e}", immediate=True)
+            return
+        except (asyncio.TimeoutError, aiohttp.ClientError, ValueError, UnicodeDecodeError) as e:
+            self._failed(ep, f"{type(e).__name__}: {e}", immediate=False)
+            return
+        ep.waiting, ep.running, ep.kv_usage = m.waiting, m.running, m.kv_usage
+        if m.block_size is not None:
+            ep.block_size, ep.num_gpu_blocks = m.block_size, m.num_gpu_blocks
+        if ep.down:
+            log.info("endpoint %s is back", ep.address)
+        ep.last_ok, ep.failures, ep.down, ep.pending, ep.last_error = (
+            time.monotonic(), 0, False, 0, "")
+
+    def _failed(self, ep: Endpoint, why: str, immediate: bool) -> None:
+        ep.failures += 1
+        ep.last_error = why
+        if not ep.down and (immediate or ep.failures >= self.fail_threshold):
+            ep.down = True
+            log.warning("endpoint %s is down: %s", ep.address, why)
+
+    def _done(self, addr: str, task: asyncio.Task) -> None:
+        if self._inflight.get(addr) is task:
+            del self._inflight[addr]
+
+    def round(self) -> None:
+        """Starts a scrape for every endpoint that has none in flight."""
+        for ep in self.pool.all():
+            if ep.address in self._inflight:
+                continue
+            t = asyncio.create_task(self.scrape(ep))
+            self._inflight[ep.address] = t
+            t.add_done_callback(lambda task, a=ep.address: self._done(a, task))
+        self.rounds += 1
+
+    async def run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.timeout)
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as s:
+            self._session = s
+            try:
+                while True:
+                    self.round()
+                    await asyncio.sleep(self.interval)  # the scrape period, not a sync point
+            finally:
+                for t in list(self._inflight.values()):
+                    t.cancel()
+                self._session = None

@@ -1,0 +1,103 @@
+"""The ext_proc stream handler: one bidirectional stream per HTTP request.
+
+Body mode is BUFFERED (pinned with the gateway's Envoy config: request
+headers SEND, request body BUFFERED, response headers SKIP, response body
+NONE). Why not FULL_DUPLEX_STREAMED like the reference EPP: routing needs
+the whole body anyway, and BUFFERED hands it over in one message, so there is
+nothing to reassemble, no chunk replay on the way back, and one message fewer
+per chunk; Envoy enforces the size limit with its buffer (413) before we see
+it. We still check `--max-body-bytes` ourselves and accept split bodies.
+
+Order on the stream: request_headers arrives first and is held (unless it
+has end_of_stream, e.g. GET /v1/models, which is routed at once); when the
+body arrives we decide, then answer the headers message with the routing
+mutation and the body message with an empty "continue". Every failure,
+including our own bugs, becomes an ImmediateResponse: Envoy is never left
+waiting on the stream.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+from . import responses
+from .observability import EppMetrics
+from .request import RequestError
+from .router import Router
+
+log = logging.getLogger("kvyard.epp")
+
+
+def _headers(msg: ep.HttpHeaders) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for h in msg.headers.headers:
+        out[h.key.lower()] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+    return out
+
+
+@dataclass(slots=True)
+class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
+    router: Router
+    metrics: EppMetrics
+    max_body_bytes: int = 4 * 1024 * 1024
+
+    def _decide(self, headers: dict[str, str], body: bytes | None) -> list[ep.ProcessingResponse]:
+        """Headers answer (routing or immediate) and, for a body, its continue."""
+        t0 = time.perf_counter()
+        try:
+            d = self.router.route(headers, body)
+        except RequestError as e:
+            self.metrics.error(e.reason)
+            return [responses.immediate(e.status, e.body(), e.headers, e.reason)]
+        self.metrics.decision(time.perf_counter() - t0, d)
+        out = [responses.routing_response(d.endpoint.address)]
+        if body is not None:
+            out.append(responses.body_continue())
+        return out
+
+    async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
+                      context) -> AsyncIterator[ep.ProcessingResponse]:
+        headers: dict[str, str] | None = None
+        chunks: list[bytes] = []
+        size = 0
+        async for msg in request_iterator:
+            try:
+                kind = msg.WhichOneof("request")
+                if kind == "request_headers":
+                    headers = _headers(msg.request_headers)
+                    if msg.request_headers.end_of_stream:
+                        for r in self._decide(headers, None):
+                            yield r
+                elif kind == "request_body":
+                    size += len(msg.request_body.body)
+                    if size > self.max_body_bytes:
+                        self.metrics.error("body_too_large")
+                        err = RequestError(413, f"request body exceeds {self.max_body_bytes} bytes",
+                                           "body_too_large")
+                        yield responses.immediate(413, err.body(), details=err.reason)
+                        return
+                    chunks.append(msg.request_body.body)
+                    if msg.request_body.end_of_stream:
+                        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                        for r in self._decide(headers or {}, body):
+                            yield r
+                elif kind == "request_trailers":
+                    yield responses.trailers_continue()
+                elif kind == "response_headers":
+                    yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+                elif kind == "response_body":
+                    yield ep.ProcessingResponse(response_body=ep.BodyResponse())
+                elif kind == "response_trailers":
+                    yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+            except Exception:  # noqa: BLE001 - answer 500, keep serving
+                log.exception("ext_proc: internal error")
+                self.metrics.error("internal")
+                err = RequestError(500, "internal error in the endpoint picker", "internal",
+                                   err_type="internal_error")
+                yield responses.immediate(500, err.body(), details="internal")
+                return
