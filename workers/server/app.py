@@ -13,7 +13,7 @@ from aiohttp import web
 from kvyard.common import wire
 
 from .errors import error_middleware
-from .generate import chat_completions, completions
+from .generate import chat_completions, completions, tokenize
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .state import STATE, ServerState, get_state
 
@@ -63,6 +63,7 @@ def build_app(engine: Any, *, advertise: str, served_names: list[str] | None = N
     app.router.add_get("/metrics", _metrics)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/tokenize", tokenize)
     if manage_engine:
         async def start(_: web.Application) -> None:
             await engine.start()

@@ -104,12 +104,15 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
+    import prometheus_client
+
     from kvyard.workers.engine.async_engine import AsyncLLMEngine
 
     from .serve import serve
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    prometheus_client.disable_created_metrics()  # like vLLM: no *_created series to scrape
     config = engine_config(args)
     # --- kvstore hook: the connector is built before the engine, which binds its KV cache.
     kv = _kvconnector()

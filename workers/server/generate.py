@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from contextlib import aclosing
 import uuid
+from contextlib import aclosing
 from typing import AsyncIterator
 
 from aiohttp import web
 
-try:  # DEV-ONLY fallback until kvyard.common.tokenizer lands
-    from kvyard.common.tokenizer import ChatTemplateError
-except ImportError:
-    from kvyard.common.chat import ChatTemplateError
+from kvyard.common.tokenizer import ChatTemplateError
 from kvyard.workers.engine.api import RequestOutput
+from kvyard.workers.engine.async_engine import EngineError
 
 from .errors import ApiError, sse_error
 from .metrics import RequestClock
@@ -40,7 +38,7 @@ async def _prompt_ids(state: ServerState, req: GenerateRequest) -> list[int]:
             call = lambda: tok.encode_chat(req.messages, add_generation_prompt=True)  # noqa: E731
         elif req.prompt_text is not None:
             big = len(req.prompt_text) > _TOKENIZE_IN_THREAD_CHARS
-            call = lambda: tok.encode(req.prompt_text)  # noqa: E731
+            call = lambda: tok.encode(req.prompt_text, add_special_tokens=True)  # noqa: E731
         else:
             ids = req.prompt_ids or []
             vocab = state.vocab_size
@@ -69,8 +67,20 @@ class _Run:
     async def drive(self, ids: list[int], params) -> AsyncIterator[RequestOutput]:
         engine = self.state.engine
         gen = engine.generate(self.request_id, ids, params)
+        started = False
         try:
-            async for out in gen:
+            while True:
+                try:
+                    out = await anext(gen)
+                except StopAsyncIteration:
+                    return
+                except ValueError as e:  # refused before it ran: the request's fault
+                    if started:
+                        raise
+                    raise ApiError(400, str(e), code="invalid_request") from None
+                except EngineError as e:
+                    raise ApiError(503, str(e), code="engine_error") from None
+                started = True
                 self.clock.on_tokens(len(out.new_token_ids))
                 self.usage = Usage(out.num_prompt_tokens, out.num_output_tokens,
                                    out.num_cached_tokens)
@@ -100,28 +110,41 @@ async def _complete(run: _Run, shaper: Shaper, ids: list[int], params) -> web.Re
 
 async def _stream(request: web.Request, run: _Run, shaper: Shaper, ids: list[int], params,
                   include_usage: bool) -> web.StreamResponse:
+    """Headers go out with the first engine output, so a request the engine refuses
+    still gets a real status code; after that, errors travel in-band."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    chat = shaper.kind == "chat"
+
+    async def open_stream() -> None:
+        if not resp.prepared:
+            await resp.prepare(request)
+            if shaper.kind == "chat":  # the role arrives before any content, as with OpenAI
+                await resp.write(shaper.chunk("", role=True, with_usage_field=include_usage))
+
     try:
-        if chat:  # the role arrives before any content, as with OpenAI
-            await resp.write(shaper.chunk("", role=True, with_usage_field=include_usage))
         async with aclosing(run.drive(ids, params)) as outs:
             async for out in outs:  # a write cancelled mid-way still closes `outs`
+                await open_stream()
                 if out.text_delta:
                     await resp.write(shaper.chunk(out.text_delta,
                                                   with_usage_field=include_usage))
+        await open_stream()
         if run.finish_reason in (None, "abort"):
-            await resp.write(sse_error(ApiError(503, "the request was aborted by the server",
-                                                code="aborted")))
-        else:
-            await resp.write(shaper.chunk(None, run.finish_reason,
-                                          with_usage_field=include_usage))
-            if include_usage:
-                await resp.write(shaper.usage_chunk(run.usage))
+            raise ApiError(503, "the request was aborted by the server", code="aborted")
+        await resp.write(shaper.chunk(None, run.finish_reason, with_usage_field=include_usage))
+        if include_usage:
+            await resp.write(shaper.usage_chunk(run.usage))
         await resp.write(DONE)
         await resp.write_eof()
+    except ApiError as e:
+        if not resp.prepared:
+            raise  # nothing sent yet: the middleware answers with the real status
+        try:
+            await resp.write(sse_error(e))
+            await resp.write(DONE)
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass
     except ConnectionResetError:
         pass  # the client left; drive()'s finally has already aborted the request
     return resp
@@ -150,3 +173,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _handle(request, "chat")
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's `/tokenize`: the ids this server would prefill for a prompt or a chat.
+
+    Lets clients (and tests) build token-id prompts without a tokenizer of their own."""
+    state = get_state(request.app)
+    body = parse_body(await request.read())
+    kind = "chat" if "messages" in body else "completion"
+    fields = {k: body[k] for k in ("model", "messages", "prompt") if k in body}
+    req = parse_request(fields, kind, state.served_names)
+    ids = await _prompt_ids(state, req)
+    return web.json_response({"tokens": ids, "count": len(ids),
+                              "max_model_len": state.engine.max_model_len})
