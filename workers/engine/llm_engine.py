@@ -88,7 +88,8 @@ class LLMEngine:
         if params.seed is not None:
             seq.generator = make_generator(params.seed)
         if self.tokenizer is not None:
-            seq.detokenizer = self.tokenizer.incremental_detokenizer()
+            # a few prompt tokens of context: some tokenizers' leading spaces depend on them
+            seq.detokenizer = self.tokenizer.incremental_detokenizer(list(prompt_token_ids[-4:]))
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
