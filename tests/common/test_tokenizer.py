@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from kvyard.common.models import ModelSource
-from kvyard.common.tokenizer import ChatTokenizer, load_tokenizer
+from kvyard.common.tokenizer import load_tokenizer
 
 TEXTS = [
     "Hello world! 12345 and 3.14159, ok?",
@@ -45,17 +44,6 @@ CONVERSATIONS = [
     [{"role": "user", "content": "  spaces \n\n and <|im_end|> inside  "}],
     [{"role": "user", "content": ""}],
 ]
-
-
-@pytest.fixture(scope="module")
-def hf(demo_gguf: Path):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(demo_gguf.parent), gguf_file=demo_gguf.name)
-
-
-@pytest.fixture(scope="module")
-def tok() -> ChatTokenizer:
-    return load_tokenizer("demo")
 
 
 @pytest.mark.parametrize("text", TEXTS)
