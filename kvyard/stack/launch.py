@@ -102,8 +102,8 @@ def worker_cmd(spec: StackSpec, port: int) -> list[str]:
     addr = f"127.0.0.1:{port}"
     if spec.standin:
         return py_module("kvyard.stack.standin", "--port", str(port), "--advertise-address", addr)
-    cmd = py_module("kvyard.cli", "worker", "--model", spec.model, "--port", str(port),
-                    "--advertise-address", addr)
+    cmd = py_module("kvyard.cli", "worker", "--model", spec.model, "--host", "127.0.0.1",
+                    "--port", str(port), "--advertise-address", addr)
     if spec.dtype:
         cmd += ["--dtype", spec.dtype]
     return cmd + spec.worker_args
@@ -122,7 +122,8 @@ def write_endpoints(path: Path, addresses: list[str], role: str = "both") -> Pat
 def epp_cmd(model: str, ports: tuple[int, int, int], endpoints_file: Path,
             extra: list[str] | None = None) -> list[str]:
     ext, health, metrics = ports
-    return py_module("kvyard.cli", "epp", "--ext-proc-port", str(ext), "--health-port",
+    return py_module("kvyard.cli", "epp", "--host", "127.0.0.1", "--ext-proc-port", str(ext),
+                     "--health-port",
                      str(health), "--metrics-port", str(metrics), "--endpoints-file",
                      str(endpoints_file), "--model", model, *(extra or []))
 
