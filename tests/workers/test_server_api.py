@@ -1,0 +1,216 @@
+"""The worker's OpenAI API with the real engine on the demo model, via the official client.
+
+One `kvyard worker` process serves the whole module (float32: greedy output is
+deterministic, so streamed and non-streamed text can be compared exactly).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import openai
+import pytest
+
+from kvyard.common.models import DEMO_SERVED_NAME
+from kvyard.common.wire import ENDPOINT_HEADER
+from kvyard.workers.server.testing import WorkerProcess, start_worker
+
+MODEL = DEMO_SERVED_NAME
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory, demo_gguf: Path) -> Iterator[WorkerProcess]:
+    assert demo_gguf.is_file()
+    log = tmp_path_factory.mktemp("worker") / "worker.log"
+    env = {k: v for k, v in os.environ.items() if k != "POD_IP"}
+    w = start_worker(["--model", "demo", "--dtype", "float32", "--max-model-len", "1024",
+                      "--kv-cache-memory-bytes", "64MiB", "--num-threads", "1"], log, env=env)
+    yield w
+    assert w.stop() == 0, f"worker did not shut down cleanly:\n{w.log_tail()}"
+
+
+@pytest.fixture(scope="module")
+def client(worker: WorkerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=worker.base_url + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+def post(worker: WorkerProcess, path: str, body: dict) -> tuple[int, dict, dict]:
+    req = urllib.request.Request(worker.base_url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return r.status, dict(r.headers), json.loads(r.read())
+
+
+def scrape(worker: WorkerProcess) -> dict[str, float]:
+    """Metric samples keyed by their full `name{labels}` text."""
+    with urllib.request.urlopen(worker.base_url + "/metrics", timeout=10) as r:
+        assert r.headers[ENDPOINT_HEADER] == f"127.0.0.1:{worker.port}"
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def sample(samples: dict[str, float], name: str) -> float:
+    hits = [v for k, v in samples.items() if k == name or k.startswith(name + "{")]
+    assert len(hits) == 1, f"{name}: {hits}"
+    return hits[0]
+
+
+def test_models_lists_the_served_name(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_non_streaming_and_streaming_agree(client: openai.OpenAI) -> None:
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12,
+                                          temperature=0)
+    choice = full.choices[0]
+    assert full.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.message.content and choice.finish_reason in ("stop", "length")
+    u = full.usage
+    assert u.prompt_tokens > 0 and 0 < u.completion_tokens <= 12
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == choice.finish_reason and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == u.completion_tokens
+
+
+def test_completions_client_raw_http_and_token_ids_agree(client: openai.OpenAI,
+                                                         worker: WorkerProcess) -> None:
+    prompt = "The capital of France is"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    via_client = client.completions.create(**body)
+    assert via_client.object == "text_completion" and via_client.choices[0].text
+    status, headers, raw = post(worker, "/v1/completions", body)
+    assert status == 200 and headers[ENDPOINT_HEADER] == f"127.0.0.1:{worker.port}"
+    assert raw["choices"][0]["text"] == via_client.choices[0].text
+    assert raw["usage"]["completion_tokens"] == via_client.usage.completion_tokens
+
+    _, _, tok = post(worker, "/tokenize", {"prompt": prompt})
+    assert tok["count"] == len(tok["tokens"]) == via_client.usage.prompt_tokens
+    _, _, by_ids = post(worker, "/v1/completions", dict(body, prompt=tok["tokens"]))
+    assert by_ids["choices"][0]["text"] == via_client.choices[0].text
+
+    streamed = client.completions.create(**body, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == via_client.choices[0].text
+
+
+def test_length_stop_and_seed(client: openai.OpenAI) -> None:
+    exact = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert exact.usage.completion_tokens == 16 and exact.choices[0].finish_reason == "length"
+    words = re.findall(r"\w{3,}", exact.choices[0].text)
+    assert len(words) >= 2, exact.choices[0].text
+    stop = words[1]
+    cut = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16,
+                                    temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == exact.choices[0].text[:exact.choices[0].text.index(stop)]
+
+    runs = [client.completions.create(model=MODEL, prompt="Tell me a story", max_tokens=12,
+                                      temperature=1.0, seed=7).choices[0].text
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_metrics_names_and_counters_grow(client: openai.OpenAI, worker: WorkerProcess) -> None:
+    before = scrape(worker)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:time_to_first_token_seconds_count",
+                 "vllm:time_per_output_token_seconds_count",
+                 "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count"):
+        assert f'{name}{{model_name="{MODEL}"}}' in before, name
+    info = [k for k in before if k.startswith("vllm:cache_config_info{")]
+    assert len(info) == 1 and 'block_size="16"' in info[0] and before[info[0]] == 1.0
+    assert re.search(r'num_gpu_blocks="[1-9]\d*"', info[0])
+
+    done = client.completions.create(model=MODEL, prompt="Count: one, two,", max_tokens=5,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    after = scrape(worker)
+
+    def grew(name: str) -> float:
+        return sample(after, name) - sample(before, name)
+
+    assert grew("vllm:generation_tokens_total") >= done.usage.completion_tokens == 5
+    assert grew("vllm:prompt_tokens_total") >= done.usage.prompt_tokens
+    assert grew("vllm:prefix_cache_queries_total") >= done.usage.prompt_tokens
+    assert grew("vllm:time_to_first_token_seconds_count") == 1
+    assert grew("vllm:e2e_request_latency_seconds_count") == 1
+    key = f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}}'
+    assert after[key] - before.get(key, 0.0) == 1
+
+
+def test_errors_carry_the_endpoint_header(worker: WorkerProcess) -> None:
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(worker.base_url + "/no/such/route", timeout=10)
+    assert e.value.code == 404
+    assert e.value.headers[ENDPOINT_HEADER] == f"127.0.0.1:{worker.port}"
+    assert json.loads(e.value.read())["error"]["code"] == "not_found"
+
+
+def _open_raw(worker: WorkerProcess, body: dict) -> socket.socket:
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", worker.port), timeout=60)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: "
+              b"application/json\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+    return s
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+def test_client_disconnect_frees_the_request(worker: WorkerProcess, wait_until,
+                                             stream: bool) -> None:
+    max_tokens = 800  # minutes of decoding at CPU speed: only an abort ends it in time
+    before = scrape(worker)
+    s = _open_raw(worker, {"model": MODEL, "prompt": "Write a long essay about the sea.",
+                           "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                           "stream": stream})
+    try:
+        if stream:  # the first data event proves generation is under way
+            assert b"data: " in s.recv(65536)
+
+        def busy() -> bool:
+            m = scrape(worker)
+            return (sample(m, "vllm:num_requests_running") == 1
+                    and sample(m, "vllm:kv_cache_usage_perc") > 0)
+
+        wait_until(busy, timeout=60, what="the request to run")
+    finally:
+        s.close()
+
+    def idle() -> dict[str, float] | None:
+        m = scrape(worker)
+        ok = (sample(m, "vllm:num_requests_running") == 0
+              and sample(m, "vllm:num_requests_waiting") == 0
+              and sample(m, "vllm:kv_cache_usage_perc") == 0)
+        return m if ok else None
+
+    after = wait_until(idle, timeout=20, what="the aborted request to free its blocks")
+    generated = sample(after, "vllm:generation_tokens_total") - sample(
+        before, "vllm:generation_tokens_total")
+    assert generated < max_tokens
+    key = f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}'
+    assert after[key] - before[key] == 1
