@@ -1,0 +1,43 @@
+"""The same path with real `kvyard worker` processes on the demo model, driven
+by the official openai client as a user would (one worker: loading is slow on CPU)."""
+from __future__ import annotations
+
+import pytest
+
+from kvyard.common.models import DEMO_SERVED_NAME, ModelNotFound, demo_gguf_path
+from kvyard.stack.launch import StackSpec, start_stack, stop_stack
+
+
+@pytest.fixture(scope="module")
+def real_stack(tmp_path_factory: pytest.TempPathFactory):
+    try:
+        demo_gguf_path()
+    except ModelNotFound as e:
+        pytest.skip(str(e))
+    spec = StackSpec(run_dir=tmp_path_factory.mktemp("real"), workers=1, gateway_port=None,
+                     worker_base_port=None, epp_ports=(None, None, None), admin_port=None,
+                     ready_timeout_s=300.0)
+    state = start_stack(spec)
+    try:
+        yield state
+    finally:
+        stop_stack(state)
+
+
+def test_openai_client_through_the_gateway(real_stack) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=real_stack.gateway_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    raw = client.chat.completions.with_raw_response.create(
+        model=DEMO_SERVED_NAME, max_tokens=8, temperature=0,
+        messages=[{"role": "user", "content": "Say hello."}])
+    assert raw.headers["x-kvyard-endpoint"] == real_stack.endpoints[0]
+    out = raw.parse()
+    assert out.choices[0].message.content
+    assert out.usage.completion_tokens >= 1
+
+    stream = client.chat.completions.create(
+        model=DEMO_SERVED_NAME, max_tokens=8, temperature=0, stream=True,
+        messages=[{"role": "user", "content": "Say hello."}])
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == out.choices[0].message.content  # greedy: same answer either way
