@@ -46,6 +46,8 @@ class GatewayConfig:
     epp_connect_timeout_s: float = 1.0
     # Status Envoy returns when the EPP is unreachable or errors (fail closed).
     status_on_epp_error: int = 503
+    # Cap on open client connections, so a flood cannot exhaust file descriptors.
+    max_connections: int = 20000
     # A fixed upstream instead of the EPP: the baseline for `kvyard bench epp`.
     direct_upstream: str | None = None
 
@@ -180,6 +182,14 @@ def render(cfg: GatewayConfig) -> dict[str, Any]:
     return {
         "admin": {"address": _socket_address(f"127.0.0.1:{cfg.admin_port}")},
         "static_resources": {"listeners": [listener], "clusters": clusters},
+        "overload_manager": {"resource_monitors": [{
+            "name": "envoy.resource_monitors.global_downstream_max_connections",
+            "typed_config": {
+                "@type": _T + "envoy.extensions.resource_monitors.downstream_connections.v3."
+                              "DownstreamConnectionsConfig",
+                "max_active_downstream_connections": cfg.max_connections,
+            },
+        }]},
     }
 
 
