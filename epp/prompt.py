@@ -39,6 +39,8 @@ _SAFE_CUT = re.compile(r"(?<=[^\W\d_])(?= [^\W\d_]|\n)")
 
 
 class Tokenizer(Protocol):
+    """`kvyard.common.tokenizer.ChatTokenizer`; `encode_batch` is used when present."""
+
     def encode(self, text: str) -> list[int]: ...
 
     def apply_chat_template(self, messages: list, add_generation_prompt: bool = True) -> str: ...
@@ -75,6 +77,9 @@ class _ChunkCache:
 
     def put(self, key: str, ids: array) -> None:
         self.misses += 1
+        old = self._lru.pop(key, None)
+        if old is not None:
+            self._tokens -= len(old)
         self._lru[key] = ids
         self._tokens += len(ids)
         while self._tokens > self.max_tokens and self._lru:
@@ -148,14 +153,21 @@ class PromptHasher:
             ids = array("I")
             ids.frombytes(data[: len(data) // 4 * 4])
             return ids
+        chunks = split_chunks(rendered, self.chunk_chars)
+        found = [self._cache.get(c) for c in chunks]
+        missing = [c for c, f in zip(chunks, found) if f is None]
+        if missing:  # one Rust call for all new text: it spreads chunks over cores
+            batch = getattr(self.tokenizer, "encode_batch", None)
+            encoded = batch(missing) if batch and len(missing) > 1 else [
+                self.tokenizer.encode(c) for c in missing]
+            fresh = iter(encoded)
+            for i, f in enumerate(found):
+                if f is None:
+                    found[i] = got = array("I", next(fresh))
+                    self._cache.put(chunks[i], got)
         ids = array("I")
-        enc = self.tokenizer.encode
-        for chunk in split_chunks(rendered, self.chunk_chars):
-            got = self._cache.get(chunk)
-            if got is None:
-                got = array("I", enc(chunk))
-                self._cache.put(chunk, got)
-            ids.extend(got)
+        for f in found:
+            ids.extend(f)
         return ids
 
     def hashes(self, req: ParsedRequest) -> tuple[list[int], int]:
