@@ -1,0 +1,83 @@
+"""The Llama-family decoder (Llama, SmolLM, Mistral-without-window, Qwen2) over paged KV.
+
+Built for low per-layer overhead on CPU: q/k/v and gate/up are fused into one
+matrix each at load time, RoPE is a table lookup, and `forward` walks plain
+tensor tuples instead of calling submodules (no hook dispatch per op). The
+final RMSNorm lives in `compute_logits`, so it runs only on the rows the
+engine samples from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import AttentionBackend, AttentionMetadata
+from .config import ModelConfig
+from .rope import apply_rope
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor     # [H]
+    qkv: torch.Tensor            # [q + 2 kv, H]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor              # [H, q]
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor      # [H]
+    gate_up: torch.Tensor        # [2 I, H]
+    down: torch.Tensor           # [H, I]
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
+                 final_norm: torch.Tensor, lm_head: torch.Tensor, rope: torch.Tensor,
+                 backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Parameter(embed, requires_grad=False)
+        self.lm_head = self.embed if lm_head is embed else nn.Parameter(lm_head, requires_grad=False)
+        self.final_norm = nn.Parameter(final_norm, requires_grad=False)
+        self.register_buffer("rope", rope, persistent=False)
+        # Registered as parameters so .to()/state_dict see them; forward reads the plain tuple.
+        for i, lw in enumerate(layers):
+            for name in LayerWeights.__slots__:
+                t = getattr(lw, name)
+                if t is not None:
+                    self.register_parameter(f"layer{i}_{name}", nn.Parameter(t, requires_grad=False))
+        self.layers = layers
+        self.backend = backend
+        self.scale = cfg.head_dim ** -0.5
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        cfg = self.config
+        hd, nh, nkv, hsz = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, (cfg.hidden_size,)
+        qk_size = cfg.q_size + cfg.kv_size
+        inter = cfg.intermediate_size
+        eps, scale, attn = cfg.rms_norm_eps, self.scale, self.backend.forward
+        t = input_ids.shape[0]
+        rope_rows = self.rope.index_select(0, positions).unsqueeze(1)  # [T, 1, 2, 2, hd/2]
+        x = F.embedding(input_ids, self.embed)
+        for lw, cache in zip(self.layers, kv_caches):
+            h = F.rms_norm(x, hsz, lw.input_norm, eps)
+            qkv = F.linear(h, lw.qkv, lw.qkv_bias)
+            qk = apply_rope(qkv[:, :qk_size].view(t, nh + nkv, hd), rope_rows)
+            v = qkv[:, qk_size:].view(t, nkv, hd)
+            o = attn(qk[:, :nh], qk[:, nh:], v, cache, meta, scale)
+            x = x + F.linear(o.reshape(t, -1), lw.o, lw.o_bias)
+            h = F.rms_norm(x, hsz, lw.post_norm, eps)
+            gu = F.linear(h, lw.gate_up)
+            x = x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], lw.down)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head on the sampled rows only; float32 for the sampler."""
+        h = F.rms_norm(hidden, (self.config.hidden_size,), self.final_norm, self.config.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,161 @@
+"""`load_model`: checkpoint (GGUF file or HF directory) -> ready-to-run model.
+
+Both formats are first exposed as a `WeightSource` that yields tensors under
+Hugging Face names, loaded one at a time; `build` then fuses and casts layer
+by layer, so peak memory stays near the final model's size.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+from tqdm import tqdm
+
+from kvyard.common.models import ModelSource
+
+from ..attention.torch_cpu import TorchCPUBackend
+from .config import ModelConfig, config_from_gguf, config_from_hf
+from .gguf_file import GGUFFile
+from .llama import LayerWeights, LlamaForCausalLM
+from .rope import rope_table
+
+_PROGRESS_MIN_BYTES = 1 << 30  # smaller checkpoints load in seconds; no bar
+
+
+class WeightSource(Protocol):
+    def has(self, name: str) -> bool: ...
+    def get(self, name: str) -> torch.Tensor: ...
+
+
+class SafetensorsSource:
+    """An HF directory's *.safetensors shards, memory-mapped; tensors read on demand."""
+
+    def __init__(self, directory: Path) -> None:
+        from safetensors import safe_open
+
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{directory}: no *.safetensors files")
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {k: h for h in self._handles for k in h.keys()}
+        self.nbytes = sum(f.stat().st_size for f in files)
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+
+_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias", "self_attn.o_proj.bias": "attn_output.bias",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+
+
+class GGUFSource:
+    """A GGUF file seen through HF names, dequantised on demand.
+
+    llama.cpp's converter interleaves the two RoPE halves of every Q/K head
+    for `llama`-arch files (it rotates adjacent pairs); we undo that here so
+    one rotate-half RoPE serves every checkpoint format.
+    """
+
+    def __init__(self, f: GGUFFile, cfg: ModelConfig) -> None:
+        self.f, self.cfg = f, cfg
+        self.unpermute = f.meta["general.architecture"] != "qwen2"
+        self.nbytes = f.path.stat().st_size
+
+    def _name(self, hf: str) -> str:
+        if hf in _GGUF_TOP:
+            return _GGUF_TOP[hf]
+        _, _, idx, rest = hf.split(".", 3)  # model.layers.{i}.{rest}
+        return f"blk.{idx}.{_GGUF_LAYER[rest]}"
+
+    def has(self, name: str) -> bool:
+        return self._name(name) in self.f.tensors
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self.f.load(self._name(name))
+        if self.unpermute and (".q_proj." in name or ".k_proj." in name):
+            heads = self.cfg.num_heads if ".q_proj." in name else self.cfg.num_kv_heads
+            rows = t.shape[0]
+            t = t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+        return t
+
+
+def build(cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, max_len: int | None = None,
+          freq_factors: torch.Tensor | None = None, progress: bool = False) -> LlamaForCausalLM:
+    def w(name: str) -> torch.Tensor:
+        return src.get(name).to(dtype)
+
+    def cat(*names: str) -> torch.Tensor:
+        """Fuse along rows, casting while copying into one buffer (one pass per part)."""
+        parts = [src.get(n) for n in names]
+        out = torch.empty(sum(p.shape[0] for p in parts), *parts[0].shape[1:], dtype=dtype)
+        row = 0
+        for p in parts:
+            out[row:row + p.shape[0]].copy_(p)
+            row += p.shape[0]
+        return out
+
+    layers = []
+    for i in tqdm(range(cfg.num_layers), desc="loading layers", unit="layer", disable=not progress):
+        p = f"model.layers.{i}."
+        qkv_b = [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        layers.append(LayerWeights(
+            input_norm=w(p + "input_layernorm.weight"),
+            qkv=cat(*(p + f"self_attn.{x}_proj.weight" for x in "qkv")),
+            qkv_bias=cat(*qkv_b) if src.has(qkv_b[0]) else None,
+            o=w(p + "self_attn.o_proj.weight").contiguous(),
+            o_bias=w(p + "self_attn.o_proj.bias") if src.has(p + "self_attn.o_proj.bias") else None,
+            post_norm=w(p + "post_attention_layernorm.weight"),
+            gate_up=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+            down=w(p + "mlp.down_proj.weight").contiguous(),
+        ))
+    embed = w("model.embed_tokens.weight").contiguous()
+    tied = cfg.tie_word_embeddings or not src.has("lm_head.weight")
+    lm_head = embed if tied else w("lm_head.weight").contiguous()
+    rope = rope_table(cfg, max_len or cfg.max_position_embeddings, dtype, freq_factors)
+    model = LlamaForCausalLM(cfg, embed, layers, w("model.norm.weight"), lm_head, rope, TorchCPUBackend())
+    return model.eval().requires_grad_(False)
+
+
+def load_model(src: ModelSource, dtype: torch.dtype, max_len: int | None = None,
+               on_progress: Callable[[str], None] | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Load `src` (from `kvyard.common.models.resolve_model`) in `dtype` (float32 or bfloat16).
+
+    `max_len` bounds the RoPE table (defaults to the model's max positions).
+    """
+    t0 = time.perf_counter()
+    if src.kind == "gguf":
+        f = GGUFFile(src.path)
+        cfg = config_from_gguf(f.meta, {n: t.shape for n, t in f.tensors.items()})
+        factors = f.load("rope_freqs.weight") if "rope_freqs.weight" in f.tensors else None
+        weights: GGUFSource | SafetensorsSource = GGUFSource(f, cfg)
+    elif src.kind == "hf":
+        cfg = config_from_hf(json.loads((Path(src.path) / "config.json").read_text()))
+        factors = None
+        weights = SafetensorsSource(Path(src.path))
+    else:
+        raise ValueError(f"unknown model source kind {src.kind!r}")
+    with torch.inference_mode():
+        model = build(cfg, weights, dtype, max_len, factors, progress=weights.nbytes >= _PROGRESS_MIN_BYTES)
+    if on_progress:
+        on_progress(f"loaded {src.served_name} in {time.perf_counter() - t0:.1f}s")
+    return model, cfg
+
+
+def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
+    """One layer's cache: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]."""
+    return (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
