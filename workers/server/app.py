@@ -6,7 +6,7 @@ other components can wrap any engine with the same HTTP surface.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from aiohttp import web
 
@@ -48,14 +48,19 @@ async def _stamp_endpoint(request: web.Request, response: web.StreamResponse) ->
 
 def build_app(engine: Any, *, advertise: str, served_names: list[str] | None = None,
               role: str = "both", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              manage_engine: bool = True) -> web.Application:
-    """An app serving `engine`; with `manage_engine` the app starts and shuts it down."""
+              manage_engine: bool = True, extra_collectors: Sequence[Any] = ()
+              ) -> web.Application:
+    """An app serving `engine`; with `manage_engine` the app starts and shuts it down.
+
+    `extra_collectors` (e.g. the kvstore connector's) join this app's /metrics."""
     names = list(served_names or [engine.served_model_name])
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
     state = ServerState(
         engine=engine, served_names=names, advertise=advertise, role=role,
         metrics=ServerMetrics(engine.stats, names[0]),
         vocab_size=getattr(engine.tokenizer, "vocab_size", None))
+    for collector in extra_collectors:
+        state.metrics.registry.register(collector)
     app[STATE] = state
     app.on_response_prepare.append(_stamp_endpoint)
     app.router.add_get("/v1/models", _models)

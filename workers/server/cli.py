@@ -118,9 +118,13 @@ def run(args: argparse.Namespace) -> int:
     kv = _kvconnector()
     if kv is not None:
         config.kv_connector = kv.build_connector(args, config)
+    collectors = []
+    if hasattr(config.kv_connector, "collector"):  # its metrics join the worker's /metrics
+        collectors.append(config.kv_connector.collector())
     engine = AsyncLLMEngine(config)
     return asyncio.run(serve(engine, host=args.host, port=args.port,
                              advertise=advertise_address(args),
                              served_names=args.served_model_name, role=args.role,
                              max_body_bytes=args.max_body_bytes,
-                             shutdown_timeout=args.shutdown_timeout))
+                             shutdown_timeout=args.shutdown_timeout,
+                             extra_collectors=collectors))

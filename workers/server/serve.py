@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Any
+from typing import Any, Sequence
 
 from aiohttp import web
 
@@ -23,10 +23,11 @@ log = logging.getLogger("kvyard.server")
 async def serve(engine: Any, *, host: str, port: int, advertise: str,
                 served_names: list[str] | None = None, role: str = "both",
                 max_body_bytes: int = 32 << 20, shutdown_timeout: float = 30.0,
-                stop: asyncio.Event | None = None) -> int:
+                stop: asyncio.Event | None = None,
+                extra_collectors: Sequence[Any] = ()) -> int:
     """Serves until a signal (or `stop`, for embedding) arrives; returns the exit code."""
     app = build_app(engine, advertise=advertise, served_names=served_names, role=role,
-                    max_body_bytes=max_body_bytes)
+                    max_body_bytes=max_body_bytes, extra_collectors=extra_collectors)
     # handler_cancellation: a dropped connection cancels its handler, which aborts the request.
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout,
                            access_log=None)
