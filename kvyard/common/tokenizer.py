@@ -91,7 +91,10 @@ class ChatTokenizer:
         )
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Goes through the batch entry point on purpose: it skips offsets (2-3x
+        faster on long prompts) and releases the GIL, so an async server can run
+        it in a thread (`asyncio.to_thread`) without stalling its event loop."""
+        return self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
         """Many texts at once; Rust spreads them over cores and skips offsets."""
