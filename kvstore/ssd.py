@@ -25,6 +25,8 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
+import numpy as np
+
 from kvyard.kvstore.codec import CorruptBlock, decode
 from kvyard.kvstore.layout import KVLayout
 from kvyard.kvstore.stats import TierStats
@@ -108,13 +110,13 @@ class SsdTier:
             self._remember(key, size)
         return True
 
-    def get(self, key: bytes, layout: KVLayout) -> tuple[memoryview, bytearray] | None:
+    def get(self, key: bytes, layout: KVLayout) -> tuple[memoryview, np.ndarray] | None:
         """(payload view, whole file buffer) or None; corrupt files are deleted."""
         path = self.path(key)
         try:
             with open(path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
-                buf = bytearray(size)
+                buf = np.empty(size, dtype=np.uint8)  # unlike bytearray, not zero-filled first
                 got = 0
                 view = memoryview(buf)
                 while got < size:

@@ -31,8 +31,11 @@ class StoreConnector:
     """A `KVConnector` (workers/engine/api.py) backed by a tiered KVStore."""
 
     def __init__(self, config: StoreConfig, model_identity: str,
-                 layout: KVLayout | None = None) -> None:
+                 layout: KVLayout | None = None, store: KVStore | None = None) -> None:
+        """`store`: an existing store to share (e.g. one DRAM tier for several engines in
+        one process); its namespace must match what `bind` finds."""
         self.config = config
+        self._shared = store
         self.model_identity = model_identity
         self.expected_layout = layout
         self.layout: KVLayout | None = None
@@ -57,11 +60,18 @@ class StoreConnector:
         if self.expected_layout is not None and self.expected_layout != layout:
             raise ValueError(f"KV cache layout {layout} differs from configured "
                              f"{self.expected_layout}")
-        if self.store is not None:
-            self.store.close()
+        ns = Namespace(self.model_identity, layout)
+        if self._shared is not None:
+            if self._shared.namespace != ns:
+                raise ValueError(f"shared store holds {self._shared.namespace}, cache is {ns}")
+            store = self._shared
+        else:
+            if self.store is not None:
+                self.store.close()
+            store = KVStore.from_config(ns, self.config)
         self.layout = layout
         self._caches = caches
-        self.store = KVStore.from_config(Namespace(self.model_identity, layout), self.config)
+        self.store = store
 
     def lookup(self, block_hashes: Sequence[int]) -> int:
         if self.store is None or not block_hashes:
@@ -114,7 +124,7 @@ class StoreConnector:
         return KVStoreCollector(lambda: self.store)
 
     def close(self) -> None:
-        if self.store is not None:
+        if self.store is not None and self.store is not self._shared:
             self.store.close()
 
 
