@@ -184,11 +184,32 @@ def select_template(template: str | Mapping[str, str] | None, tools: Any) -> str
     raise ChatTemplateError(f"no default chat template among {sorted(template)}")
 
 
+# Appended to the message being continued, then cut from the rendered text; the
+# trailing space reveals whether the template trimmed the message's end.
+_CONTINUE_MARK = "\ue000kvyard-continue "
+
+
+def _cut_at_mark(rendered: str, continued: str) -> str:
+    """The prompt up to where the continued message's text ends."""
+    mark = _CONTINUE_MARK.strip()
+    at = rendered.rfind(mark)
+    if at < 0 or continued.strip() not in rendered[:at]:
+        raise ChatTemplateError(
+            "continue_final_message: the chat template does not render the final message verbatim")
+    if rendered.startswith(_CONTINUE_MARK, at):
+        return rendered[:at]
+    return rendered[:at].rstrip()  # the template trimmed trailing space, so do we
+
+
 def render_chat(template: str | Mapping[str, str] | None, messages: Any, *,
                 special_tokens: Mapping[str, str | None], add_generation_prompt: bool = True,
-                tools: list[dict] | None = None, documents: list[dict] | None = None,
-                **kwargs: Any) -> str:
-    """The prompt text transformers' `apply_chat_template(tokenize=False)` would give."""
+                continue_final_message: bool = False, tools: list[dict] | None = None,
+                documents: list[dict] | None = None, **kwargs: Any) -> str:
+    """The prompt text transformers' `apply_chat_template(tokenize=False)` would give.
+
+    `continue_final_message` leaves the last message open so the model extends
+    it (vLLM's and transformers' option of that name, e.g. for prefilled
+    assistant replies); it excludes `add_generation_prompt`."""
     source = select_template(template, tools)
     msgs = normalize_messages(messages)
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)):
@@ -196,11 +217,20 @@ def render_chat(template: str | Mapping[str, str] | None, messages: Any, *,
     if documents is not None and not (isinstance(documents, list)
                                       and all(isinstance(d, Mapping) for d in documents)):
         raise ChatTemplateError("documents must be a list of objects")
+    continued = ""
+    if continue_final_message:
+        if add_generation_prompt:
+            raise ChatTemplateError("continue_final_message and add_generation_prompt exclude each other")
+        continued = msgs[-1].get("content")
+        if not isinstance(continued, str):
+            raise ChatTemplateError("continue_final_message: the final message has no content")
+        msgs[-1]["content"] = continued + _CONTINUE_MARK
     variables = {**special_tokens, **_plain(kwargs, "chat_template_kwargs")}
     try:
-        return compile_template(source).render(
+        rendered = compile_template(source).render(
             messages=msgs, tools=_plain(tools, "tools"), documents=_plain(documents, "documents"),
             add_generation_prompt=add_generation_prompt, **variables)
     except (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError,
             IndexError, AttributeError) as e:
         raise ChatTemplateError(f"the chat template rejected the conversation: {e}") from e
+    return _cut_at_mark(rendered, continued) if continue_final_message else rendered

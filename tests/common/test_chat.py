@@ -132,3 +132,32 @@ def test_bad_messages_raise_chat_template_error(tok, messages, match):
 def test_bad_tools_raise_chat_template_error(tok):
     with pytest.raises(ChatTemplateError, match="tools"):
         tok.apply_chat_template([{"role": "user", "content": "x"}], tools="nope")
+
+
+CONTINUE = [
+    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}],
+    [{"role": "user", "content": "Go on"}, {"role": "assistant", "content": "trailing space "}],
+]
+
+
+@pytest.mark.parametrize("conv", CONTINUE)
+def test_continue_final_message_matches_transformers(tok, hf, conv):
+    ours = tok.apply_chat_template(conv, add_generation_prompt=False, continue_final_message=True)
+    theirs = hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=False,
+                                    continue_final_message=True)
+    assert ours == theirs
+    assert ours.endswith(conv[-1]["content"])
+
+
+def test_continue_final_message_excludes_generation_prompt(tok):
+    with pytest.raises(ChatTemplateError, match="exclude each other"):
+        tok.apply_chat_template(CONTINUE[0], add_generation_prompt=True, continue_final_message=True)
+
+
+def test_continue_final_message_with_a_trimming_template(tok, hf):
+    tpl = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim }}</{{ m['role'] }}>{% endfor %}"
+    t = dataclasses.replace(tok, chat_template=tpl)
+    ours = t.apply_chat_template(CONTINUE[1], add_generation_prompt=False, continue_final_message=True)
+    assert ours == hf.apply_chat_template(CONTINUE[1], chat_template=tpl, tokenize=False,
+                                          add_generation_prompt=False, continue_final_message=True)
+    assert ours.endswith("<assistant>trailing space")
