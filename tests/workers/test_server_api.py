@@ -133,8 +133,20 @@ def test_length_stop_and_seed(client: openai.OpenAI) -> None:
     assert runs[0] == runs[1]
 
 
-def test_metrics_names_and_counters_grow(client: openai.OpenAI, worker: WorkerProcess) -> None:
-    before = scrape(worker)
+def settled_scrape(worker: WorkerProcess, wait_until) -> dict[str, float]:
+    """A scrape whose histograms include every finished request: they are re-rendered at
+    most once a second (cheap 50 ms scrapes), the outcome counter on every scrape."""
+    def settled() -> dict[str, float] | None:
+        m = scrape(worker)
+        finished = sum(v for k, v in m.items() if k.startswith("vllm:request_success_total{"))
+        return m if sample(m, "vllm:e2e_request_latency_seconds_count") == finished else None
+
+    return wait_until(settled, timeout=10, what="histograms to catch up")
+
+
+def test_metrics_names_and_counters_grow(client: openai.OpenAI, worker: WorkerProcess,
+                                        wait_until) -> None:
+    before = settled_scrape(worker, wait_until)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total",
                  "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total",
@@ -150,7 +162,7 @@ def test_metrics_names_and_counters_grow(client: openai.OpenAI, worker: WorkerPr
 
     done = client.completions.create(model=MODEL, prompt="Count: one, two,", max_tokens=5,
                                      temperature=0, extra_body={"ignore_eos": True})
-    after = scrape(worker)
+    after = settled_scrape(worker, wait_until)
 
     def grew(name: str) -> float:
         return sample(after, name) - sample(before, name)
@@ -158,10 +170,12 @@ def test_metrics_names_and_counters_grow(client: openai.OpenAI, worker: WorkerPr
     assert grew("vllm:generation_tokens_total") >= done.usage.completion_tokens == 5
     assert grew("vllm:prompt_tokens_total") >= done.usage.prompt_tokens
     assert grew("vllm:prefix_cache_queries_total") >= done.usage.prompt_tokens
+    key = f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}}'
+    assert after[key] - before[key] == 1
     assert grew("vllm:time_to_first_token_seconds_count") == 1
     assert grew("vllm:e2e_request_latency_seconds_count") == 1
-    key = f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}}'
-    assert after[key] - before.get(key, 0.0) == 1
+    assert grew("vllm:time_per_output_token_seconds_count") == 1
+    assert grew("vllm:inter_token_latency_seconds_count") == 4
 
 
 def test_errors_carry_the_endpoint_header(worker: WorkerProcess) -> None:
@@ -190,7 +204,11 @@ def test_client_disconnect_frees_the_request(worker: WorkerProcess, wait_until,
                            "stream": stream})
     try:
         if stream:  # the first data event proves generation is under way
-            assert b"data: " in s.recv(65536)
+            got = b""
+            while b"data: " not in got:  # the socket's timeout bounds each read
+                chunk = s.recv(65536)
+                assert chunk, got
+                got += chunk
 
         def busy() -> bool:
             m = scrape(worker)

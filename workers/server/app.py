@@ -60,7 +60,7 @@ def build_app(engine: Any, *, advertise: str, served_names: list[str] | None = N
         metrics=ServerMetrics(engine.stats, names[0]),
         vocab_size=getattr(engine.tokenizer, "vocab_size", None))
     for collector in extra_collectors:
-        state.metrics.registry.register(collector)
+        state.metrics.register_extra(collector)
     app[STATE] = state
     app.on_response_prepare.append(_stamp_endpoint)
     app.router.add_get("/v1/models", _models)
