@@ -24,7 +24,7 @@ from .endpoints import EndpointPool, EndpointSpec
 from .health import HealthServer
 from .observability import EppMetrics, debug_app
 from .prompt import PromptHasher
-from .router import Router
+from .router import Finisher, Router
 from .scheduler import build_scheduler, load_config
 from .scraper import Scraper
 from .server import ExtProcServicer
@@ -73,6 +73,7 @@ class EppApp:
     pool: EndpointPool = field(init=False)
     metrics: EppMetrics = field(init=False)
     router: Router = field(init=False)
+    finisher: Finisher = field(init=False)
     tokenizer_state: str = "none"  # none | loading | loaded | failed
     _grpc: grpc.aio.Server | None = None
     _health: HealthServer | None = None
@@ -89,6 +90,7 @@ class EppApp:
         self.pool.on_remove(sched.forget)
         hasher = PromptHasher(block_size=sched.block_size)
         self.router = Router(self.pool, sched, hasher, _served_names(c))
+        self.finisher = Finisher(self.pool, sched)
 
     def is_ready(self) -> bool:
         return self.tokenizer_state in ("none", "loaded", "failed") and self.pool.ready()
@@ -96,13 +98,14 @@ class EppApp:
     def _debug(self) -> dict:
         h = self.router.hasher
         return {"tokenizer": self.tokenizer_state, "prefix_hash": h.mode,
-                "served_models": self.router.served_models}
+                "served_models": self.router.served_models,
+                "index_backlog": self.finisher.backlog, "index_skipped": self.finisher.skipped}
 
     async def start(self) -> None:
         c = self.cfg
         self._grpc = grpc.aio.server()
         ep_grpc.add_ExternalProcessorServicer_to_server(
-            ExtProcServicer(self.router, self.metrics, c.max_body_bytes), self._grpc)
+            ExtProcServicer(self.router, self.metrics, self.finisher, c.max_body_bytes), self._grpc)
         port = self._grpc.add_insecure_port(f"{c.host}:{c.ext_proc_port}")
         if port == 0:
             raise OSError(f"cannot bind ext_proc port {c.ext_proc_port}")
@@ -163,3 +166,4 @@ class EppApp:
             await self._grpc.stop(0.5)
         if self._web is not None:
             await self._web.cleanup()
+        self.finisher.close()

@@ -21,34 +21,49 @@ from .scheduler import build_scheduler
 _HEADERS = {":method": "POST", ":path": "/v1/chat/completions"}
 
 
+_DOC_MODULES = ("os", "re", "json", "asyncio", "collections", "argparse", "logging",
+                "subprocess", "email", "http.client", "unittest", "inspect", "pathlib",
+                "functools", "itertools", "random", "statistics", "decimal", "socket", "tarfile")
+
+
+def _paragraphs() -> list[str]:
+    """Natural English (and some code) from the standard library's docstrings:
+    realistic word statistics for the tokenizer, available offline."""
+    import importlib
+
+    paras: list[str] = []
+    for name in _DOC_MODULES:
+        mod = importlib.import_module(name)
+        for attr in dir(mod):
+            doc = getattr(getattr(mod, attr, None), "__doc__", None)
+            if isinstance(doc, str) and len(doc) > 200:
+                paras.append(doc.strip())
+    return sorted(set(paras))
+
+
 @dataclass(slots=True)
 class _Corpus:
-    """Random prose of about `tokens` tokens; `shared` of it identical per call."""
+    """Random sequences of real paragraphs, about `tokens` tokens long."""
 
     rng: random.Random
-    words: list[str]
-    tokens_per_word: float
+    paras: list[str]
+    chars_per_token: float
 
     def text(self, tokens: int) -> str:
-        n = max(1, int(tokens / self.tokens_per_word))
-        out = []
-        for i in range(n):
-            out.append(self.rng.choice(self.words))
-            if i % 17 == 16:
-                out.append(".\n" if i % 85 == 84 else ",")
-        return " ".join(out)
+        want = int(tokens * self.chars_per_token)
+        out, n = [f"Request {self.rng.getrandbits(64):x}."], 0
+        while n < want:
+            p = self.rng.choice(self.paras)
+            out.append(p)
+            n += len(p) + 2
+        return "\n\n".join(out)[:want]
 
 
 def _corpus(rng: random.Random, hasher: PromptHasher) -> _Corpus:
-    letters = "etaoinshrdlcumwfgypbvkjxqz"
-    words = ["".join(rng.choice(letters[:12 + i % 14]) for _ in range(2 + i % 7))
-             for i in range(3000)]
-    c = _Corpus(rng, words, 1.0)
+    c = _Corpus(rng, _paragraphs(), 4.0)
     if hasher.tokenizer is not None:
-        sample = c.text(20_000)
-        c.tokens_per_word = len(hasher.tokenizer.encode(sample)) / (len(sample.split(" ")))
-    else:
-        c.tokens_per_word = sum(len(w) + 1 for w in words) / len(words) / 4
+        sample = c.text(50_000)
+        c.chars_per_token = len(sample) / len(hasher.tokenizer.encode(sample))
     return c
 
 
@@ -70,11 +85,14 @@ def build_router(num_endpoints: int, model: str = "demo", seed: int = 0) -> Rout
     return Router(pool, sched, hasher, [])
 
 
-def decision_latency(num_endpoints: int, prompt_tokens: int, iterations: int, *,
-                     model: str = "demo", shared_fraction: float = 0.0, seed: int = 0,
-                     warmup: int = 3) -> list[float]:
-    """Seconds per decision, one per iteration.
+def latencies(num_endpoints: int, prompt_tokens: int, iterations: int, *,
+              model: str = "demo", shared_fraction: float = 0.0, seed: int = 0,
+              warmup: int = 3) -> tuple[list[float], list[float]]:
+    """(decision seconds, deferred index-teaching seconds), one pair per iteration.
 
+    The decision is what Envoy waits for; the deferred part (hashing the rest
+    of the prompt) runs after the answer, in a worker thread in the server,
+    and is timed here separately so that neither cost hides.
     `shared_fraction` of each prompt is a system prompt common to all
     iterations (the rest is new text every time); 0.0 is the worst case for
     the tokenizer cache, ~0.9 is typical of agents and chat with history.
@@ -90,15 +108,27 @@ def decision_latency(num_endpoints: int, prompt_tokens: int, iterations: int, *,
         if system:
             msgs.insert(0, {"role": "system", "content": system})
         bodies.append(json.dumps({"model": "m", "messages": msgs, "max_tokens": 16}).encode())
-    out = []
+    decide, deferred = [], []
     perf = time.perf_counter
     for i, body in enumerate(bodies):
         t0 = perf()
-        router.route(_HEADERS, body)
-        dt = perf() - t0
+        d = router.route(_HEADERS, body)
+        t1 = perf()
+        if d.prompt is not None:
+            router.scheduler.learn(d.endpoint.address, d.prompt.finish())
+        t2 = perf()
         if i >= warmup:
-            out.append(dt)
-    return out
+            decide.append(t1 - t0)
+            deferred.append(t2 - t1)
+    return decide, deferred
+
+
+def decision_latency(num_endpoints: int, prompt_tokens: int, iterations: int, *,
+                     model: str = "demo", shared_fraction: float = 0.0, seed: int = 0,
+                     warmup: int = 3) -> list[float]:
+    """Seconds per routing decision (what Envoy waits for), one per iteration."""
+    return latencies(num_endpoints, prompt_tokens, iterations, model=model,
+                     shared_fraction=shared_fraction, seed=seed, warmup=warmup)[0]
 
 
 def prompt_tokens_of(router: Router, body: bytes) -> int:

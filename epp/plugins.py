@@ -11,12 +11,13 @@ from typing import Any, Callable, Protocol
 
 from .endpoints import Endpoint
 from .prefix_index import PrefixIndex
+from .prompt import LazyPrompt
 
 
 @dataclass(slots=True)
 class SchedRequest:
     model: str
-    hashes: list[int]  # chained block hashes of the prompt
+    prompt: LazyPrompt  # chained block hashes of the prompt, computed on demand
     priority: int = 0
     now: float = 0.0  # monotonic time of the decision
     stale_after: float = 2.0
@@ -109,19 +110,18 @@ class PrefixCacheScorer:
     name: str = "prefix-cache"
 
     def score(self, req: SchedRequest, eps: list[Endpoint]) -> list[float]:
-        total = len(req.hashes)
+        matched = [self.index.match(e.address, req.prompt) for e in eps]
+        total = max(req.prompt.estimated_blocks(), max(matched))
         if total == 0:
             return [0.0] * len(eps)
-        out = []
-        for e in eps:
-            n = self.index.match(e.address, req.hashes)
+        for e, n in zip(eps, matched):
             req.matched[e.address] = n
-            out.append(n / total)
-        return out
+        return [n / total for n in matched]
 
     def on_pick(self, req: SchedRequest, ep: Endpoint) -> None:
-        if req.hashes:
-            self.index.record(ep.address, req.hashes)
+        # What is hashed so far; the rest arrives via Scheduler.learn after the answer.
+        if req.prompt.hashes:
+            self.index.record(ep.address, req.prompt.hashes)
 
 
 FILTERS: dict[str, Callable[[dict[str, Any]], Filter]] = {

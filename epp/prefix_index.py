@@ -10,23 +10,27 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from .prompt import LazyPrompt
+
 
 @dataclass(slots=True)
 class PrefixIndex:
     capacity: int = 31_250  # blocks per endpoint
     _lru: dict[str, OrderedDict] = field(default_factory=dict)
 
-    def match(self, address: str, hashes: list[int]) -> int:
-        """Leading blocks of `hashes` that `address` holds."""
+    def match(self, address: str, prompt: LazyPrompt) -> int:
+        """Leading blocks of `prompt` that `address` holds; hashes further blocks
+        of the prompt only while they keep matching."""
         d = self._lru.get(address)
         if not d:
             return 0
         n = 0
-        for h in hashes:
-            if h not in d:
-                break
+        get = prompt.get
+        while True:
+            h = get(n)
+            if h is None or h not in d:
+                return n
             n += 1
-        return n
 
     def record(self, address: str, hashes: list[int]) -> None:
         d = self._lru.get(address)

@@ -1,4 +1,5 @@
-"""From a parsed request to chained block hashes, tokenizing once per request.
+"""From a parsed request to chained block hashes, tokenizing only what a
+decision needs.
 
 Why tokens and not characters: the hashes are `kvyard.common.hashing`
 block hashes over token ids, the same keys the engines and the kvstore use, so
@@ -8,28 +9,37 @@ Which tokenizer: the EPP loads the served model's own tokenizer from
 `--model` (`demo`, a .gguf file or a Hugging Face directory — in Kubernetes
 the same model volume the workers mount), through `kvyard.common.tokenizer`,
 which needs neither torch nor transformers. It never downloads anything.
-Until it has loaded (in the background, so the EPP starts at once), or when
+Until it has loaded (in the background, so the EPP starts at once), or with
 `--model none`, prompts are hashed as "byte-quad" pseudo tokens (every 4
 UTF-8 bytes one id): deterministic, ~free, and good enough for affinity.
 
-Cost: BPE encoding is the expensive part of a decision (~1 µs per token).
-Text is cut into ~2 KB chunks at places where BPE pre-tokenization cannot
-merge across (before a space or newline that follows a letter), each chunk is
-encoded separately and cached in an LRU keyed by the chunk text. Shared
-prefixes — system prompts, earlier turns, the very thing prefix routing is
-about — are therefore encoded once; only new text costs tokenizer time.
-Chunk boundaries depend only on the text before them, so two prompts with a
-common prefix get identical ids for every chunk before they diverge.
+Cost: BPE encoding is by far the most expensive part of a decision (µs per
+token), so it is avoided three ways:
+
+1. Chunks. Text is cut into ~1 KB chunks at places where BPE
+   pre-tokenization cannot merge across (before a space or newline that
+   follows a letter; checked equal to whole-text encoding in the tests).
+   Chunk boundaries depend only on the text before them, so prompts with a
+   common prefix share every chunk before they diverge.
+2. A chunk cache (LRU by chunk text): shared prefixes — system prompts,
+   earlier turns, the very thing prefix routing is about — are encoded once.
+3. Laziness. `LazyPrompt` tokenizes and hashes chunk by chunk only as far as
+   the prefix scorer walks, i.e. to the first block no endpoint holds. The
+   rest is needed only to teach the index, which `finish()` does after the
+   routing answer has gone back to Envoy (in a worker thread; the Rust
+   tokenizer releases the GIL). The prefix score's denominator (total
+   blocks) is estimated from the text length until then.
 """
 from __future__ import annotations
 
 import re
+import threading
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
-from kvyard.common.hashing import block_hashes, seed_for
+from kvyard.common.hashing import NONE_HASH, block_hashes, seed_for
 
 from .request import ParsedRequest, RequestError
 
@@ -62,29 +72,106 @@ def split_chunks(text: str, target: int) -> list[str]:
 
 @dataclass(slots=True)
 class _ChunkCache:
+    """Chunk text -> token ids; shared by the loop and the finisher thread."""
+
     max_tokens: int
     _lru: OrderedDict = field(default_factory=OrderedDict)
     _tokens: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
     hits: int = 0
     misses: int = 0
 
     def get(self, key: str) -> array | None:
-        v = self._lru.get(key)
-        if v is not None:
-            self._lru.move_to_end(key)
-            self.hits += 1
-        return v
+        with self._lock:
+            v = self._lru.get(key)
+            if v is not None:
+                self._lru.move_to_end(key)
+                self.hits += 1
+            return v
 
     def put(self, key: str, ids: array) -> None:
-        self.misses += 1
-        old = self._lru.pop(key, None)
-        if old is not None:
-            self._tokens -= len(old)
-        self._lru[key] = ids
-        self._tokens += len(ids)
-        while self._tokens > self.max_tokens and self._lru:
-            _, old = self._lru.popitem(last=False)
-            self._tokens -= len(old)
+        with self._lock:
+            self.misses += 1
+            old = self._lru.pop(key, None)
+            if old is not None:
+                self._tokens -= len(old)
+            self._lru[key] = ids
+            self._tokens += len(ids)
+            while self._tokens > self.max_tokens and self._lru:
+                _, old = self._lru.popitem(last=False)
+                self._tokens -= len(old)
+
+
+@dataclass(slots=True)
+class LazyPrompt:
+    """A prompt's block hashes, computed only as far as anyone looks."""
+
+    block_size: int
+    seed: int
+    hashes: list[int] = field(default_factory=list)
+    chunks: list[str] = field(default_factory=list)  # text still to tokenize, in order
+    encode: Any = None  # callable(list[str]) -> list[array]
+    chars_per_token: float = 4.0
+    tokens: int = 0  # tokens seen so far
+    _next: int = 0
+    _tail: array = field(default_factory=lambda: array("I"))  # ids not yet in a full block
+    _chars_left: int = 0
+    _chars_done: int = 0
+
+    @classmethod
+    def of_ids(cls, ids: Sequence[int], block_size: int, seed: int) -> "LazyPrompt":
+        p = cls(block_size, seed)
+        p._add(array("I", ids))
+        return p
+
+    @classmethod
+    def of_hashes(cls, hashes: list[int]) -> "LazyPrompt":
+        """For callers (and tests) that already hold the hashes."""
+        return cls(1, 0, list(hashes))
+
+    @property
+    def done(self) -> bool:
+        return self._next >= len(self.chunks)
+
+    def _add(self, ids: array) -> None:
+        self.tokens += len(ids)
+        self._tail.extend(ids)
+        bs = self.block_size
+        full = len(self._tail) // bs * bs
+        if full:
+            parent = self.hashes[-1] if self.hashes else NONE_HASH
+            self.hashes.extend(block_hashes(self._tail[:full], bs, seed=self.seed, parent=parent))
+            del self._tail[:full]
+
+    def _extend(self, n: int) -> None:
+        todo = self.chunks[self._next:self._next + n]
+        self._next += len(todo)
+        chars = 0
+        for text, ids in zip(todo, self.encode(todo)):
+            self._chars_left -= len(text)
+            chars += len(text)
+            self._add(ids)
+        self._chars_done += chars
+        if self.tokens:  # this prompt's own ratio beats the pool-wide guess
+            self.chars_per_token = self._chars_done / self.tokens
+
+    def get(self, i: int) -> int | None:
+        """Hash of block i, tokenizing further if needed; None past the end."""
+        while i >= len(self.hashes) and not self.done:
+            self._extend(1)
+        return self.hashes[i] if i < len(self.hashes) else None
+
+    def finish(self) -> list[int]:
+        """All full-block hashes (tokenizes whatever is left in one batch)."""
+        if not self.done:
+            self._extend(len(self.chunks) - self._next)
+        return self.hashes
+
+    def estimated_blocks(self) -> int:
+        if self.done:
+            return len(self.hashes)
+        pending = len(self._tail) + self._chars_left / self.chars_per_token
+        return len(self.hashes) + int(pending // self.block_size)
 
 
 def _flatten_messages(messages: list) -> str:
@@ -100,13 +187,14 @@ def _flatten_messages(messages: list) -> str:
 
 @dataclass(slots=True)
 class PromptHasher:
-    """Renders, tokenizes (chunk-cached) and hashes a request's prompt."""
+    """Renders a request's prompt and hands out its lazily hashed blocks."""
 
     block_size: int = 64
     tokenizer: Tokenizer | None = None
-    chunk_chars: int = 2048
+    chunk_chars: int = 1024
     cache_tokens: int = 4_000_000
     template_error: type[BaseException] | None = None
+    chars_per_token: float = 4.0  # running estimate, for the lazy denominator
     _cache: _ChunkCache = field(init=False)
     _seeds: dict[str, int] = field(default_factory=dict)
 
@@ -137,7 +225,7 @@ class PromptHasher:
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             p = p[0]  # batched prompt: route by the first
         if isinstance(p, list):
-            if not all(isinstance(t, int) and t >= 0 for t in p):
+            if not all(isinstance(t, int) and 0 <= t < 2**32 for t in p):
                 raise RequestError(400, "'prompt' token ids must be non-negative integers",
                                    "bad_prompt")
             return array("I", p)
@@ -145,36 +233,47 @@ class PromptHasher:
             raise RequestError(400, "'prompt' must be a string or token ids", "bad_prompt")
         return p
 
-    def token_ids(self, rendered: str | array) -> array:
+    def _encode_chunks(self, chunks: list[str]) -> list[array]:
+        cache, tok = self._cache, self.tokenizer
+        found = [cache.get(c) for c in chunks]
+        missing = [c for c, f in zip(chunks, found) if f is None]
+        if missing:  # one Rust call for all new text: it spreads chunks over cores
+            batch = getattr(tok, "encode_batch", None)
+            encoded = batch(missing) if batch and len(missing) > 1 else [
+                tok.encode(c) for c in missing]
+            fresh = iter(encoded)
+            n_chars = n_tok = 0
+            for i, f in enumerate(found):
+                if f is None:
+                    found[i] = got = array("I", next(fresh))
+                    cache.put(chunks[i], got)
+                    n_chars, n_tok = n_chars + len(chunks[i]), n_tok + len(got)
+            if n_tok:
+                self.chars_per_token = 0.9 * self.chars_per_token + 0.1 * (n_chars / n_tok)
+        return found
+
+    def _seed(self, model: str) -> int:
+        seed = self._seeds.get(model)
+        if seed is None:
+            key = model if self.tokenizer is not None else model + "/bytes"
+            seed = self._seeds[model] = seed_for(key)
+        return seed
+
+    def prompt(self, req: ParsedRequest) -> LazyPrompt:
+        rendered = self.render(req)
+        seed = self._seed(req.model)
         if isinstance(rendered, array):
-            return rendered
+            return LazyPrompt.of_ids(rendered, self.block_size, seed)
         if self.tokenizer is None:
             data = rendered.encode("utf-8")
             ids = array("I")
             ids.frombytes(data[: len(data) // 4 * 4])
-            return ids
+            return LazyPrompt.of_ids(ids, self.block_size, seed)
         chunks = split_chunks(rendered, self.chunk_chars)
-        found = [self._cache.get(c) for c in chunks]
-        missing = [c for c, f in zip(chunks, found) if f is None]
-        if missing:  # one Rust call for all new text: it spreads chunks over cores
-            batch = getattr(self.tokenizer, "encode_batch", None)
-            encoded = batch(missing) if batch and len(missing) > 1 else [
-                self.tokenizer.encode(c) for c in missing]
-            fresh = iter(encoded)
-            for i, f in enumerate(found):
-                if f is None:
-                    found[i] = got = array("I", next(fresh))
-                    self._cache.put(chunks[i], got)
-        ids = array("I")
-        for f in found:
-            ids.extend(f)
-        return ids
+        return LazyPrompt(self.block_size, seed, chunks=chunks, encode=self._encode_chunks,
+                          chars_per_token=self.chars_per_token, _chars_left=len(rendered))
 
     def hashes(self, req: ParsedRequest) -> tuple[list[int], int]:
-        """(block hashes, token count) for the request's prompt."""
-        ids = self.token_ids(self.render(req))
-        seed = self._seeds.get(req.model)
-        if seed is None:
-            key = req.model if self.tokenizer is not None else req.model + "/bytes"
-            seed = self._seeds[req.model] = seed_for(key)
-        return block_hashes(ids, self.block_size, seed=seed), len(ids)
+        """(all block hashes, token count), eagerly."""
+        p = self.prompt(req)
+        return p.finish(), p.tokens

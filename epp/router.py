@@ -1,18 +1,23 @@
-"""One request's decision: parse, hash, shed, schedule. Synchronous and pure
-CPU work, so `bench_api` can time exactly what the ext_proc server runs."""
+"""One request's decision: parse, hash, shed, schedule. Synchronous CPU work,
+so `bench_api` can time exactly what the ext_proc server runs; `Finisher`
+does the part that can wait until Envoy has its answer."""
 from __future__ import annotations
 
+import asyncio
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvyard.common.wire import DROPPED_REASON_HEADER
 
 from .endpoints import EndpointPool
 from .plugins import SchedRequest
-from .prompt import PromptHasher
+from .prompt import LazyPrompt, PromptHasher
 from .request import RequestError, parse_request, priority_of
 from .saturation import pool_saturation
 from .scheduler import Decision, Scheduler
+
+_EMPTY = LazyPrompt.of_hashes([])
 
 
 @dataclass(slots=True)
@@ -26,13 +31,13 @@ class Router:
         """The chosen endpoint; raises RequestError for 4xx/5xx answers."""
         now = time.monotonic()
         if body is None:  # no body (GET /v1/models …): any healthy endpoint
-            req = SchedRequest("", [], priority_of(headers, self.scheduler.objectives), now,
+            req = SchedRequest("", _EMPTY, priority_of(headers, self.scheduler.objectives), now,
                                self.pool.stale_after)
         else:
             parsed = parse_request(body, headers.get(":path", "/"), headers, self.served_models,
                                    self.scheduler.objectives)
-            hashes, _ = self.hasher.hashes(parsed)
-            req = SchedRequest(parsed.model, hashes, parsed.priority, now, self.pool.stale_after)
+            req = SchedRequest(parsed.model, self.hasher.prompt(parsed), parsed.priority, now,
+                               self.pool.stale_after)
         eps = self.pool.all()
         if req.priority < 0:
             cands = self.scheduler.candidates(req, eps)
@@ -45,3 +50,43 @@ class Router:
             raise RequestError(503, "no ready endpoint for this request", "no_endpoint",
                                err_type="service_unavailable")
         return decision
+
+
+@dataclass(slots=True)
+class Finisher:
+    """Hashes the rest of a routed prompt in a worker thread (the Rust
+    tokenizer releases the GIL) and teaches the prefix index on the loop.
+
+    The backlog is bounded: under overload we skip teaching (the index then
+    knows only the prefix hashed during the decision) rather than queue work
+    without limit.
+    """
+
+    pool: EndpointPool
+    scheduler: Scheduler
+    max_backlog: int = 256
+    backlog: int = 0
+    skipped: int = 0
+    _executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="epp-finish"))
+
+    def submit(self, d: Decision) -> None:
+        p = d.prompt
+        if p is None or p.done:
+            return
+        if self.backlog >= self.max_backlog:
+            self.skipped += 1
+            return
+        self.backlog += 1
+        fut = asyncio.get_running_loop().run_in_executor(self._executor, p.finish)
+        fut.add_done_callback(lambda f, a=d.endpoint.address: self._done(a, f))
+
+    def _done(self, address: str, fut: Future) -> None:
+        self.backlog -= 1
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        if self.pool.get(address) is not None:  # it may have left meanwhile
+            self.scheduler.learn(address, fut.result())
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

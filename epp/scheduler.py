@@ -22,6 +22,7 @@ import yaml
 
 from .endpoints import Endpoint
 from .plugins import FILTERS, SCORERS, Filter, PrefixCacheScorer, SchedRequest, Scorer
+from .prompt import LazyPrompt
 
 DEFAULT_CONFIG: dict[str, Any] = {
     "filters": ["healthy", "prefer-fresh", "role"],
@@ -40,8 +41,9 @@ class Decision:
     endpoint: Endpoint
     score: float
     matched_blocks: int
-    total_blocks: int
+    total_blocks: int  # estimated until the prompt is fully hashed
     candidates: int
+    prompt: LazyPrompt | None = None
 
 
 @dataclass(slots=True)
@@ -86,7 +88,14 @@ class Scheduler:
         matched = req.matched.get(ep.address, 0)
         if matched:
             ep.prefix_hits += 1
-        return Decision(ep, best, matched, len(req.hashes), len(eps))
+        total = max(req.prompt.estimated_blocks(), matched)
+        return Decision(ep, best, matched, total, len(eps), req.prompt)
+
+    def learn(self, address: str, hashes: list[int]) -> None:
+        """The whole prompt of a request routed to `address`, once hashed."""
+        ps = self.prefix_scorer
+        if ps is not None and hashes:
+            ps.index.record(address, hashes)
 
     def forget(self, address: str) -> None:
         """An endpoint left the pool: drop what we believed it cached."""

@@ -28,7 +28,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from . import responses
 from .observability import EppMetrics
 from .request import RequestError
-from .router import Router
+from .router import Finisher, Router
+from .scheduler import Decision
 
 log = logging.getLogger("kvyard.epp")
 
@@ -44,21 +45,23 @@ def _headers(msg: ep.HttpHeaders) -> dict[str, str]:
 class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
     router: Router
     metrics: EppMetrics
+    finisher: Finisher
     max_body_bytes: int = 4 * 1024 * 1024
 
-    def _decide(self, headers: dict[str, str], body: bytes | None) -> list[ep.ProcessingResponse]:
+    def _decide(self, headers: dict[str, str],
+                body: bytes | None) -> tuple[list[ep.ProcessingResponse], Decision | None]:
         """Headers answer (routing or immediate) and, for a body, its continue."""
         t0 = time.perf_counter()
         try:
             d = self.router.route(headers, body)
         except RequestError as e:
             self.metrics.error(e.reason)
-            return [responses.immediate(e.status, e.body(), e.headers, e.reason)]
+            return [responses.immediate(e.status, e.body(), e.headers, e.reason)], None
         self.metrics.decision(time.perf_counter() - t0, d)
         out = [responses.routing_response(d.endpoint.address)]
         if body is not None:
             out.append(responses.body_continue())
-        return out
+        return out, d
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
                       context) -> AsyncIterator[ep.ProcessingResponse]:
@@ -71,7 +74,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                 if kind == "request_headers":
                     headers = _headers(msg.request_headers)
                     if msg.request_headers.end_of_stream:
-                        for r in self._decide(headers, None):
+                        for r in self._decide(headers, None)[0]:
                             yield r
                 elif kind == "request_body":
                     size += len(msg.request_body.body)
@@ -84,8 +87,11 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                     chunks.append(msg.request_body.body)
                     if msg.request_body.end_of_stream:
                         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                        for r in self._decide(headers or {}, body):
+                        answers, decision = self._decide(headers or {}, body)
+                        for r in answers:
                             yield r
+                        if decision is not None:  # after Envoy has its answer
+                            self.finisher.submit(decision)
                 elif kind == "request_trailers":
                     yield responses.trailers_continue()
                 elif kind == "response_headers":

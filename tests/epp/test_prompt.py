@@ -97,3 +97,44 @@ def test_priority_from_objective_header():
     p = parse_request(body, "/v1/completions", {"x-gateway-inference-objective": "-3"}, None)
     assert p.priority == -3
     assert parse_request(body, "/v1/completions", {}, None).priority == 0
+
+
+def test_lazy_prompt_tokenizes_only_as_far_as_asked(tok):
+    h = PromptHasher(block_size=16, chunk_chars=256)
+    h.set_tokenizer(tok, None)
+    text = _text(random.Random(3), 3000)
+    req = parse_request(json.dumps({"model": "m", "prompt": text}).encode(), "/v1/completions",
+                        {}, None)
+    p = h.prompt(req)
+    assert len(p.chunks) > 10
+    assert p.get(0) is not None
+    assert p.tokens < len(tok.encode(text)) // 5  # only the first chunk(s) so far
+    est = p.estimated_blocks()
+    full = p.finish()
+    assert full == block_hashes(tok.encode(text), 16, seed=seed_for("m"))
+    assert 0.7 * len(full) < est < 1.3 * len(full)
+    assert p.get(len(full)) is None
+
+
+async def test_deferred_hashing_teaches_the_index_through_the_server(fake_vllm, epp, xp):
+    ws = [await fake_vllm() for _ in range(3)]
+    app = await epp(ws, model="demo", served_model_names=[], seed=5)
+    await xp.wait_for(app.is_ready, timeout=30, what="tokenizer and endpoints")
+    assert app.router.hasher.mode == "tokens"
+    doc = _text(random.Random(4), 4000)
+
+    async def send(question: str) -> str:
+        body = {"model": "SmolLM2-135M-Instruct",
+                "messages": [{"role": "user", "content": doc + question}]}
+        r = await xp.exchange(app.ports["ext_proc"], [xp.headers_msg(xp.chat_headers()),
+                                                      xp.body_msg(json.dumps(body).encode())])
+        return xp.set_headers(r[0])["x-gateway-destination-endpoint"]
+
+    first = await send(" first?")
+    ps = app.router.scheduler.prefix_scorer
+    await xp.wait_for(lambda: app.finisher.backlog == 0 and ps.index.size(first) > 50,
+                      what="index taught")
+    for q in (" second?", " third?"):
+        assert await send(q) == first
+    matched = app.metrics.registry.get_sample_value("kvyard_epp_prefix_matched_blocks_total")
+    assert matched > 100

@@ -10,6 +10,7 @@ from kvyard.common.hashing import block_hashes
 from kvyard.epp.endpoints import EndpointPool, EndpointSpec
 from kvyard.epp.plugins import QueueScorer, SchedRequest
 from kvyard.epp.prefix_index import PrefixIndex
+from kvyard.epp.prompt import LazyPrompt
 from kvyard.epp.saturation import pool_saturation
 from kvyard.epp.scheduler import build_scheduler
 
@@ -25,7 +26,11 @@ def _pool(n: int, **metrics) -> EndpointPool:
 
 
 def _req(hashes=(), priority=0) -> SchedRequest:
-    return SchedRequest("m", list(hashes), priority, time.monotonic())
+    return SchedRequest("m", LazyPrompt.of_hashes(list(hashes)), priority, time.monotonic())
+
+
+def _lazy(hashes) -> LazyPrompt:
+    return LazyPrompt.of_hashes(list(hashes))
 
 
 def test_prefix_affinity_sticks_to_the_endpoint_that_saw_the_prefix():
@@ -109,15 +114,15 @@ def test_prefix_index_is_bounded_lru_and_forgets_removed_endpoints():
     idx.record("a", list(range(8)))
     idx.record("a", list(range(100, 105)))  # evicts the 3 oldest: 0, 1, 2
     assert idx.size("a") == 10
-    assert idx.match("a", list(range(8))) == 0  # chain broken at block 0
-    assert idx.match("a", list(range(100, 105)) + [2, 7]) == 5  # 2 was evicted
+    assert idx.match("a", _lazy(range(8))) == 0  # chain broken at block 0
+    assert idx.match("a", _lazy(list(range(100, 105)) + [2, 7])) == 5  # 2 was evicted
     pool = _pool(2)
     sched = build_scheduler()
     pool.on_remove(sched.forget)
     addr = pool.all()[0].address
     sched.prefix_scorer.index.record(addr, [1, 2, 3])
     pool.set_source("t", [EndpointSpec(pool.all()[1].address)])
-    assert sched.prefix_scorer.index.match(addr, [1, 2, 3]) == 0
+    assert sched.prefix_scorer.index.match(addr, _lazy([1, 2, 3])) == 0
 
 
 def test_saturation_and_config_validation():
