@@ -178,6 +178,15 @@ def test_metrics_names_and_counters_grow(client: openai.OpenAI, worker: WorkerPr
     assert grew("vllm:inter_token_latency_seconds_count") == 4
 
 
+def test_the_sdk_parses_our_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as nf:
+        client.chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=2)
+    assert nf.value.code == "model_not_found" and nf.value.param == "model"
+    with pytest.raises(openai.BadRequestError) as br:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=3)
+    assert br.value.code == "unsupported_parameter" and "n=1" in br.value.message
+
+
 def test_errors_carry_the_endpoint_header(worker: WorkerProcess) -> None:
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(worker.base_url + "/no/such/route", timeout=10)

@@ -138,12 +138,16 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
     if any(s == "" for s in stops):
         raise ApiError(400, "'stop' strings must not be empty", param="stop",
                        code="invalid_value")
+    seed = _opt_int(body, "seed")
+    if seed is not None and not -(1 << 63) <= seed < (1 << 64):
+        raise ApiError(400, f"'seed' must fit in 64 bits, got {seed}", param="seed",
+                       code="invalid_value")
     stop_ids = body.get("stop_token_ids")
     return SamplingParams(
         temperature=_opt_num(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_opt_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=-1 if not top_k else top_k,
-        seed=_opt_int(body, "seed"),
+        seed=seed,
         stop=stops,
         stop_token_ids=[] if stop_ids is None else _token_ids(stop_ids, "stop_token_ids"),
         ignore_eos=_opt_bool(body, "ignore_eos"),
