@@ -13,12 +13,13 @@ import asyncio
 import dataclasses
 import uuid
 from contextlib import aclosing
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from aiohttp import web
 
 from kvyard.common.tokenizer import ChatTemplateError
-from kvyard.workers.engine.api import RequestOutput
+from kvyard.workers.engine.api import RequestOutput, SamplingParams
 from kvyard.workers.engine.async_engine import EngineError
 
 from .errors import ApiError, sse_error
@@ -52,22 +53,25 @@ async def _prompt_ids(state: ServerState, req: GenerateRequest) -> list[int]:
                        param="messages", code="invalid_messages") from None
 
 
+@dataclass(slots=True)
 class _Run:
     """One request inside the engine; remembers how it ended."""
 
-    __slots__ = ("state", "request_id", "clock", "finish_reason", "usage")
+    state: ServerState
+    request_id: str
+    num_prompt: int
+    clock: RequestClock = field(init=False)
+    finish_reason: str | None = None
+    usage: Usage = field(init=False)
 
-    def __init__(self, state: ServerState, request_id: str, num_prompt: int) -> None:
-        self.state = state
-        self.request_id = request_id
-        self.clock: RequestClock = state.metrics.clock()
-        self.finish_reason: str | None = None
-        self.usage = Usage(num_prompt, 0)
+    def __post_init__(self) -> None:
+        self.clock = self.state.metrics.clock()
+        self.usage = Usage(self.num_prompt, 0)
 
-    async def drive(self, ids: list[int], params) -> AsyncIterator[RequestOutput]:
+    async def drive(self, ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         engine = self.state.engine
         gen = engine.generate(self.request_id, ids, params)
-        started = False
+        started = refused = False
         try:
             while True:
                 try:
@@ -77,6 +81,7 @@ class _Run:
                 except ValueError as e:  # refused before it ran: the request's fault
                     if started:
                         raise
+                    refused = True
                     raise ApiError(400, str(e), code="invalid_request") from None
                 except EngineError as e:
                     raise ApiError(503, str(e), code="engine_error") from None
@@ -90,13 +95,15 @@ class _Run:
                 if out.finished:
                     return
         finally:
-            self.clock.finish(self.finish_reason or "abort")
+            if not refused:  # a refused request never ran, so it has no outcome to count
+                self.clock.finish(self.finish_reason or "abort")
             await gen.aclose()
             if self.finish_reason is None:
                 await engine.abort(self.request_id)
 
 
-async def _complete(run: _Run, shaper: Shaper, ids: list[int], params) -> web.Response:
+async def _complete(run: _Run, shaper: Shaper, ids: list[int],
+                    params: SamplingParams) -> web.Response:
     parts: list[str] = []
     async with aclosing(run.drive(ids, params)) as outs:
         async for out in outs:
@@ -108,8 +115,8 @@ async def _complete(run: _Run, shaper: Shaper, ids: list[int], params) -> web.Re
     return web.json_response(shaper.final("".join(parts), run.finish_reason, run.usage))
 
 
-async def _stream(request: web.Request, run: _Run, shaper: Shaper, ids: list[int], params,
-                  include_usage: bool) -> web.StreamResponse:
+async def _stream(request: web.Request, run: _Run, shaper: Shaper, ids: list[int],
+                  params: SamplingParams, include_usage: bool) -> web.StreamResponse:
     """Headers go out with the first engine output, so a request the engine refuses
     still gets a real status code; after that, errors travel in-band."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
