@@ -25,12 +25,14 @@ class PrefixIndex:
         if not d:
             return 0
         n = 0
-        get = prompt.get
+        hashes = prompt.hashes  # grows in place as the prompt is hashed further
         while True:
-            h = get(n)
-            if h is None or h not in d:
+            while n < len(hashes):
+                if hashes[n] not in d:
+                    return n
+                n += 1
+            if prompt.get(n) is None:
                 return n
-            n += 1
 
     def record(self, address: str, hashes: list[int]) -> None:
         d = self._lru.get(address)

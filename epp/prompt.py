@@ -46,6 +46,7 @@ from .request import ParsedRequest, RequestError
 # Before " x" or "\n" when the previous character is a letter: every BPE
 # pre-tokenizer we know (GPT-2, Llama 3, SmolLM) ends a piece there.
 _SAFE_CUT = re.compile(r"(?<=[^\W\d_])(?= [^\W\d_]|\n)")
+_LOOKAHEAD = 16  # cached chunks hashed together during a prefix walk (~4k tokens)
 
 
 class Tokenizer(Protocol):
@@ -56,17 +57,22 @@ class Tokenizer(Protocol):
     def apply_chat_template(self, messages: list, add_generation_prompt: bool = True) -> str: ...
 
 
+def next_cut(text: str, start: int, target: int) -> int:
+    """End of the chunk that starts at `start`: the first safe place at or
+    after `target` characters, or the end of the text."""
+    if len(text) - start <= target:
+        return len(text)
+    m = _SAFE_CUT.search(text, start + target)
+    return len(text) if m is None else m.start()
+
+
 def split_chunks(text: str, target: int) -> list[str]:
-    """Cuts at the first safe place at or after every `target` characters."""
     out: list[str] = []
-    start, n = 0, len(text)
-    while n - start > target:
-        m = _SAFE_CUT.search(text, start + target)
-        if m is None:
-            break
-        out.append(text[start:m.start()])
-        start = m.start()
-    out.append(text[start:])
+    start = 0
+    while start < len(text) or not out:
+        end = next_cut(text, start, target)
+        out.append(text[start:end])
+        start = end
     return out
 
 
@@ -104,19 +110,21 @@ class _ChunkCache:
 
 @dataclass(slots=True)
 class LazyPrompt:
-    """A prompt's block hashes, computed only as far as anyone looks."""
+    """A prompt's block hashes, computed only as far as anyone looks.
+
+    Chunks are cut from `text` on demand too: a cold 200 KB prompt costs one
+    chunk's tokenization at decision time, not a pass over all of it.
+    """
 
     block_size: int
     seed: int
     hashes: list[int] = field(default_factory=list)
-    chunks: list[str] = field(default_factory=list)  # text still to tokenize, in order
-    encode: Any = None  # callable(list[str]) -> list[array]
+    text: str = ""  # rendered prompt still to be tokenized from `_pos`
+    hasher: "PromptHasher | None" = None
     chars_per_token: float = 4.0
     tokens: int = 0  # tokens seen so far
-    _next: int = 0
+    _pos: int = 0
     _tail: array = field(default_factory=lambda: array("I"))  # ids not yet in a full block
-    _chars_left: int = 0
-    _chars_done: int = 0
 
     @classmethod
     def of_ids(cls, ids: Sequence[int], block_size: int, seed: int) -> "LazyPrompt":
@@ -131,7 +139,7 @@ class LazyPrompt:
 
     @property
     def done(self) -> bool:
-        return self._next >= len(self.chunks)
+        return self._pos >= len(self.text)
 
     def _add(self, ids: array) -> None:
         self.tokens += len(ids)
@@ -143,17 +151,35 @@ class LazyPrompt:
             self.hashes.extend(block_hashes(self._tail[:full], bs, seed=self.seed, parent=parent))
             del self._tail[:full]
 
-    def _extend(self, n: int) -> None:
-        todo = self.chunks[self._next:self._next + n]
-        self._next += len(todo)
-        chars = 0
-        for text, ids in zip(todo, self.encode(todo)):
-            self._chars_left -= len(text)
-            chars += len(text)
-            self._add(ids)
-        self._chars_done += chars
+    def _chunk(self) -> str:
+        end = next_cut(self.text, self._pos, self.hasher.chunk_chars)
+        c = self.text[self._pos:end]
+        self._pos = end
+        return c
+
+    def _extend(self, n: int | None) -> None:
+        """Tokenizes `n` more chunks (None: all); when n == 1 a lookahead of
+        already cached chunks rides along (one hashing call, not one per chunk)."""
+        h = self.hasher
+        taken: list[str] = []
+        while not self.done and (n is None or len(taken) < n):
+            taken.append(self._chunk())
+        ids = array("I")
+        for got in h.encode_chunks(taken):
+            ids.extend(got)
+        if n == 1:
+            for _ in range(_LOOKAHEAD):
+                if self.done:
+                    break
+                mark = self._pos
+                got = h.cached(self._chunk())
+                if got is None:
+                    self._pos = mark
+                    break
+                ids.extend(got)
+        self._add(ids)
         if self.tokens:  # this prompt's own ratio beats the pool-wide guess
-            self.chars_per_token = self._chars_done / self.tokens
+            self.chars_per_token = self._pos / self.tokens
 
     def get(self, i: int) -> int | None:
         """Hash of block i, tokenizing further if needed; None past the end."""
@@ -164,13 +190,13 @@ class LazyPrompt:
     def finish(self) -> list[int]:
         """All full-block hashes (tokenizes whatever is left in one batch)."""
         if not self.done:
-            self._extend(len(self.chunks) - self._next)
+            self._extend(None)
         return self.hashes
 
     def estimated_blocks(self) -> int:
         if self.done:
             return len(self.hashes)
-        pending = len(self._tail) + self._chars_left / self.chars_per_token
+        pending = len(self._tail) + (len(self.text) - self._pos) / self.chars_per_token
         return len(self.hashes) + int(pending // self.block_size)
 
 
@@ -233,11 +259,16 @@ class PromptHasher:
             raise RequestError(400, "'prompt' must be a string or token ids", "bad_prompt")
         return p
 
-    def _encode_chunks(self, chunks: list[str]) -> list[array]:
+    def cached(self, chunk: str) -> array | None:
+        return self._cache.get(chunk)
+
+    def encode_chunks(self, chunks: list[str]) -> list[array]:
+        """Ids per chunk: from the cache, the misses in one Rust call (which
+        spreads them over cores and releases the GIL)."""
         cache, tok = self._cache, self.tokenizer
         found = [cache.get(c) for c in chunks]
         missing = [c for c, f in zip(chunks, found) if f is None]
-        if missing:  # one Rust call for all new text: it spreads chunks over cores
+        if missing:
             batch = getattr(tok, "encode_batch", None)
             encoded = batch(missing) if batch and len(missing) > 1 else [
                 tok.encode(c) for c in missing]
@@ -269,9 +300,8 @@ class PromptHasher:
             ids = array("I")
             ids.frombytes(data[: len(data) // 4 * 4])
             return LazyPrompt.of_ids(ids, self.block_size, seed)
-        chunks = split_chunks(rendered, self.chunk_chars)
-        return LazyPrompt(self.block_size, seed, chunks=chunks, encode=self._encode_chunks,
-                          chars_per_token=self.chars_per_token, _chars_left=len(rendered))
+        return LazyPrompt(self.block_size, seed, text=rendered, hasher=self,
+                          chars_per_token=self.chars_per_token)
 
     def hashes(self, req: ParsedRequest) -> tuple[list[int], int]:
         """(all block hashes, token count), eagerly."""
