@@ -121,6 +121,9 @@ def gateway_rows(rep: Report, args: argparse.Namespace) -> None:
                               ("envoy -> EPP -> stand-in", f"http://127.0.0.1:{via_port}")):
                 r = _load(url, args)
                 results[name] = r
+                if r["errors"]:
+                    rep.notes.append(f"{name}: {r['errors']} errors, statuses {r['statuses']} "
+                                     f"(logs were in {run})")
                 rep.add(part="gateway", path=name, concurrency=args.concurrency,
                         req_per_s=r["rps"], p50_ms=r["p50_ms"], p99_ms=r["p99_ms"],
                         errors=r["errors"])

@@ -20,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
 
+from kvyard.common.models import DEMO_SERVED_NAME
+
 
 @dataclass(slots=True)
 class LoadResult:
@@ -94,7 +96,7 @@ async def _worker(host: str, port: int, req: bytes, stop_at: float, measure_from
 
 
 async def run_load(url: str, concurrency: int, duration_s: float, warmup_s: float = 0.5,
-                   prompt_chars: int = 2000, model: str = "demo") -> LoadResult:
+                   prompt_chars: int = 2000, model: str = DEMO_SERVED_NAME) -> LoadResult:
     u = urlsplit(url)
     host, port = u.hostname or "127.0.0.1", u.port or 80
     req = build_request(host, port, prompt_chars, model)
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=5.0)
     p.add_argument("--warmup", type=float, default=0.5)
     p.add_argument("--prompt-chars", type=int, default=2000)
-    p.add_argument("--model", default="demo")
+    p.add_argument("--model", default=DEMO_SERVED_NAME, help="the model name in each request")
     a = p.parse_args(argv)
     res = asyncio.run(run_load(a.url, a.concurrency, a.duration, a.warmup, a.prompt_chars, a.model))
     print(json.dumps(asdict(res)))
