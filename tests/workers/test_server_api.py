@@ -11,6 +11,7 @@ import re
 import socket
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -176,6 +177,25 @@ def test_metrics_names_and_counters_grow(client: openai.OpenAI, worker: WorkerPr
     assert grew("vllm:e2e_request_latency_seconds_count") == 1
     assert grew("vllm:time_per_output_token_seconds_count") == 1
     assert grew("vllm:inter_token_latency_seconds_count") == 4
+
+
+def test_concurrent_requests_all_complete(client: openai.OpenAI, worker: WorkerProcess,
+                                          wait_until) -> None:
+    def one(i: int) -> int:
+        if i % 2:
+            chunks = client.completions.create(model=MODEL, prompt=f"List {i}:", max_tokens=10,
+                                               temperature=0, stream=True,
+                                               stream_options={"include_usage": True},
+                                               extra_body={"ignore_eos": True})
+            return list(chunks)[-1].usage.completion_tokens
+        return client.completions.create(model=MODEL, prompt=f"List {i}:", max_tokens=10,
+                                         temperature=0, extra_body={"ignore_eos": True}
+                                         ).usage.completion_tokens
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(one, range(4))) == [10] * 4
+    wait_until(lambda: sample(scrape(worker), "vllm:num_requests_running") == 0, timeout=10,
+               what="the engine to go idle")
 
 
 def test_the_sdk_parses_our_errors(client: openai.OpenAI) -> None:
