@@ -61,5 +61,5 @@ def run(args: argparse.Namespace) -> int:
 
 def _fmt(v: object) -> str:
     if isinstance(v, float):
-        return f"{v:.2f}"
+        return str(int(v)) if v.is_integer() and abs(v) >= 1 or v == 0 else f"{v:.2f}"
     return "-" if v is None else str(v)
