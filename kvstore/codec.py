@@ -11,6 +11,10 @@ from SSD or Redis against what the reader expects: a wrong key (a renamed or
 misplaced file), a wrong layout, a short payload or a bad checksum all mean
 "corrupt", never "hit". DRAM holds payloads only and is not re-verified: it
 never leaves the process.
+
+A *framed* buffer is header room + payload in one contiguous buffer: callers
+that allocate blocks that way (the connector does) let the store fill the
+header in place and send or write the block as one buffer, with no copy.
 """
 from __future__ import annotations
 
@@ -43,12 +47,9 @@ def encode_header(key: bytes, layout: KVLayout, payload) -> bytes:
                        checksum(payload), key)
 
 
-def decode(blob, key: bytes, layout: KVLayout) -> memoryview:
-    """The payload of `blob` as a read-only view (no copy), or CorruptBlock."""
-    mv = memoryview(blob).cast("B")
-    if mv.nbytes < HEADER_BYTES:
-        raise CorruptBlock(f"truncated: {mv.nbytes} bytes, header alone is {HEADER_BYTES}")
-    magic, version, dcode, ndim, *rest = HEADER.unpack_from(mv)
+def check_header(header, key: bytes, layout: KVLayout, payload) -> None:
+    """CorruptBlock unless `header` describes exactly this key, layout and payload."""
+    magic, version, dcode, ndim, *rest = HEADER.unpack_from(header)
     shape, (n, csum, stored_key) = rest[:6], rest[6:]
     if magic != MAGIC or version != VERSION:
         raise CorruptBlock(f"bad magic/version {magic!r}/{version}")
@@ -56,9 +57,17 @@ def decode(blob, key: bytes, layout: KVLayout) -> memoryview:
         raise CorruptBlock("key mismatch")
     if dcode != layout.dtype_code or tuple(shape[:ndim]) != layout.shape or n != layout.nbytes:
         raise CorruptBlock(f"layout mismatch: dtype {dcode} shape {shape[:ndim]} len {n}")
-    if mv.nbytes != HEADER_BYTES + n:
-        raise CorruptBlock(f"length {mv.nbytes - HEADER_BYTES} != header's {n}")
-    payload = mv[HEADER_BYTES:].toreadonly()
+    if memoryview(payload).nbytes != n:
+        raise CorruptBlock(f"length {memoryview(payload).nbytes} != header's {n}")
     if checksum(payload) != csum:
         raise CorruptBlock("checksum mismatch")
+
+
+def decode(blob, key: bytes, layout: KVLayout) -> memoryview:
+    """The payload of `blob` (header + payload) as a read-only view (no copy), or CorruptBlock."""
+    mv = memoryview(blob).cast("B")
+    if mv.nbytes < HEADER_BYTES:
+        raise CorruptBlock(f"truncated: {mv.nbytes} bytes, header alone is {HEADER_BYTES}")
+    payload = mv[HEADER_BYTES:].toreadonly()
+    check_header(mv[:HEADER_BYTES], key, layout, payload)
     return payload

@@ -99,7 +99,10 @@ class RedisTier:
         ok, res = self._call(run)
         return [bool(x) for x in res] if ok else [False] * len(keys)
 
-    def get_many(self, keys: Sequence[bytes], layout: KVLayout) -> list[memoryview | None]:
+    def get_many(self, keys: Sequence[bytes], layout: KVLayout
+                 ) -> list[tuple[memoryview, bytes] | None]:
+        """(payload view, the whole framed value) per key, or None."""
+
         rkeys = [self.rkey(k) for k in keys]
         ok, vals = self._call(
             lambda r: r.mget_nonatomic(rkeys) if self.cluster else r.mget(rkeys))
@@ -107,7 +110,7 @@ class RedisTier:
             with self._lock:
                 self.stats.misses += len(keys)
             return [None] * len(keys)
-        out: list[memoryview | None] = []
+        out: list[tuple[memoryview, bytes] | None] = []
         bad: list[bytes] = []
         hits = misses = 0
         for k, rk, v in zip(keys, rkeys, vals):
@@ -116,7 +119,7 @@ class RedisTier:
                 out.append(None)
                 continue
             try:
-                out.append(decode(v, k, layout))
+                out.append((decode(v, k, layout), v))
                 hits += 1
             except CorruptBlock:
                 bad.append(rk)
@@ -130,9 +133,9 @@ class RedisTier:
             self._delete(bad)
         return out
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes, object]]) -> bool:
-        """items: (key, header, payload). The value is header + payload in one buffer."""
-        values = [(self.rkey(k), b"".join((h, memoryview(p).cast("B")))) for k, h, p in items]
+    def put_many(self, items: Sequence[tuple[bytes, object]]) -> bool:
+        """items: (key, framed value: header + payload in one buffer, sent without a copy)."""
+        values = [(self.rkey(k), memoryview(v).cast("B")) for k, v in items]
 
         def run(r):
             p = r.pipeline(transaction=False)
@@ -142,7 +145,7 @@ class RedisTier:
         ok, _ = self._call(run)
         if ok:
             with self._lock:
-                self.stats.bytes += sum(len(v) for _, v in values)
+                self.stats.bytes += sum(v.nbytes for _, v in values)
         return ok
 
     def _delete(self, rkeys: list[bytes]) -> None:

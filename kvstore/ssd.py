@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvyard.kvstore.codec import CorruptBlock, decode
+from kvyard.kvstore.codec import HEADER_BYTES, CorruptBlock, check_header, decode
 from kvyard.kvstore.layout import KVLayout
 from kvyard.kvstore.stats import TierStats
 
@@ -143,6 +143,52 @@ class SsdTier:
                 self.stats.errors += 1
                 self.stats.misses += 1
             return None
+        self._touch(key, path, size)
+        return payload, buf
+
+    # -- writes ------------------------------------------------------------
+    def read_into(self, key: bytes, layout: KVLayout, out: memoryview) -> bool:
+        """Read the payload straight into `out` (one pass, no staging buffer), verified.
+
+        On False, `out` may hold garbage: callers use only what a True filled."""
+        path = self.path(key)
+        hdr = bytearray(HEADER_BYTES)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self._forget(key)
+            with self._lock:
+                self.stats.misses += 1
+            return False
+        except OSError:
+            with self._lock:
+                self.stats.errors += 1
+                self.stats.misses += 1
+            return False
+        try:
+            size = os.fstat(fd).st_size
+            got = os.preadv(fd, [hdr, out], 0) if size == HEADER_BYTES + layout.nbytes else -1
+        except OSError:
+            got = -1
+        finally:
+            os.close(fd)
+        ok = got == size
+        if ok:
+            try:
+                check_header(hdr, key, layout, out)
+            except CorruptBlock:
+                ok = False
+        if not ok:
+            _unlink(path)
+            self._forget(key)
+            with self._lock:
+                self.stats.errors += 1
+                self.stats.misses += 1
+            return False
+        self._touch(key, path, size)
+        return True
+
+    def _touch(self, key: bytes, path: str, size: int) -> None:
         try:
             os.utime(path)  # LRU order that survives a restart
         except OSError:
@@ -154,11 +200,11 @@ class SsdTier:
             else:
                 self._index[key] = size
                 self.stats.bytes += size
-        return payload, buf
 
-    # -- writes ------------------------------------------------------------
-    def put(self, key: bytes, header: bytes, payload) -> bool:
-        size = len(header) + memoryview(payload).nbytes
+    def put(self, key: bytes, bufs: list) -> bool:
+        """Write one block file from `bufs` (header and payload, or one framed buffer)."""
+        bufs = [memoryview(b).cast("B") for b in bufs]
+        size = sum(b.nbytes for b in bufs)
         if size > self.capacity:
             return False
         if time.monotonic() >= self._next_scan:
@@ -172,7 +218,7 @@ class SsdTier:
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         for attempt in range(2):
             try:
-                self._write(tmp, header, payload)
+                self._write(tmp, bufs)
                 os.replace(tmp, path)
                 break
             except OSError as e:
@@ -192,10 +238,10 @@ class SsdTier:
         self._remember(key, size)
         return True
 
-    def _write(self, tmp: str, header: bytes, payload) -> None:
+    def _write(self, tmp: str, bufs: list[memoryview]) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            bufs = [memoryview(header), memoryview(payload).cast("B")]
+            bufs = list(bufs)
             while bufs:
                 n = os.writev(fd, bufs)
                 while bufs and n >= bufs[0].nbytes:

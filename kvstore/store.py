@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvyard.kvstore.codec import encode_header
+from kvyard.kvstore.codec import HEADER_BYTES, encode_header
 from kvyard.kvstore.dram import DramTier
 from kvyard.kvstore.layout import Namespace
 from kvyard.kvstore.redis_tier import RedisTier
@@ -79,21 +79,29 @@ class KVStore:
 
     # -- writes --------------------------------------------------------------
     def put(self, block_hashes: Sequence[int], blocks: Sequence[object]) -> int:
-        """Store blocks; returns how many were queued for the lower tiers (or kept)."""
+        """Store blocks; returns how many were kept (DRAM) or queued for SSD/Redis.
+
+        A block is either its payload (`layout.nbytes`) or a framed, writable
+        buffer (`HEADER_BYTES` + payload) whose header the writer fills in place.
+        """
         keys = self.namespace.keys(block_hashes)
         nbytes = self.layout.nbytes
         accepted = 0
         for key, blk in zip(keys, blocks, strict=True):
             mv = memoryview(blk).cast("B")
-            if mv.nbytes != nbytes:
-                raise ValueError(f"block is {mv.nbytes} bytes, layout needs {nbytes}")
+            frame = None
+            if mv.nbytes == HEADER_BYTES + nbytes and not mv.readonly:
+                frame, mv = mv, mv[HEADER_BYTES:]
+            elif mv.nbytes != nbytes:
+                raise ValueError(f"block is {mv.nbytes} bytes, layout needs {nbytes} "
+                                 f"(or {HEADER_BYTES + nbytes} framed)")
             if self.dram is not None:
                 self.dram.put(key, mv)
             if self._writer is None:
                 accepted += 1
                 continue
             try:
-                self._q.put_nowait((key, mv, True))
+                self._q.put_nowait((key, mv, frame, True))
                 accepted += 1
             except queue.Full:
                 self.dropped_writes += 1
@@ -116,15 +124,22 @@ class KVStore:
             if any(b is _STOP for b in batch):
                 return
 
-    def _write_batch(self, batch: list[tuple[bytes, memoryview, bool]]) -> None:
-        items = [(k, encode_header(k, self.layout, p), p, to_redis) for k, p, to_redis in batch]
-        if self.ssd is not None:
-            for k, h, p, _ in items:
-                self.ssd.put(k, h, p)
-        if self.redis is not None:
-            remote = [(k, h, p) for k, h, p, to_redis in items if to_redis]
-            if remote:
-                self.redis.put_many(remote)
+    def _write_batch(self, batch: list[tuple[bytes, memoryview, object, bool]]) -> None:
+        remote: list[tuple[bytes, object]] = []
+        for key, payload, frame, to_redis in batch:
+            header = encode_header(key, self.layout, payload)
+            if frame is not None:
+                if not frame.readonly:  # a caller's frame gets its header now; a
+                    frame[:HEADER_BYTES] = header  # Redis value already carries one
+                bufs = [frame]
+            else:
+                bufs = [header, payload]
+            if self.ssd is not None:
+                self.ssd.put(key, bufs)
+            if to_redis and self.redis is not None:
+                remote.append((key, frame if frame is not None else b"".join(bufs)))
+        if remote:
+            self.redis.put_many(remote)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued write has reached its tiers (tests, benchmarks, shutdown)."""
@@ -165,6 +180,17 @@ class KVStore:
             n += 1
         return n, tiers[:n]
 
+    def _promote(self, key: bytes, payload: memoryview, frame: bytes | None) -> None:
+        """Copy a lower-tier hit upward: DRAM keeps the (immutable) view; a Redis
+        hit's framed value goes to SSD through the writer as is."""
+        if self.dram is not None:
+            self.dram.put(key, payload)
+        if frame is not None and self.ssd is not None:
+            try:
+                self._q.put_nowait((key, payload, memoryview(frame), False))
+            except queue.Full:
+                self.dropped_writes += 1
+
     def get(self, block_hashes: Sequence[int]) -> list[memoryview | None]:
         """Each block's payload (read-only view) or None; faster tiers first, hits promoted."""
         keys = self.namespace.keys(block_hashes)
@@ -179,23 +205,46 @@ class KVStore:
                 got = self.ssd.get(keys[i], self.layout)
                 if got is not None:
                     out[i] = got[0]
-                    if self.dram is not None:
-                        self.dram.put(keys[i], got[0])
+                    self._promote(keys[i], got[0], None)
             missing = [i for i in missing if out[i] is None]
         if self.redis is not None and missing:
-            vals = self.redis.get_many([keys[i] for i in missing], self.layout)
-            for i, v in zip(missing, vals):
-                if v is None:
-                    continue
-                out[i] = v
-                if self.dram is not None:
-                    self.dram.put(keys[i], v)
-                if self.ssd is not None:
-                    try:
-                        self._q.put_nowait((keys[i], v, False))
-                    except queue.Full:
-                        self.dropped_writes += 1
+            for i, v in zip(missing, self.redis.get_many([keys[i] for i in missing], self.layout)):
+                if v is not None:
+                    out[i] = v[0]
+                    self._promote(keys[i], *v)
         return out
+
+    def get_into(self, block_hashes: Sequence[int], outs: Sequence[object]) -> int:
+        """Fill `outs[i]` (writable, `layout.nbytes` each) with the leading blocks, in
+        order, stopping at the first block no tier has; returns how many were filled.
+
+        The copy-free path for callers that own the destination: SSD reads land
+        in `outs` directly (an SSD hit reaches DRAM only as a copy, which costs a
+        pass, so it is promoted only when DRAM exists).
+        """
+        keys = self.namespace.keys(block_hashes)
+        remote: list[tuple[memoryview, bytes] | None] | None = None
+        for i, (key, o) in enumerate(zip(keys, outs)):
+            dst = memoryview(o).cast("B")
+            mv = self.dram.get(key) if self.dram is not None else None
+            if mv is not None:
+                dst[:] = mv
+                continue
+            if self.ssd is not None and self.ssd.read_into(key, self.layout, dst):
+                if self.dram is not None:
+                    self.dram.put(key, bytes(dst))
+                continue
+            if self.redis is None:
+                return i
+            if remote is None:  # one MGET for everything from the first local miss on
+                remote = self.redis.get_many(keys[i:], self.layout)
+                base = i
+            v = remote[i - base]
+            if v is None:
+                return i
+            dst[:] = v[0]
+            self._promote(key, *v)
+        return min(len(keys), len(outs))
 
     # -- async twins (the server's event loop must not block on disk or network) --
     async def aput(self, block_hashes: Sequence[int], blocks: Sequence[object]) -> int:

@@ -4,9 +4,10 @@ The engine keeps one tensor per layer, `[2, num_blocks, block_size, kv_heads,
 head_dim]`; the store keeps one contiguous buffer per block holding that
 block's K and V for every layer, `[layers, 2, block_size, kv_heads,
 head_dim]` (see kvstore.codec). `save` gathers with one `index_select` per
-layer into a fresh buffer whose ownership passes to the store (so no further
-copy is made on the way to DRAM); `load` scatters with one `index_copy_` per
-layer. bf16 has no numpy dtype, so bytes cross as uint8 views of the tensor.
+layer into fresh *framed* buffers (header room + payload) whose ownership
+passes to the store, so no further copy is made on the way to DRAM, SSD or
+Redis; `load` has the store fill a staging buffer (`get_into`: SSD reads land
+there directly) and scatters with one `index_copy_` per layer. bf16 has no numpy dtype, so bytes cross as uint8 views of the tensor.
 
 The store is created at `bind`, when the cache's dtype and shape are known:
 the layout (and so the key namespace) is read from the tensors themselves,
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from kvyard.kvstore import KVLayout, KVStore, Namespace, StoreConfig
+from kvyard.kvstore.codec import HEADER_BYTES
 from kvyard.kvstore.metrics import KVStoreCollector
 
 _GB = 10**9
@@ -83,17 +85,13 @@ class StoreConnector:
         """Copy the leading blocks the store returns; stop at the first one it cannot."""
         if self.store is None or not block_hashes:
             return 0
-        got = self.store.get(list(block_hashes)[:len(block_ids)])
-        n = 0
-        while n < len(got) and got[n] is not None:
-            n += 1
+        lay = self.layout
+        want = min(len(block_hashes), len(block_ids))
+        staged = np.empty((want, lay.nbytes), dtype=np.uint8)
+        n = self.store.get_into(list(block_hashes)[:want], list(staged))
         if n == 0:
             return 0
-        lay = self.layout
-        staged = np.empty((n, lay.nbytes), dtype=np.uint8)
-        for i in range(n):
-            staged[i] = np.frombuffer(got[i], dtype=np.uint8)
-        src = torch.from_numpy(staged).view(self._caches[0].dtype).view(n, *lay.shape)
+        src = torch.from_numpy(staged[:n]).view(self._caches[0].dtype).view(n, *lay.shape)
         ids = torch.as_tensor(list(block_ids[:n]), dtype=torch.long)
         for layer, kv in enumerate(self._caches):
             kv.index_copy_(1, ids, src[:, layer].transpose(0, 1))
@@ -110,13 +108,15 @@ class StoreConnector:
                  if dram is None or not dram.contains(self.store.namespace.key(h))]
         if not pairs:
             return
-        lay = self.layout
+        lay, n = self.layout, len(pairs)
         ids = torch.as_tensor([b for _, b in pairs], dtype=torch.long)
-        buf = torch.empty((len(pairs), *lay.shape), dtype=self._caches[0].dtype)
+        # framed rows: header room, then the payload, so the store sends each row as is
+        frames = torch.empty((n, HEADER_BYTES + lay.nbytes), dtype=torch.uint8)
+        blocks = frames[:, HEADER_BYTES:].view(self._caches[0].dtype).view(n, *lay.shape)
         for layer, kv in enumerate(self._caches):
-            buf[:, layer].copy_(kv.index_select(1, ids).transpose(0, 1))
-        raw = buf.view(len(pairs), -1).view(torch.uint8).numpy()
-        self.store.put([h for h, _ in pairs], [raw[i] for i in range(len(pairs))])
+            blocks[:, layer].copy_(kv.index_select(1, ids).transpose(0, 1))
+        rows = frames.numpy()
+        self.store.put([h for h, _ in pairs], [rows[i] for i in range(n)])
         self.saved_blocks += len(pairs)
 
     def collector(self) -> KVStoreCollector:

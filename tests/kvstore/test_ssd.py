@@ -25,7 +25,7 @@ def _writer(root: str, model: str, layout_fields: dict, fill: int, n: int, go) -
     header = encode_header(key, layout, payload)
     go.wait(30)
     for _ in range(n):
-        assert ssd.put(key, header, payload)
+        assert ssd.put(key, [header, payload])
 
 
 def test_two_processes_writing_one_key_leave_one_valid_copy(ns, layout, tmp_path):
