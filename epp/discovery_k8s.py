@@ -56,6 +56,7 @@ class K8sDiscovery:
     pool: EndpointPool
     loop: asyncio.AbstractEventLoop
     source: str = "k8s"
+    api_host: str | None = None  # e.g. http://127.0.0.1:8001 (kubectl proxy); None: in-cluster/kubeconfig
     _pods: dict[str, EndpointSpec] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -85,11 +86,16 @@ class K8sDiscovery:
     def _run(self) -> None:
         from kubernetes import client, config, watch
 
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
-        api = client.CoreV1Api()
+        if self.api_host:
+            cfg = client.Configuration()
+            cfg.host = self.api_host
+            api = client.CoreV1Api(client.ApiClient(cfg))
+        else:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            api = client.CoreV1Api()
         backoff = 0.5
         while not self._stop.is_set():
             try:
