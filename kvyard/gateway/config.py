@@ -15,6 +15,15 @@ wrong, so they are spelled out here:
   connection's original destination, i.e. the gateway itself (a loop).
 * Responses are never sent to the EPP and never buffered, and generation can
   be long, so the route has no overall timeout, only a stream idle timeout.
+
+Body handling (checked with Envoy 1.40): the EPP answers the *headers*
+message with its routing mutation, but only after it has read the body (it
+routes on the prompt). In BUFFERED mode Envoy sends no body until the headers
+are answered, a deadlock. So the request body is mode STREAMED with
+`send_body_without_waiting_for_header_response`, behind a buffer filter: the
+buffer filter holds the whole body (and enforces the limit with 413), so the
+EPP receives it as exactly one chunk with end_of_stream, right after the
+headers, and answers headers then body, in order.
 """
 from __future__ import annotations
 
@@ -112,10 +121,12 @@ def _http_filters(cfg: GatewayConfig) -> list[dict[str, Any]]:
                 "failure_mode_allow": False,
                 "message_timeout": _duration(cfg.ext_proc_timeout_s),
                 "status_on_error": {"code": cfg.status_on_epp_error},
-                # Pinned with the EPP: headers and the whole body in, nothing out.
+                "send_body_without_waiting_for_header_response": True,
+                # Pinned with the EPP: headers and the whole body (one chunk, see above)
+                # in, nothing out.
                 "processing_mode": {
                     "request_header_mode": "SEND",
-                    "request_body_mode": "BUFFERED",
+                    "request_body_mode": "STREAMED",
                     "request_trailer_mode": "SKIP",
                     "response_header_mode": "SKIP",
                     "response_body_mode": "NONE",

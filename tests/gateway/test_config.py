@@ -56,7 +56,9 @@ def test_ext_proc_mode_is_pinned_and_fails_closed() -> None:
                      "envoy.filters.http.router"]
     ext = hcm["http_filters"][1]["typed_config"]
     assert ext["failure_mode_allow"] is False
-    assert ext["processing_mode"]["request_body_mode"] == "BUFFERED"
+    # The EPP answers headers only after reading the body: Envoy must not wait.
+    assert ext["processing_mode"]["request_body_mode"] == "STREAMED"
+    assert ext["send_body_without_waiting_for_header_response"] is True
     assert ext["processing_mode"]["response_header_mode"] == "SKIP"
     assert ext["processing_mode"]["response_body_mode"] == "NONE"
     epp = [c for c in render(GatewayConfig())["static_resources"]["clusters"] if c["name"] == "kvyard_epp"]
