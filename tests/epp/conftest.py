@@ -45,9 +45,18 @@ class FakeVllm:
         )
         return web.Response(text=text, content_type="text/plain")
 
+    async def _echo(self, req: web.Request) -> web.Response:
+        """Stands in for the OpenAI API: says who served it and what arrived."""
+        body = await req.read()
+        return web.json_response({"served_by": self.address, "body_bytes": len(body),
+                                  "headers": {k.lower(): v for k, v in req.headers.items()}})
+
     async def start(self) -> None:
-        app = web.Application()
+        app = web.Application(client_max_size=64 << 20)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/v1/chat/completions", self._echo)
+        app.router.add_post("/v1/completions", self._echo)
+        app.router.add_get("/v1/models", self._echo)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True).start()
