@@ -88,6 +88,7 @@ class EppApp:
         self.metrics = EppMetrics()
         sched = build_scheduler(load_config(c.config), seed=c.seed)
         self.pool.on_remove(sched.forget)
+        self.pool.on_remove(self.metrics.forget)
         hasher = PromptHasher(block_size=sched.block_size)
         self.router = Router(self.pool, sched, hasher, _served_names(c))
         self.finisher = Finisher(self.pool, sched)

@@ -58,6 +58,13 @@ class EppMetrics:
             self.prefix_blocks.inc(d.total_blocks)
             self.prefix_matched.inc(d.matched_blocks)
 
+    def forget(self, address: str) -> None:
+        """An endpoint left the pool: drop its series rather than keep them forever."""
+        try:
+            self.picks.remove(address)
+        except KeyError:
+            pass
+
     def error(self, reason: str) -> None:
         self.errors.labels(reason).inc()
 

@@ -63,17 +63,28 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             out.append(responses.body_continue())
         return out, d
 
+    async def _answer(self, headers: dict[str, str] | None,
+                      chunks: list[bytes]) -> AsyncIterator[ep.ProcessingResponse]:
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        answers, decision = self._decide(headers or {}, body)
+        for r in answers:
+            yield r
+        if decision is not None:  # after Envoy has its answer
+            self.finisher.submit(decision)
+
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
                       context) -> AsyncIterator[ep.ProcessingResponse]:
         headers: dict[str, str] | None = None
         chunks: list[bytes] = []
         size = 0
+        decided = False
         async for msg in request_iterator:
             try:
                 kind = msg.WhichOneof("request")
                 if kind == "request_headers":
                     headers = _headers(msg.request_headers)
                     if msg.request_headers.end_of_stream:
+                        decided = True
                         for r in self._decide(headers, None)[0]:
                             yield r
                 elif kind == "request_body":
@@ -86,13 +97,14 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                         return
                     chunks.append(msg.request_body.body)
                     if msg.request_body.end_of_stream:
-                        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                        answers, decision = self._decide(headers or {}, body)
-                        for r in answers:
+                        decided = True
+                        async for r in self._answer(headers, chunks):
                             yield r
-                        if decision is not None:  # after Envoy has its answer
-                            self.finisher.submit(decision)
                 elif kind == "request_trailers":
+                    if not decided:  # trailers, not the body, ended the request
+                        decided = True
+                        async for r in self._answer(headers, chunks):
+                            yield r
                     yield responses.trailers_continue()
                 elif kind == "response_headers":
                     yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())

@@ -134,3 +134,16 @@ async def test_sheddable_request_gets_429_when_saturated(fake_vllm, epp, xp):
     await xp.wait_for(lambda: app.pool.get(w.address).waiting == 0, what="scrape")
     resps = await xp.exchange(app.ports["ext_proc"], [xp.headers_msg(shed), xp.body_msg(CHAT)])
     assert resps[0].WhichOneof("response") == "request_headers"
+
+
+async def test_body_ended_by_trailers_is_routed(fake_vllm, epp, xp):
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+    w = await fake_vllm()
+    app = await epp([w])
+    await xp.wait_for(app.is_ready, what="EPP ready")
+    resps = await xp.exchange(app.ports["ext_proc"], [
+        xp.headers_msg(xp.chat_headers()), xp.body_msg(CHAT, end_of_stream=False),
+        ep.ProcessingRequest(request_trailers=ep.HttpTrailers())])
+    assert [r.WhichOneof("response") for r in resps] == [
+        "request_headers", "request_body", "request_trailers"]
+    assert xp.set_headers(resps[0])[DESTINATION_HEADER] == w.address

@@ -134,3 +134,16 @@ def test_saturation_and_config_validation():
         build_scheduler({"scorers": [{"type": "nope"}]})
     s = build_scheduler({"scorers": [{"type": "queue", "weight": 1}], "objectives": {"batch": -1}})
     assert s.prefix_scorer is None and s.objectives == {"batch": -1}
+
+
+def test_example_config_is_the_default_pipeline():
+    from pathlib import Path
+
+    import kvyard.epp
+    from kvyard.epp.scheduler import load_config
+    path = Path(kvyard.epp.__file__).parent / "scheduler.example.yaml"
+    s = build_scheduler(load_config(path))
+    assert [f.name for f in s.filters] == ["healthy", "prefer-fresh", "role"]
+    assert [(sc.name, w) for sc, w in s.scorers] == [
+        ("prefix-cache", 3.0), ("queue", 2.0), ("kv-cache-utilization", 2.0)]
+    assert s.block_size == 64 and s.objectives == {"batch": -1, "interactive": 0}
