@@ -27,6 +27,8 @@ from kvyard.common.models import DEMO_SERVED_NAME
 class LoadResult:
     requests: int = 0
     errors: int = 0
+    # Everything answered, warm-up included: the divisor for CPU-per-request.
+    total_answered: int = 0
     seconds: float = 0.0
     rps: float = 0.0
     p50_ms: float = 0.0
@@ -84,6 +86,7 @@ async def _worker(host: str, port: int, req: bytes, stop_at: float, measure_from
                 writer.close()
             reader = writer = None
             continue
+        res.total_answered += 1
         if t0 >= measure_from:
             res.statuses[str(status)] = res.statuses.get(str(status), 0) + 1
             if status == 200:

@@ -61,6 +61,14 @@ def alive(pid: int) -> bool:
     return True
 
 
+def cpu_seconds(pid: int) -> float:
+    """User+system CPU time a process has used so far (all its threads), from /proc.
+    Lets benchmarks report CPU per request, which a busy shared machine skews
+    far less than wall-clock throughput."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _signal_group(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)
