@@ -54,6 +54,8 @@ class StackSpec:
     body_limit_bytes: int = 4 * 1024 * 1024
     ready_timeout_s: float = 180.0
     extras: list[ServiceSpec] = field(default_factory=list)
+    # A local redis-server as the workers' shared KV tier (kvstore).
+    kv_redis: bool = False
     worker_args: list[str] = field(default_factory=list)
     epp_args: list[str] = field(default_factory=list)
 
@@ -94,11 +96,18 @@ class StackState:
         return [p.pid for p in self.procs]
 
 
+def redis_service(port: int) -> ServiceSpec:
+    """Loopback-only, nothing persisted: a scratch tier that dies with the stack."""
+    return ServiceSpec(name="redis", ready=f"tcp:{port}", ports={"redis": port},
+                       cmd=["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                            "--save", "", "--appendonly", "no"])
+
+
 def py_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def worker_cmd(spec: StackSpec, port: int) -> list[str]:
+def worker_cmd(spec: StackSpec, port: int, extra: list[str] | None = None) -> list[str]:
     addr = f"127.0.0.1:{port}"
     if spec.standin:
         return py_module("kvyard.stack.standin", "--port", str(port), "--advertise-address", addr)
@@ -106,7 +115,7 @@ def worker_cmd(spec: StackSpec, port: int) -> list[str]:
                     "--port", str(port), "--advertise-address", addr)
     if spec.dtype:
         cmd += ["--dtype", spec.dtype]
-    return cmd + spec.worker_args
+    return cmd + (spec.worker_args if extra is None else extra)
 
 
 def write_endpoints(path: Path, addresses: list[str], role: str = "both") -> Path:
@@ -182,7 +191,13 @@ def start_stack(spec: StackSpec) -> StackState:
     started = _Started(run)
     try:
         checks: list[tuple[Proc, Callable[[], bool]]] = []
-        for ex in spec.extras:
+        extras = list(spec.extras)
+        worker_args = list(spec.worker_args)
+        if spec.kv_redis:
+            rport = procs.free_port(6379, taken)
+            extras.append(redis_service(rport))
+            worker_args += ["--kv-redis-url", f"redis://127.0.0.1:{rport}"]
+        for ex in extras:
             p = procs.spawn(ex.name, ex.cmd, logs / f"{ex.name}.log", ports=ex.ports)
             started.add(p)
             checks.append((p, _ready_check(ex.ready)))
@@ -191,7 +206,8 @@ def start_stack(spec: StackSpec) -> StackState:
             base = spec.worker_base_port
             port = procs.free_port(None if base is None else base + i, taken)
             addresses.append(f"127.0.0.1:{port}")
-            p = procs.spawn(f"worker-{i}", worker_cmd(spec, port), logs / f"worker-{i}.log",
+            p = procs.spawn(f"worker-{i}", worker_cmd(spec, port, worker_args),
+                            logs / f"worker-{i}.log",
                             ports={"http": port})
             started.add(p)
             checks.append((p, _ready_check(f"http://127.0.0.1:{port}/health")))

@@ -18,6 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8080, help="gateway port (another free one if taken)")
     p.add_argument("--model", default="demo")
     p.add_argument("--dtype", default=None, help="worker dtype (passed to kvyard worker)")
+    p.add_argument("--kv-redis", action="store_true",
+                   help="also start a loopback redis-server as the workers' shared KV tier")
     p.add_argument("--restart", action="store_true", help="stop a running stack first")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for readiness")
     # Model-free workers, for tests and routing benchmarks.
@@ -42,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvyard: stopping the previous stack in {rd}", file=sys.stderr)
         stop_stack(old)
     spec = StackSpec(run_dir=rd, workers=args.workers, gateway_port=args.port, model=args.model,
-                     dtype=args.dtype, standin=args.standin_workers, ready_timeout_s=args.timeout)
+                     dtype=args.dtype, standin=args.standin_workers, ready_timeout_s=args.timeout,
+                     kv_redis=args.kv_redis)
     print(f"kvyard: starting {args.workers} worker(s), the EPP and Envoy (logs in {rd}/logs)",
           flush=True)
     try:

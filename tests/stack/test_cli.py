@@ -51,11 +51,15 @@ def test_up_status_down(tmp_path: Path, h) -> None:
 
 def test_down_after_a_crash_stops_the_rest(tmp_path: Path) -> None:
     rd = str(tmp_path / "run")
-    up = kvyard("up", "--workers", "1", "--standin-workers", "--port", str(procs.free_port()),
-                "--run-dir", rd)
+    up = kvyard("up", "--workers", "1", "--standin-workers", "--kv-redis",
+                "--port", str(procs.free_port()), "--run-dir", rd)
     assert up.returncode == 0, up.stdout + up.stderr
     state = StackState.load(Path(rd))
-    procs.stop([state.procs[0].pid], timeout_s=2)  # a worker "crashes"
+    redis = next(p for p in state.procs if p.name == "redis")
+    worker = next(p for p in state.procs if p.name == "worker-0")
+    assert f"redis://127.0.0.1:{redis.ports['redis']}" not in worker.cmd  # stand-ins take no KV flags
+    assert procs.alive(redis.pid)
+    procs.stop([worker.pid], timeout_s=2)  # a worker "crashes"
     assert kvyard("down", "--run-dir", rd).returncode == 0
     assert not any(procs.alive(pid) for pid in state.pids())
 
