@@ -60,7 +60,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         src = resolve_model(config.model)
-        model, model_config = load_model(src, resolve_dtype(config.dtype))
+        model, model_config = load_model(src, resolve_dtype(config.dtype), config.max_model_len)
         tokenizer = load_tokenizer(config.model)
         return cls(config, model, model_config, tokenizer,
                    config.served_model_name or src.served_name)
@@ -107,6 +107,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # validate() makes every request fit an empty cache, so this is a bug: fail loudly
+                raise RuntimeError("scheduler stalled: nothing runs and the queue head cannot start")
             return []
         t0 = time.perf_counter()
         logits, samplers = self.runner.execute(sched)

@@ -40,7 +40,6 @@ class Sequence:
     detokenizer: Any = None              # incremental detokenizer (tokenizer-provided)
     output_text: str = ""                # detokenized output, stop strings trimmed
     num_emitted_chars: int = 0           # of output_text already streamed
-    first_token_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

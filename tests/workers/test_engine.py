@@ -1,0 +1,147 @@
+"""The engine on the real demo model: chunking, preemption, stops, seeds, the KV connector hook."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvyard.common.models import resolve_model
+from kvyard.common.tokenizer import load_tokenizer
+from kvyard.workers.engine.api import SamplingParams
+from kvyard.workers.engine.config import EngineConfig
+from kvyard.workers.engine.llm import LLM
+from kvyard.workers.engine.llm_engine import LLMEngine
+from kvyard.workers.engine.model_runner import kv_block_bytes
+
+QUESTIONS = ["Name a color.", "What is two plus two? Explain your reasoning step by step.",
+             "Say hello to the world in a friendly, enthusiastic and slightly long-winded way.",
+             "Why do cats purr?"]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from kvyard.workers.model import load_model
+
+    model, cfg = load_model(resolve_model("demo"), torch.float32)
+    return model, cfg, load_tokenizer("demo")
+
+
+@pytest.fixture(scope="module")
+def prompts(loaded) -> list[list[int]]:
+    tok = loaded[2]
+    return [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+def make(loaded, connector=None, **kw) -> LLM:
+    model, cfg, tok = loaded
+    kw.setdefault("kv_cache_memory_bytes", 64 << 20)
+    conf = EngineConfig(dtype="float32", kv_connector=connector, **kw)
+    return LLM(engine=LLMEngine(conf, model, cfg, tok))
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(loaded, prompts) -> list[list[int]]:
+    """Greedy continuations with a roomy cache and a budget that never chunks."""
+    return [o.token_ids for o in make(loaded, max_num_batched_tokens=4096).generate(prompts, GREEDY)]
+
+
+def test_chunked_prefill_equals_unchunked(loaded, prompts, reference):
+    llm = make(loaded, max_num_batched_tokens=16, enable_prefix_caching=False)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == reference
+
+
+def test_preemption_recomputes_to_the_same_tokens(loaded, prompts, reference):
+    model, cfg, _ = loaded
+    need = max(len(p) for p in prompts) + GREEDY.max_tokens
+    blocks = -(-need // 16) + 2                       # one sequence fits, four do not
+    llm = make(loaded, kv_cache_memory_bytes=blocks * kv_block_bytes(cfg, 16, torch.float32))
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    st = llm.engine.stats()
+    assert st.num_preemptions > 0 and st.kv_cache_usage == 0.0 and st.num_running == 0
+
+
+def test_stop_string_is_trimmed_on_real_text(loaded, prompts):
+    llm = make(loaded)
+    base = llm.generate([prompts[2]], SamplingParams(temperature=0.0, max_tokens=16))[0]
+    text = base.text
+    assert len(text) > 12
+    stop = text[8:12]                                 # may start or end mid-token
+    got = llm.generate([prompts[2]], SamplingParams(temperature=0.0, max_tokens=16, stop=[stop]))[0]
+    assert got.finish_reason == "stop" and got.text == text[:text.find(stop)]
+    assert stop not in got.text
+
+
+def test_eos_ends_generation_and_is_not_in_text(loaded, prompts):
+    llm = make(loaded)
+    out = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=64))[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.eos_token_ids
+    assert out.text and out.text == llm.engine.tokenizer.decode(out.token_ids[:-1])
+
+
+def test_seeded_sampling_repeats_alone_and_in_a_batch(loaded, prompts):
+    llm = make(loaded)
+    p = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=10, seed=42, ignore_eos=True)
+    alone = llm.generate([prompts[1]], p)[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    batch = llm.generate([prompts[0], prompts[1], prompts[3]], [others, p, others])
+    assert batch[1].token_ids == alone
+    assert llm.generate([prompts[1]], p)[0].token_ids == alone
+
+
+def test_prefix_cache_counts_hits_in_tokens(loaded, prompts):
+    llm = make(loaded)
+    llm.generate(prompts[:1], GREEDY)
+    st = llm.engine.stats()
+    assert st.prefix_queries_tokens == len(prompts[0])
+    again = llm.generate(prompts[:1], GREEDY)[0]
+    st2 = llm.engine.stats()
+    hit = (len(prompts[0]) - 1) // 16 * 16
+    assert again.num_cached_tokens == hit and st2.prefix_hits_tokens - st.prefix_hits_tokens == hit
+    assert st2.prompt_tokens_total == 2 * len(prompts[0])
+    assert st2.generation_tokens_total == 2 * GREEDY.max_tokens
+
+
+class MemoryConnector:
+    """A minimal KV connector that copies blocks into host memory (what kvstore does, minus tiers)."""
+
+    def __init__(self) -> None:
+        self.store: dict[int, list[torch.Tensor]] = {}
+        self.kv: list[torch.Tensor] = []
+        self.loaded = 0
+
+    def bind(self, kv_caches, block_size: int) -> None:
+        self.kv = list(kv_caches)
+
+    def lookup(self, block_hashes) -> int:
+        n = 0
+        for h in block_hashes:
+            if h not in self.store:
+                break
+            n += 1
+        return n
+
+    def load(self, block_hashes, block_ids) -> int:
+        for h, b in zip(block_hashes, block_ids):
+            for layer, blk in zip(self.kv, self.store[h]):
+                layer[:, b].copy_(blk)
+        self.loaded += len(block_ids)
+        return len(block_ids)
+
+    def save(self, block_hashes, block_ids) -> None:
+        for h, b in zip(block_hashes, block_ids):
+            self.store.setdefault(h, [layer[:, b].clone() for layer in self.kv])
+
+
+def test_kv_connector_supplies_prefix_blocks_to_a_fresh_engine(loaded, prompts, reference):
+    conn = MemoryConnector()
+    first = make(loaded, connector=conn)
+    assert [o.token_ids for o in first.generate(prompts, GREEDY)] == reference
+    assert conn.store, "computed full blocks were not saved"
+    second = make(loaded, connector=conn)             # empty local cache, same store
+    outs = second.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert conn.loaded > 0 and all(o.num_cached_tokens > 0 for o in outs)
+    assert second.engine.stats().prefix_hits_tokens == 0   # the hits came from the connector
