@@ -246,10 +246,11 @@ def start_stack(spec: StackSpec) -> StackState:
 
 def stack_alive(state: StackState) -> bool:
     """All recorded processes run and the gateway answers its admin readiness."""
-    return all(procs.alive(p.pid) for p in state.procs) and procs.http_ok(state.admin_url + "/ready")
+    return all(procs.is_ours(p) for p in state.procs) and procs.http_ok(state.admin_url + "/ready")
 
 
 def stop_stack(state: StackState, timeout_s: float = 5.0) -> None:
-    """Front to back (Envoy first) so no new traffic reaches dying workers."""
-    procs.stop(list(reversed(state.pids())), timeout_s)
+    """Front to back (Envoy first) so no new traffic reaches dying workers.
+    Only pids that still run what we started are signalled."""
+    procs.stop([p.pid for p in reversed(state.procs) if procs.is_ours(p)], timeout_s)
     (Path(state.run_dir) / STATE_FILE).unlink(missing_ok=True)

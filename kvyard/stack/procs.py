@@ -61,6 +61,21 @@ def alive(pid: int) -> bool:
     return True
 
 
+def is_ours(proc: Proc) -> bool:
+    """The pid still runs the command we started. After a reboot or a long time
+    a recorded pid may belong to someone else; never signal that."""
+    try:
+        argv = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")[:-1]
+    except OSError:
+        return False
+    args = [a.decode(errors="replace") for a in argv]
+    if args == proc.cmd:
+        return True
+    # Some servers (redis-server) rewrite their title; then the program name must match.
+    first = args[0].split()[0] if args and args[0].split() else ""
+    return Path(first).name == Path(proc.cmd[0]).name
+
+
 def cpu_seconds(pid: int) -> float:
     """User+system CPU time a process has used so far (all its threads), from /proc.
     Lets benchmarks report CPU per request, which a busy shared machine skews
