@@ -46,6 +46,7 @@ class StackSpec:
     dtype: str | None = None
     # Stand-in workers (no model): for tests and benchmarks of the routing path.
     standin: bool = False
+    standin_args: list[str] = field(default_factory=list)
     worker_base_port: int | None = 8100
     epp_ports: tuple[int | None, int | None, int | None] = (
         wire.EPP_EXT_PROC_PORT, wire.EPP_HEALTH_PORT, wire.EPP_METRICS_PORT)
@@ -109,8 +110,9 @@ def py_module(module: str, *args: str) -> list[str]:
 
 def worker_cmd(spec: StackSpec, port: int, extra: list[str] | None = None) -> list[str]:
     addr = f"127.0.0.1:{port}"
-    if spec.standin:
-        return py_module("kvyard.stack.standin", "--port", str(port), "--advertise-address", addr)
+    if spec.standin:  # stand-ins take only their own flags (e.g. --token-delay)
+        return py_module("kvyard.stack.standin", "--port", str(port), "--advertise-address", addr,
+                         *spec.standin_args)
     cmd = py_module("kvyard.cli", "worker", "--model", spec.model, "--host", "127.0.0.1",
                     "--port", str(port), "--advertise-address", addr)
     if spec.dtype:

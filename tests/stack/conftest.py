@@ -55,10 +55,10 @@ def chat_body(user: str, system: str | None = None, stream: bool = False) -> dic
     return {"model": "SmolLM2-135M-Instruct", "messages": msgs, "max_tokens": 4, "stream": stream}
 
 
-def make_spec(run_dir: Path, workers: int) -> StackSpec:
+def make_spec(run_dir: Path, workers: int, standin_args: list[str] | None = None) -> StackSpec:
     return StackSpec(run_dir=run_dir, workers=workers, standin=True, gateway_port=None,
                      worker_base_port=None, epp_ports=(None, None, None), admin_port=None,
-                     ready_timeout_s=90.0)
+                     ready_timeout_s=90.0, standin_args=standin_args or [])
 
 
 def epp_rows(state: StackState) -> dict[str, dict]:
@@ -97,8 +97,8 @@ def own_stack(tmp_path: Path) -> Iterator[Callable[[int], StackState]]:
     """A private stack for tests that kill parts of it."""
     states: list[StackState] = []
 
-    def start(workers: int = 2) -> StackState:
-        states.append(start_stack(make_spec(tmp_path / f"s{len(states)}", workers)))
+    def start(workers: int = 2, standin_args: list[str] | None = None) -> StackState:
+        states.append(start_stack(make_spec(tmp_path / f"s{len(states)}", workers, standin_args)))
         return states[-1]
 
     try:
