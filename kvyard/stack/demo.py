@@ -16,7 +16,7 @@ from collections import Counter
 from kvyard.common.models import DEMO_ALIASES, DEMO_SERVED_NAME
 from kvyard.common.wire import ENDPOINT_HEADER
 from kvyard.stack.launch import StackState
-from kvyard.stack.rundir import add_run_dir, run_dir
+from kvyard.stack.rundir import add_run_dir, kvyard_command, run_dir
 
 SYSTEM = (
     "You are the help desk of Yardley Garden Supplies, a family shop founded in 1962. "
@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"served by: {dict(Counter(served))}")
     print(f"{same} of {len(later)} later requests landed on {first}, the worker that already "
           "had the shared system prompt in its KV cache (prefix-aware routing).")
-    print("\nSee the EPP's view with `kvyard status`; stop everything with `kvyard down`.")
+    k = kvyard_command()
+    print(f"\nSee the EPP's view with `{k} status`; stop everything with `{k} down`.")
     return 0
 
 

@@ -15,3 +15,18 @@ def add_run_dir(p: argparse.ArgumentParser) -> None:
 
 def run_dir(args: argparse.Namespace) -> Path:
     return Path(args.run_dir or os.environ.get("KVYARD_RUN_DIR") or ".kvyard/run").resolve()
+
+
+def kvyard_command() -> str:
+    """How the user can type `kvyard` right now: bare if on PATH, else the venv's path
+    (`make demo` runs it from .venv/bin without activating the venv)."""
+    import shutil
+    import sys
+
+    exe = Path(sys.executable).parent / "kvyard"
+    if shutil.which("kvyard") == str(exe) or not exe.exists():
+        return "kvyard"
+    try:
+        return str(exe.relative_to(Path.cwd()))
+    except ValueError:
+        return str(exe)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvyard.stack.rundir import add_run_dir, run_dir
+from kvyard.stack.rundir import add_run_dir, kvyard_command, run_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
             spec = old.spec
             print(f"kvyard: a stack is already running in {rd} "
                   f"({spec.get('workers')} workers, model {spec.get('model')}); reusing it. "
-                  "Use `kvyard up --restart` for a fresh one.")
+                  f"Use `{kvyard_command()} up --restart` for a fresh one.")
             print(f"gateway: {old.gateway_url}")
             return 0
         print(f"kvyard: stopping the previous stack in {rd}", file=sys.stderr)
@@ -56,5 +56,5 @@ def run(args: argparse.Namespace) -> int:
     for p in state.procs:
         print(f"  {p.name:<10} pid {p.pid:<8} {p.ports}")
     print(f"gateway: {state.gateway_url}")
-    print("stop with: kvyard down")
+    print(f"status: {kvyard_command()} status    stop: {kvyard_command()} down")
     return 0
