@@ -209,7 +209,7 @@ class SsdTier:
             return False
         if time.monotonic() >= self._next_scan:
             self.rescan()
-        self._make_room(size)
+        self._reserve(key, size)
         path = self.path(key)
         d = os.path.dirname(path)
         if d not in self._dirs:
@@ -232,10 +232,11 @@ class SsdTier:
                 if e.errno in (errno.ENOSPC, errno.EDQUOT) and attempt == 0:
                     self._evict(max(size, self.capacity // 20))
                     continue
+                self._forget(key)
                 return False
         else:
+            self._forget(key)
             return False
-        self._remember(key, size)
         return True
 
     def _write(self, tmp: str, bufs: list[memoryview]) -> None:
@@ -254,11 +255,21 @@ class SsdTier:
         finally:
             os.close(fd)
 
-    def _make_room(self, size: int) -> None:
+    def _reserve(self, key: bytes, size: int) -> None:
+        """Account for the block before writing it, evicting the LRU files it displaces,
+        in one step under the lock, so concurrent writers never overshoot together."""
+        victims: list[bytes] = []
         with self._lock:
-            over = self.stats.bytes + size - self.capacity
-        if over > 0:
-            self._evict(over)
+            old = self._index.pop(key, None)
+            self.stats.bytes += size - (old or 0)
+            while self.stats.bytes > self.capacity and self._index:
+                victim, vsize = self._index.popitem(last=False)
+                self.stats.bytes -= vsize
+                self.stats.evictions += 1
+                victims.append(victim)
+            self._index[key] = size
+        for victim in victims:
+            _unlink(self.path(victim))
 
     def _evict(self, nbytes: int) -> None:
         """Delete the least recently used files until `nbytes` are freed."""

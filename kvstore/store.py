@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+from concurrent.futures import ThreadPoolExecutor
 import threading
 import time
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ class StoreConfig:
     redis_cluster: bool = False
     redis_timeout_s: float = 0.25
     queue_blocks: int = 1024
+    io_threads: int = 4
 
     @property
     def any_tier(self) -> bool:
@@ -54,8 +56,13 @@ class StoreConfig:
 class KVStore:
     def __init__(self, namespace: Namespace, *, dram: DramTier | None = None,
                  ssd: SsdTier | None = None, redis: RedisTier | None = None,
-                 queue_blocks: int = 1024) -> None:
+                 queue_blocks: int = 1024, io_threads: int = 4) -> None:
         self.namespace = namespace
+        # Parallel block I/O and checksums (both release the GIL): a page-cache or
+        # NVMe read, and a checksum pass, each run far below memory or device
+        # bandwidth on one core, so a few threads are what reach it.
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-io") \
+            if io_threads > 1 and (ssd is not None or redis is not None) else None
         self.layout = namespace.layout
         self.dram, self.ssd, self.redis = dram, ssd, redis
         self.tiers = {t.name: t for t in (dram, ssd, redis) if t is not None}
@@ -75,7 +82,8 @@ class KVStore:
         red = RedisTier(cfg.redis_url, password=cfg.redis_password, prefix=cfg.redis_prefix,
                         ttl_s=cfg.redis_ttl_s, cluster=cfg.redis_cluster,
                         timeout_s=cfg.redis_timeout_s) if cfg.redis_url else None
-        return cls(namespace, dram=dram, ssd=ssd, redis=red, queue_blocks=cfg.queue_blocks)
+        return cls(namespace, dram=dram, ssd=ssd, redis=red, queue_blocks=cfg.queue_blocks,
+                   io_threads=cfg.io_threads)
 
     # -- writes --------------------------------------------------------------
     def put(self, block_hashes: Sequence[int], blocks: Sequence[object]) -> int:
@@ -124,22 +132,34 @@ class KVStore:
             if any(b is _STOP for b in batch):
                 return
 
-    def _write_batch(self, batch: list[tuple[bytes, memoryview, object, bool]]) -> None:
-        remote: list[tuple[bytes, object]] = []
-        for key, payload, frame, to_redis in batch:
+    def _map(self, fn, items: list) -> list:
+        if self._pool is None or len(items) < 2:
+            return [fn(x) for x in items]
+        return list(self._pool.map(fn, items))
+
+    def _encode_and_write(self, item: tuple[bytes, memoryview, object, bool]) -> list:
+        """One block: header (checksum) and, if there is an SSD, its file."""
+        key, payload, frame, _ = item
+        if frame is not None and frame.readonly:  # a Redis value: it carries its header
+            bufs = [frame]
+        else:
             header = encode_header(key, self.layout, payload)
-            if frame is not None:
-                if not frame.readonly:  # a caller's frame gets its header now; a
-                    frame[:HEADER_BYTES] = header  # Redis value already carries one
+            if frame is not None:  # a caller's frame gets its header in place
+                frame[:HEADER_BYTES] = header
                 bufs = [frame]
             else:
                 bufs = [header, payload]
-            if self.ssd is not None:
-                self.ssd.put(key, bufs)
-            if to_redis and self.redis is not None:
-                remote.append((key, frame if frame is not None else b"".join(bufs)))
-        if remote:
-            self.redis.put_many(remote)
+        if self.ssd is not None:
+            self.ssd.put(key, bufs)
+        return bufs
+
+    def _write_batch(self, batch: list[tuple[bytes, memoryview, object, bool]]) -> None:
+        written = self._map(self._encode_and_write, batch)
+        if self.redis is not None:
+            remote = [(item[0], bufs[0] if len(bufs) == 1 else b"".join(bufs))
+                      for item, bufs in zip(batch, written) if item[3]]
+            if remote:
+                self.redis.put_many(remote)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued write has reached its tiers (tests, benchmarks, shutdown)."""
@@ -216,35 +236,40 @@ class KVStore:
 
     def get_into(self, block_hashes: Sequence[int], outs: Sequence[object]) -> int:
         """Fill `outs[i]` (writable, `layout.nbytes` each) with the leading blocks, in
-        order, stopping at the first block no tier has; returns how many were filled.
+        order, up to the first block no tier has; returns how many were filled.
 
         The copy-free path for callers that own the destination: SSD reads land
-        in `outs` directly (an SSD hit reaches DRAM only as a copy, which costs a
-        pass, so it is promoted only when DRAM exists).
+        in `outs` directly, several at once. An SSD hit reaches DRAM only as a
+        copy (a pass over the bytes), done only when there is a DRAM tier.
         """
-        keys = self.namespace.keys(block_hashes)
-        remote: list[tuple[memoryview, bytes] | None] | None = None
-        for i, (key, o) in enumerate(zip(keys, outs)):
-            dst = memoryview(o).cast("B")
-            mv = self.dram.get(key) if self.dram is not None else None
-            if mv is not None:
-                dst[:] = mv
-                continue
-            if self.ssd is not None and self.ssd.read_into(key, self.layout, dst):
-                if self.dram is not None:
-                    self.dram.put(key, bytes(dst))
-                continue
-            if self.redis is None:
-                return i
-            if remote is None:  # one MGET for everything from the first local miss on
-                remote = self.redis.get_many(keys[i:], self.layout)
-                base = i
-            v = remote[i - base]
-            if v is None:
-                return i
-            dst[:] = v[0]
-            self._promote(key, *v)
-        return min(len(keys), len(outs))
+        keys = self.namespace.keys(block_hashes)[:len(outs)]
+        dsts = [memoryview(o).cast("B") for o in outs[:len(keys)]]
+        filled = [False] * len(keys)
+        todo = list(range(len(keys)))
+        if self.dram is not None:
+            for i in todo:
+                mv = self.dram.get(keys[i])
+                if mv is not None:
+                    dsts[i][:] = mv
+                    filled[i] = True
+            todo = [i for i in todo if not filled[i]]
+        if self.ssd is not None and todo:
+            ok = self._map(lambda i: self.ssd.read_into(keys[i], self.layout, dsts[i]), todo)
+            for i, hit in zip(todo, ok):
+                filled[i] = hit
+                if hit and self.dram is not None:
+                    self.dram.put(keys[i], bytes(dsts[i]))
+            todo = [i for i in todo if not filled[i]]
+        if self.redis is not None and todo:
+            for i, v in zip(todo, self.redis.get_many([keys[i] for i in todo], self.layout)):
+                if v is not None:
+                    dsts[i][:] = v[0]
+                    filled[i] = True
+                    self._promote(keys[i], *v)
+        n = 0
+        while n < len(filled) and filled[n]:
+            n += 1
+        return n
 
     # -- async twins (the server's event loop must not block on disk or network) --
     async def aput(self, block_hashes: Sequence[int], blocks: Sequence[object]) -> int:
@@ -268,5 +293,7 @@ class KVStore:
             self.flush(timeout)
             self._q.put(_STOP)
             self._writer.join(timeout)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         if self.redis is not None:
             self.redis.close()
