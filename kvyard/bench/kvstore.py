@@ -1,0 +1,289 @@
+"""`kvyard bench kvstore`: tier throughput against each tier's physical reference,
+and TTFT on the demo model when the prompt's KV comes from each tier.
+
+Part 1 measures, for a demo-model block and an 8B-class block, the bytes per
+second of `put` (until the bytes are in the tier) and `get` (until the bytes
+are in the caller's buffer, `get_into`), next to what the same bytes cost
+without the store, measured in the same run, interleaved, best of `--repeat`.
+Sources are framed buffers (header room + payload), as the connector makes.
+  DRAM  - memcpy into a preallocated buffer (the store's put is a copy into a
+          fresh buffer it then owns, as the connector's gather does; get is a
+          lookup plus a copy out)
+  SSD   - plain open/write/close and open/readinto of one file per block (the
+          store adds the header, a checksum, a temp file + rename, LRU
+          bookkeeping, a writer thread). Reads come from the page cache in both,
+          since the data was just written: software overhead, not the device
+  Redis - raw redis-py pipelined SET / MGET of equal-size values in the same
+          batches, values copied into the caller's buffer (the store adds
+          header, checksum, and a writer thread)
+Part 2 (`--ttft`) prefills a long prompt cold, then on fresh engines whose own
+prefix cache is empty but whose store has the prompt's blocks in one tier.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from typing import Callable
+
+TARGETS = {"dram": 0.70, "ssd": 0.70, "redis": 0.90}
+LAYOUTS = {  # name -> (layers, kv heads, head dim); bf16, 16-token blocks
+    "demo": (30, 3, 64),
+    "8b": (32, 8, 128),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mb", type=int, default=256, help="MB moved per measurement")
+    p.add_argument("--layouts", default="demo,8b", help=f"comma list of {sorted(LAYOUTS)}")
+    p.add_argument("--tiers", default="dram,ssd,redis")
+    p.add_argument("--repeat", type=int, default=3, help="best of N, interleaved with the reference")
+    p.add_argument("--batch", type=int, default=64, help="blocks per get call / Redis round trip")
+    p.add_argument("--ssd-dir", default=None, help="where SSD files go (default: a temp dir)")
+    p.add_argument("--redis-url", default=None,
+                   help="an existing Redis (default: start a private redis-server)")
+    p.add_argument("--redis-password", default=None)
+    p.add_argument("--ttft", action=argparse.BooleanOptionalAction, default=True,
+                   help="part 2: TTFT on the demo model, cold vs a hit from each tier")
+    p.add_argument("--prompt-tokens", type=int, default=2000)
+    p.add_argument("--json", action="store_true")
+
+
+def _best(fn: Callable[[], None], nbytes: int, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def _pair(store_fn, ref_fn, nbytes: int, repeat: int) -> tuple[float, float]:
+    """Interleave store and reference runs so noise from neighbours hits both alike."""
+    s = r = 0.0
+    for _ in range(repeat):
+        r = max(r, _best(ref_fn, nbytes, 1))
+        s = max(s, _best(store_fn, nbytes, 1))
+    return s, r
+
+
+def _throughput(report, args, lname, layout, tmp, redis_url, redis_pw) -> None:
+    import numpy as np
+    import redis
+
+    from kvyard.kvstore import KVStore, Namespace
+    from kvyard.kvstore.codec import HEADER_BYTES
+    from kvyard.kvstore.dram import DramTier
+    from kvyard.kvstore.redis_tier import RedisTier
+    from kvyard.kvstore.ssd import SsdTier
+
+    nb = layout.nbytes
+    n = max(1, args.mb * 10**6 // nb)
+    total = n * nb
+    # framed sources (header room + payload), as the connector's gather produces them
+    frames = np.random.default_rng(0).integers(0, 256, (n, HEADER_BYTES + nb), dtype=np.uint8)
+    src = frames[:, HEADER_BYTES:]
+    keys = list(range(1, n + 1))
+    dst = np.empty((n, nb), dtype=np.uint8)
+    outs = list(dst)
+    batches = [keys[i:i + args.batch] for i in range(0, n, args.batch)]
+    rows: list[tuple[str, str, float, float]] = []
+
+    def memcpy():
+        for i in range(n):
+            np.copyto(dst[i], src[i])
+
+    def get_into(store):
+        for b in batches:
+            got = store.get_into(b, outs[b[0] - 1:b[-1]])
+            assert got == len(b), (got, len(b))
+
+    tiers = args.tiers.split(",")
+    if "dram" in tiers:
+        # Steady state of a full tier: each batch is copied into fresh buffers the
+        # store then owns (as the connector's gather does) while older ones are evicted.
+        st = KVStore(Namespace(lname, layout), dram=DramTier(total // 2))
+
+        def dram_put():
+            for b in batches:
+                st.put(b, [src[j - 1].copy() for j in b])
+        rows.append(("dram", "put", *_pair(dram_put, memcpy, total, args.repeat)))
+        st = KVStore(Namespace(lname, layout), dram=DramTier(total + nb))
+        st.put(keys, [src[i].copy() for i in range(n)])
+        rows.append(("dram", "get", *_pair(lambda: get_into(st), memcpy, total, args.repeat)))
+    if "ssd" in tiers:
+        root = os.path.join(tmp, f"ssd-{lname}")
+        ref_dir = os.path.join(tmp, f"ref-{lname}")
+        os.makedirs(ref_dir, exist_ok=True)
+        st = KVStore(Namespace(lname, layout), ssd=SsdTier(root, 4 * (total + n * HEADER_BYTES)),
+                     queue_blocks=n + 1)
+
+        def ssd_put():
+            st.put(keys, list(frames))
+            st.flush(600)
+
+        def ref_write():
+            for i in range(n):
+                with open(os.path.join(ref_dir, f"{i}.blk"), "wb") as f:
+                    f.write(src[i])
+
+        def ref_read():
+            for i in range(n):
+                with open(os.path.join(ref_dir, f"{i}.blk"), "rb", buffering=0) as f:
+                    f.readinto(dst[i])
+        rows.append(("ssd", "put", *_pair(ssd_put, ref_write, total, args.repeat)))
+        rows.append(("ssd", "get", *_pair(lambda: get_into(st), ref_read, total, args.repeat)))
+        st.close()
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(ref_dir, ignore_errors=True)
+    if "redis" in tiers:
+        prefix = f"kvyard-bench:{os.getpid()}:"
+        red = RedisTier(redis_url, password=redis_pw, prefix=prefix, timeout_s=10.0)
+        st = KVStore(Namespace(lname, layout), redis=red, queue_blocks=n + 1)
+        raw = redis.Redis.from_url(redis_url, password=redis_pw, socket_timeout=10)
+        rkeys = [f"{prefix}raw:{i}".encode() for i in range(n)]
+
+        def redis_put():
+            st.put(keys, list(frames))
+            st.flush(600)
+
+        def raw_set():
+            for b in batches:
+                p = raw.pipeline(transaction=False)
+                for j in b:
+                    p.set(rkeys[j - 1], memoryview(frames[j - 1]))
+                p.execute()
+
+        def raw_get():  # the value's bytes land in the caller's buffer, as with get_into
+            for b in batches:
+                for j, v in zip(b, raw.mget([rkeys[j - 1] for j in b])):
+                    np.copyto(dst[j - 1], np.frombuffer(v, np.uint8, offset=HEADER_BYTES))
+        rows.append(("redis", "put", *_pair(redis_put, raw_set, total, args.repeat)))
+        rows.append(("redis", "get", *_pair(lambda: get_into(st), raw_get, total, args.repeat)))
+        if red.stats.errors:
+            report.notes.append(f"redis errors during {lname}: {red.stats.errors}")
+        for k in raw.scan_iter(f"{prefix}*", count=1000):
+            raw.delete(k)
+        raw.close()
+        st.close()
+    for tier, op, s, r in rows:
+        ratio = s / r if r else float("nan")
+        report.add(layout=lname, block_kib=nb // 1024, tier=tier, op=op, store_gbps=s,
+                   ref_gbps=r, ratio=ratio, target=TARGETS[tier],
+                   ok="yes" if ratio >= TARGETS[tier] else "NO")
+
+
+def _ttft(args, tmp, redis_url, redis_pw):
+    """Part 2: TTFT of one long prompt, cold vs loaded from each tier (demo model)."""
+    import torch
+
+    from kvyard.bench.report import Report
+    from kvyard.common.models import resolve_model
+    from kvyard.common.tokenizer import load_tokenizer
+    from kvyard.kvstore import StoreConfig
+    from kvyard.workers.engine.api import SamplingParams
+    from kvyard.workers.engine.config import EngineConfig
+    from kvyard.workers.engine.llm import LLM
+    from kvyard.workers.engine.llm_engine import LLMEngine
+    from kvyard.workers.engine.model_runner import resolve_dtype
+    from kvyard.workers.kvconnector import StoreConnector, model_identity_of
+    from kvyard.workers.model import load_model
+
+    model, mcfg = load_model(resolve_model("demo"), resolve_dtype("auto"))
+    tok = load_tokenizer("demo")
+    ident = model_identity_of("demo")
+    greedy = SamplingParams(max_tokens=1, temperature=0)
+
+    def engine(conn):
+        cfg = EngineConfig(model="demo", kv_cache_memory_bytes=512 << 20, kv_connector=conn)
+        return LLM(engine=LLMEngine(cfg, model, mcfg, tok))
+
+    def ttft(conn, prompt):
+        llm = engine(conn)  # a fresh engine: its own prefix cache is empty
+        t0 = time.perf_counter()
+        out = llm.generate([prompt], greedy)[0]
+        return time.perf_counter() - t0, out.token_ids
+
+    vocab = mcfg.vocab_size
+    prompt = [(i * 7919 + 13) % (vocab - 200) + 100 for i in range(args.prompt_tokens)]
+    ttft(None, prompt[:64])  # warm-up: first-call costs are not prefill
+    cold, cold_tokens = min(ttft(None, prompt) for _ in range(2))
+    full = StoreConfig(dram_bytes=1 << 30, ssd_dir=os.path.join(tmp, "ttft-ssd"),
+                       ssd_bytes=1 << 30, redis_url=redis_url, redis_password=redis_pw,
+                       redis_prefix=f"kvyard-bench-ttft:{os.getpid()}:")
+    writer = StoreConnector(full, ident)
+    ttft(writer, prompt)
+    writer.store.flush(120)
+    n_blocks = (len(prompt) - 1) // 16
+    kv_bytes = n_blocks * writer.layout.nbytes
+    rep = Report(f"kvstore: TTFT, {len(prompt)}-token prompt, demo model "
+                 f"({torch.get_num_threads()} threads), fresh engine per row",
+                 ["source", "ttft_s", "speedup", "blocks_loaded", "kv_mb", "same_token"])
+    rep.add(source="cold (compute)", ttft_s=cold, speedup=1.0, blocks_loaded=0,
+            kv_mb=kv_bytes / 1e6, same_token="-")
+    tiers = {
+        "dram": (StoreConfig(), writer.store),
+        "ssd": (StoreConfig(ssd_dir=full.ssd_dir, ssd_bytes=full.ssd_bytes), None),
+        "redis": (StoreConfig(redis_url=redis_url, redis_password=redis_pw,
+                              redis_prefix=full.redis_prefix), None),
+    }
+    for tier, (cfg, shared) in tiers.items():
+        conn = StoreConnector(cfg, ident, store=shared)
+        t, tokens = ttft(conn, prompt)
+        hits = conn.store.stats()[tier]["hits"]
+        rep.add(source=f"hit: {tier}", ttft_s=t, speedup=cold / t, blocks_loaded=conn.loaded_blocks,
+                kv_mb=kv_bytes / 1e6, same_token="yes" if tokens == cold_tokens else "NO")
+        if hits < n_blocks:
+            rep.notes.append(f"{tier}: only {hits}/{n_blocks} blocks came from this tier")
+        conn.close()
+    writer.close()
+    rep.notes.append(f"break-even load bandwidth = KV bytes / cold prefill = "
+                     f"{kv_bytes / 1e9:.3f} GB / {cold:.2f} s = {kv_bytes / cold / 1e9:.3f} GB/s: "
+                     "a tier delivering more than this beats recomputing")
+    return rep
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from kvyard.bench.report import Report
+    from kvyard.kvstore import KVLayout
+    from kvyard.kvstore.redis_server import RedisServer
+
+    report = Report("kvstore: tier throughput vs physical reference (same run, best of "
+                    f"{args.repeat})", ["layout", "block_kib", "tier", "op", "store_gbps",
+                                        "ref_gbps", "ratio", "target", "ok"])
+    tmp = tempfile.mkdtemp(prefix="kvyard-bench-kvstore-", dir=args.ssd_dir)
+    server = None
+    redis_url, redis_pw = args.redis_url, args.redis_password
+    needs_redis = "redis" in args.tiers.split(",") or args.ttft
+    ttft = None
+    try:
+        if needs_redis and not redis_url:
+            server = RedisServer(password="kvyard-bench").start()
+            redis_url, redis_pw = server.url, server.password
+        for lname in [x for x in args.layouts.split(",") if x]:
+            layers, heads, dim = LAYOUTS[lname]
+            _throughput(report, args, lname, KVLayout("bfloat16", 16, layers, heads, dim), tmp,
+                        redis_url, redis_pw)
+        report.meta.update(mb=args.mb, batch=args.batch, cpus=os.cpu_count(),
+                           load=os.getloadavg()[0])
+        report.notes.append("ratio = store / reference; reads of SSD files come from the page "
+                            "cache in both columns (software overhead, not the device)")
+        if args.ttft:
+            ttft = _ttft(args, tmp, redis_url, redis_pw)
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        print(json.dumps({"throughput": report.to_json(),
+                          "ttft": ttft.to_json() if ttft else None}, indent=2), flush=True)
+    else:
+        report.emit(False)
+        if ttft is not None:
+            print()
+            ttft.emit(False)
+    return 0
