@@ -39,5 +39,6 @@ def test_openai_client_through_the_gateway(real_stack) -> None:
     stream = client.chat.completions.create(
         model=DEMO_SERVED_NAME, max_tokens=8, temperature=0, stream=True,
         messages=[{"role": "user", "content": "Say hello."}])
-    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    assert text == out.choices[0].message.content  # greedy: same answer either way
+    chunks = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    # Several chunks: the answer streamed through Envoy rather than arriving whole.
+    assert len([c for c in chunks if c]) >= 2 and "".join(chunks).strip()
