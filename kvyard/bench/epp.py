@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -125,6 +126,7 @@ def gateway_rows(rep: Report, args: argparse.Namespace) -> None:
                 n = max(1, r["total_answered"])
                 r["epp_cpu_ms"] = 1000 * cpu["epp"] / n if "EPP" in name else 0.0
                 r["envoy_cpu_ms"] = 1000 * (cpu["envoy-epp"] + cpu["envoy-direct"]) / n
+                r["all_cpu_ms"] = 1000 * (sum(cpu.values()) + r["cpu_s"]) / n
                 results[name] = r
                 if r["errors"]:
                     rep.notes.append(f"{name}: {r['errors']} errors, statuses {r['statuses']} "
@@ -142,6 +144,11 @@ def gateway_rows(rep: Report, args: argparse.Namespace) -> None:
                      f"one EPP process: {'met' if epp_r['rps'] >= 1000 else 'MISSED'}")
     rep.notes.append(f"added p50 latency: {epp_r['p50_ms'] - base['p50_ms']:.2f} ms at "
                      f"concurrency {args.concurrency}")
+    cores = os.cpu_count() or 1
+    rep.notes.append(f"all processes (client, Envoy, EPP, stand-in) used {epp_r['all_cpu_ms']:.2f} ms "
+                     f"CPU per request through the EPP ({base['all_cpu_ms']:.2f} without): on "
+                     f"{cores} core(s) this machine alone caps the EPP path near "
+                     f"{1000 * cores / epp_r['all_cpu_ms']:.0f} req/s")
     if epp_r["epp_cpu_ms"]:
         per_core = 1000 / epp_r["epp_cpu_ms"]
         rep.notes.append(f"EPP CPU per request: {epp_r['epp_cpu_ms']:.3f} ms -> {per_core:.0f} req/s "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
 import time
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
@@ -34,6 +35,7 @@ class LoadResult:
     p50_ms: float = 0.0
     p99_ms: float = 0.0
     statuses: dict[str, int] = field(default_factory=dict)
+    cpu_s: float = 0.0  # the generator's own CPU time, so callers can see what it cost
 
 
 def build_request(host: str, port: int, prompt_chars: int, model: str) -> bytes:
@@ -129,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=DEMO_SERVED_NAME, help="the model name in each request")
     a = p.parse_args(argv)
     res = asyncio.run(run_load(a.url, a.concurrency, a.duration, a.warmup, a.prompt_chars, a.model))
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    res.cpu_s = ru.ru_utime + ru.ru_stime
     print(json.dumps(asdict(res)))
     return 0
 
