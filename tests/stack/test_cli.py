@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -51,10 +52,15 @@ def test_up_status_down(tmp_path: Path, h) -> None:
 
 def test_down_after_a_crash_stops_the_rest(tmp_path: Path) -> None:
     rd = str(tmp_path / "run")
-    up = kvyard("up", "--workers", "1", "--standin-workers", "--kv-redis",
-                "--port", str(procs.free_port()), "--run-dir", rd)
+    with socket.socket() as busy:  # the asked-for gateway port is taken: up picks another
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        up = kvyard("up", "--workers", "1", "--standin-workers", "--kv-redis",
+                    "--port", str(taken), "--run-dir", rd)
     assert up.returncode == 0, up.stdout + up.stderr
     state = StackState.load(Path(rd))
+    assert state.gateway_url != f"http://127.0.0.1:{taken}"
     redis = next(p for p in state.procs if p.name == "redis")
     worker = next(p for p in state.procs if p.name == "worker-0")
     assert f"redis://127.0.0.1:{redis.ports['redis']}" not in worker.cmd  # stand-ins take no KV flags
