@@ -11,7 +11,8 @@ from kvyard.workers.attention.torch_cpu import TorchCPUBackend
 BS, NKV, NH, HD = 4, 2, 6, 16
 
 
-def _run(dtype: torch.dtype, seqs: list[SeqStep], num_decodes: int, layers: int = 2):
+def _run(dtype: torch.dtype, seqs: list[SeqStep], num_decodes: int, layers: int = 2,
+         all_heads: bool = True):
     g = torch.Generator().manual_seed(0)
     num_blocks = 1 + max(b for s in seqs for b in s.block_ids)
     # Garbage everywhere: any read of an unwritten or padded slot shows up in the output.
@@ -29,7 +30,7 @@ def _run(dtype: torch.dtype, seqs: list[SeqStep], num_decodes: int, layers: int 
     q = torch.randn(meta.query_start_loc[-1], NH, HD, generator=g).to(dtype)
     new_k = torch.cat([k[s.num_cached:] for s, k in zip(seqs, ctx_k)])
     new_v = torch.cat([v[s.num_cached:] for s, v in zip(seqs, ctx_v)])
-    backend = TorchCPUBackend()
+    backend = TorchCPUBackend(all_heads_max_kv=NKV if all_heads else 0)
     with torch.inference_mode():
         outs = [backend.forward(q, new_k, new_v, cache, meta, HD ** -0.5) for _ in range(layers)]
     return cache, meta, q, ctx_k, ctx_v, outs
@@ -45,9 +46,10 @@ SEQS = [  # 3 decodes, then prefill chunks: after a cached prefix, fresh, and bl
 ]
 
 
+@pytest.mark.parametrize("all_heads", [True, False], ids=["all-heads", "head-major"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_mixed_batch_matches_dense_reference(dtype: torch.dtype, tol: float) -> None:
-    cache, meta, q, ctx_k, ctx_v, outs = _run(dtype, SEQS, num_decodes=3)
+def test_mixed_batch_matches_dense_reference(dtype: torch.dtype, tol: float, all_heads: bool) -> None:
+    cache, meta, q, ctx_k, ctx_v, outs = _run(dtype, SEQS, num_decodes=3, all_heads=all_heads)
     assert len(meta.scratch) == 1, "the step plan is built once and reused by later layers"
     assert torch.equal(outs[0], outs[1])
     qsl = meta.query_start_loc

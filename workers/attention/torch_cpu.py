@@ -1,11 +1,17 @@
 """Paged attention on CPU in plain torch.
 
-Per layer: scatter the new K/V into their slots (one `index_copy_` each),
-then one batched SDPA for all decodes (each sequence's blocks gathered by
-`block_tables`, padding masked by `seq_lens`) and one SDPA per prefill chunk
-(its new tokens see every cached token and, causally, each other). The
-gather indices and masks depend only on the step, so the first layer builds
-them into `meta.scratch` and the other layers reuse them.
+Per layer: scatter the new K/V into their slots (one `index_copy_` each), then
+attend. All decodes go at once: their blocks are gathered by `block_tables`
+into one reused buffer, padding is masked by `seq_lens`, and a few batched
+matmuls do the rest (SDPA's CPU flash kernel is slow for 1-token queries).
+Prefill chunks go one SDPA each: new tokens see every cached token and,
+causally, each other. Gather indices and masks depend only on the step, so
+the first layer builds them into `meta.scratch` and later layers reuse them.
+
+Measured on torch 2.13 CPU, and the reason for the odd-looking choices:
+`index_select` copies integer rows several times faster than float rows of
+the same width, so gathers go through an integer view; and fresh multi-MB
+buffers cost page faults on every call, so gathers write into a workspace.
 """
 from __future__ import annotations
 
@@ -17,6 +23,11 @@ import torch.nn.functional as F
 from . import AttentionMetadata
 
 _KEY = "torch_cpu"
+_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_int(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_INT_OF_SIZE[t.element_size()])
 
 
 @dataclass(slots=True)
@@ -26,53 +37,81 @@ class _Chunk:
     start: int
     end: int
     ctx: int
-    blocks: torch.Tensor | None     # block ids to gather; None when nothing was cached before
+    blocks: torch.Tensor | None     # [2 * nb] K then V block rows; None when nothing was cached
     mask: torch.Tensor | None       # [n, ctx] bool, True = may attend; None = plain causal
 
 
 @dataclass(slots=True)
 class _StepPlan:
     num_decodes: int
-    dec_blocks: torch.Tensor | None  # [nd * nb] block ids, row-major per sequence
-    dec_nb: int
-    dec_mask: torch.Tensor | None    # [nd, 1, 1, nb*bs] bool
+    dec_len: int                     # S: longest decode context, padded to whole blocks
+    dec_index: torch.Tensor | None   # all-heads: K/V block rows; head-major: K/V token-head rows
+    dec_bias: torch.Tensor | None    # additive mask, 0 or -inf past each seq_len
+    all_heads: bool
     chunks: list[_Chunk]
 
 
-def _plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
+def _plan(meta: AttentionMetadata, cache_shape: torch.Size, dtype: torch.dtype, all_heads: bool) -> _StepPlan:
+    _, num_blocks, bs, nkv, _ = cache_shape
     nd = meta.num_decodes
     qsl, lens, bt = meta.query_start_loc, meta.seq_lens, meta.block_tables
-    dec_blocks = dec_mask = None
-    nb = 0
+    index = bias = None
+    S = 0
     if nd:
-        longest = max(lens[:nd])
-        nb = -(-longest // block_size)
-        dec_blocks = bt[:nd, :nb].reshape(-1)
-        dec_len = torch.tensor(lens[:nd], dtype=torch.int64)
-        dec_mask = (torch.arange(nb * block_size) < dec_len[:, None]).view(nd, 1, 1, -1)
+        nb = -(-max(lens[:nd]) // bs)
+        S = nb * bs
+        blocks = bt[:nd, :nb]
+        pad = torch.arange(S) >= torch.tensor(lens[:nd], dtype=torch.int64)[:, None]
+        bias = torch.zeros(nd, S, dtype=dtype).masked_fill_(pad, float("-inf"))
+        if all_heads:  # rows of the [2 * num_blocks, block] view; scores laid out [.., S * nkv]
+            flat = blocks.reshape(-1)
+            index = torch.cat((flat, flat + num_blocks))
+            bias = bias.view(nd, 1, S, 1).expand(nd, 1, S, nkv).reshape(nd, 1, S * nkv)
+        else:  # rows of the [2 * slots * nkv, hd] view, ordered [K/V, seq, head, pos]
+            slots = (blocks[:, :, None] * bs + torch.arange(bs)).view(nd, 1, S)
+            rows = (slots * nkv + torch.arange(nkv).view(1, nkv, 1)).reshape(-1)
+            index = torch.cat((rows, rows + num_blocks * bs * nkv))
+            bias = bias.view(nd, 1, 1, S).expand(nd, nkv, 1, S).reshape(nd * nkv, 1, S)
     chunks = []
     for i in range(nd, len(lens)):
         s, e, ctx = qsl[i], qsl[i + 1], lens[i]
-        n = e - s
-        cached = ctx - n
+        cached = ctx - (e - s)
         if cached == 0:
             chunks.append(_Chunk(s, e, ctx, None, None))
             continue
-        blocks = bt[i, :-(-ctx // block_size)]
+        blocks = bt[i, :-(-ctx // bs)]
         mask = torch.arange(ctx)[None, :] <= torch.arange(cached, ctx)[:, None]
-        chunks.append(_Chunk(s, e, ctx, blocks, mask))
-    return _StepPlan(nd, dec_blocks, nb, dec_mask, chunks)
+        chunks.append(_Chunk(s, e, ctx, torch.cat((blocks, blocks + num_blocks)), mask))
+    return _StepPlan(nd, S, index, bias, all_heads, chunks)
 
 
 class TorchCPUBackend:
-    """`AttentionBackend` for CPU tensors (float32 or bfloat16)."""
+    """`AttentionBackend` for CPU tensors (float32 or bfloat16). Not thread-safe:
+    one instance per model, layers run one after another and share the workspace."""
+
+    def __init__(self, all_heads_max_kv: int = 4) -> None:
+        # Up to this many KV heads, decode scores are computed against all heads at
+        # once (one bmm on block-gathered K, waste x num_kv_heads) keeping each query
+        # head's own diagonal; above it, rows are gathered head-major instead (slower
+        # gather, no waste).
+        self.all_heads_max_kv = all_heads_max_kv
+        self._ws: dict[torch.dtype, torch.Tensor] = {}
+
+    def _gather(self, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """src.index_select(0, index) (src 2-D, integer view) into the reused workspace."""
+        n = index.numel() * src.shape[1]
+        buf = self._ws.get(src.dtype)
+        if buf is None or buf.numel() < n:
+            buf = self._ws[src.dtype] = torch.empty(max(n, 1 << 20), dtype=src.dtype)
+        out = buf[:n].view(index.numel(), src.shape[1])
+        return torch.index_select(src, 0, index, out=out)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         _, num_blocks, block_size, nkv, hd = kv_cache.shape
         plan = meta.scratch.get(_KEY)
         if plan is None:
-            plan = meta.scratch[_KEY] = _plan(meta, block_size)
+            plan = meta.scratch[_KEY] = _plan(meta, kv_cache.shape, q.dtype, nkv <= self.all_heads_max_kv)
         slots = kv_cache.view(2, num_blocks * block_size, nkv, hd)
         slots[0].index_copy_(0, meta.slot_mapping, k)
         slots[1].index_copy_(0, meta.slot_mapping, v)
@@ -88,26 +127,35 @@ class TorchCPUBackend:
                                                kv_cache, c, scale)
         return out
 
-    @staticmethod
-    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, scale: float) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, scale: float) -> torch.Tensor:
         nd, nh, hd = q.shape
-        nkv = kv_cache.shape[3]
-        kv = kv_cache[:, plan.dec_blocks].view(2, nd, -1, nkv, hd).transpose(2, 3)  # [2, nd, nkv, S, hd]
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=plan.dec_mask,
-                                           scale=scale, enable_gqa=nh != nkv)
-        return o.view(nd, nh, hd)
+        _, num_blocks, _, nkv, _ = kv_cache.shape
+        S, g = plan.dec_len, nh // nkv
+        if plan.all_heads:
+            kv = self._gather(_as_int(kv_cache).view(2 * num_blocks, -1), plan.dec_index)
+            kv = kv.view(q.dtype).view(2, nd, S * nkv, hd)
+            scores = torch.baddbmm(plan.dec_bias, q, kv[0].transpose(1, 2), alpha=scale)  # [nd, nh, S*nkv]
+            own = scores.view(nd, nkv, g, S, nkv).diagonal(dim1=1, dim2=4)               # [nd, g, S, nkv]
+            probs = torch.zeros(nd, nkv, g, S, nkv, dtype=q.dtype)
+            probs.diagonal(dim1=1, dim2=4).copy_(torch.softmax(own, 2, dtype=torch.float32))
+            return torch.bmm(probs.view(nd, nh, S * nkv), kv[1])
+        kv = self._gather(_as_int(kv_cache).view(-1, hd), plan.dec_index)
+        kv = kv.view(q.dtype).view(2, nd * nkv, S, hd)
+        scores = torch.baddbmm(plan.dec_bias, q.reshape(nd * nkv, g, hd), kv[0].transpose(1, 2), alpha=scale)
+        probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(probs, kv[1]).view(nd, nh, hd)
 
-    @staticmethod
-    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  c: _Chunk, scale: float) -> torch.Tensor:
         n, nh, hd = q.shape
-        nkv = kv_cache.shape[3]
+        _, num_blocks, _, nkv, _ = kv_cache.shape
         qh = q.transpose(0, 1).unsqueeze(0)
         if c.blocks is None:
             o = F.scaled_dot_product_attention(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
                                                is_causal=True, scale=scale, enable_gqa=nh != nkv)
         else:
-            kv = kv_cache[:, c.blocks].view(2, -1, nkv, hd)[:, :c.ctx].transpose(1, 2)  # [2, nkv, ctx, hd]
-            o = F.scaled_dot_product_attention(qh, kv[0:1], kv[1:2], attn_mask=c.mask,
+            kv = self._gather(_as_int(kv_cache).view(2 * num_blocks, -1), c.blocks).view(q.dtype)
+            kv = kv.view(2, -1, nkv, hd)[:, :c.ctx].transpose(1, 2).unsqueeze(1)  # [2, 1, nkv, ctx, hd]
+            o = F.scaled_dot_product_attention(qh, kv[0], kv[1], attn_mask=c.mask,
                                                scale=scale, enable_gqa=nh != nkv)
         return o[0].transpose(0, 1)
