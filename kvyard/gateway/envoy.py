@@ -41,13 +41,9 @@ def write_config(cfg: GatewayConfig, path: Path) -> Path:
     return path
 
 
-def envoy_command(config_path: Path, *, concurrency: int = 1, log_level: str = "warning",
-                  base_id: int | None = None) -> list[str]:
-    """Command line for one Envoy. Several may run on one host: each gets its
-    own shared-memory base id (derived from its admin port by callers) and
-    hot restart is off, so they never collide."""
-    cmd = [str(envoy_binary()), "-c", str(config_path), "--concurrency", str(concurrency),
-           "-l", log_level, "--disable-hot-restart"]
-    if base_id is not None:
-        cmd += ["--base-id", str(base_id)]
-    return cmd
+def envoy_command(config_path: Path, *, concurrency: int = 1,
+                  log_level: str = "warning") -> list[str]:
+    """Command line for one Envoy. Hot restart is off, so several Envoys (tests,
+    the benchmark's two paths) run side by side without shared-memory clashes."""
+    return [str(envoy_binary()), "-c", str(config_path), "--concurrency", str(concurrency),
+            "-l", log_level, "--disable-hot-restart"]
