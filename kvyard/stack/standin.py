@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from kvyard.common import wire
+from kvyard.common.models import DEMO_SERVED_NAME
 
 
 @dataclass(slots=True)
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--advertise-address", default=None)
-    p.add_argument("--model", default="SmolLM2-135M-Instruct")
+    p.add_argument("--model", default=DEMO_SERVED_NAME)
     p.add_argument("--waiting", type=int, default=0, help="initial reported queue depth")
     p.add_argument("--tokens", type=int, default=4, help="chunks per streamed answer")
     p.add_argument("--token-delay", type=float, default=0.0, help="seconds between chunks")
