@@ -112,7 +112,10 @@ def stop(pids: Iterable[int], timeout_s: float = 5.0) -> None:
 
 
 def port_free(port: int) -> bool:
+    """Bindable as our servers bind (SO_REUSEADDR), so a port left in TIME_WAIT
+    by the previous stack still counts as free."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
