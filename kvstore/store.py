@@ -69,6 +69,10 @@ class KVStore:
         self.dropped_writes = 0
         self._q: queue.Queue = queue.Queue(maxsize=max(1, queue_blocks))
         self._writer: threading.Thread | None = None
+        self._sendq: queue.Queue | None = None
+        if redis is not None:  # two batches in flight at most: bounded memory
+            self._sendq = queue.Queue(maxsize=1)
+            threading.Thread(target=self._send_loop, name="kvstore-sender", daemon=True).start()
         if ssd is not None or redis is not None:
             self._writer = threading.Thread(target=self._write_loop, name="kvstore-writer",
                                             daemon=True)
@@ -116,6 +120,8 @@ class KVStore:
         return accepted
 
     def _write_loop(self) -> None:
+        """Stage 1 of the write pipeline: headers (checksums) and SSD files for a batch,
+        while the sender thread still ships the previous batch to Redis."""
         while True:
             item = self._q.get()
             batch = [item]
@@ -124,13 +130,41 @@ class KVStore:
                     batch.append(self._q.get_nowait())
                 except queue.Empty:
                     break
+            stop = any(b is _STOP for b in batch)
+            work = [b for b in batch if b is not _STOP]
+            handed = False
             try:
-                self._write_batch([b for b in batch if b is not _STOP])
+                # threads pay off for file writes and for big checksums; for small
+                # Redis-only blocks their GIL hand-offs cost more than they save
+                par = self.ssd is not None or self.layout.nbytes >= 1 << 20
+                written = self._map(self._encode_and_write, work) if par else \
+                    [self._encode_and_write(it) for it in work]
+                remote = [(it[0], bufs[0] if len(bufs) == 1 else b"".join(bufs))
+                          for it, bufs in zip(work, written) if it[3]]
+                if self._sendq is not None and remote:
+                    self._sendq.put((remote, len(batch)))  # the sender marks them done
+                    handed = True
             finally:
-                for _ in batch:
-                    self._q.task_done()
-            if any(b is _STOP for b in batch):
+                if not handed:
+                    for _ in batch:
+                        self._q.task_done()
+            if stop:
+                if self._sendq is not None:
+                    self._sendq.put(None)
                 return
+
+    def _send_loop(self) -> None:
+        """Stage 2: one pipelined round trip of SETs per batch."""
+        while True:
+            job = self._sendq.get()
+            if job is None:
+                return
+            remote, n = job
+            try:
+                self.redis.put_many(remote)
+            finally:
+                for _ in range(n):
+                    self._q.task_done()
 
     def _map(self, fn, items: list) -> list:
         if self._pool is None or len(items) < 2:
@@ -152,14 +186,6 @@ class KVStore:
         if self.ssd is not None:
             self.ssd.put(key, bufs)
         return bufs
-
-    def _write_batch(self, batch: list[tuple[bytes, memoryview, object, bool]]) -> None:
-        written = self._map(self._encode_and_write, batch)
-        if self.redis is not None:
-            remote = [(item[0], bufs[0] if len(bufs) == 1 else b"".join(bufs))
-                      for item, bufs in zip(batch, written) if item[3]]
-            if remote:
-                self.redis.put_many(remote)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued write has reached its tiers (tests, benchmarks, shutdown)."""
