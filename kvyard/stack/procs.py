@@ -58,7 +58,12 @@ def alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    # An exited process whose parent (often init) has not reaped it yet is a zombie.
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 def is_ours(proc: Proc) -> bool:
