@@ -18,6 +18,7 @@ header in place and send or write the block as one buffer, with no copy.
 """
 from __future__ import annotations
 
+import functools
 import struct
 
 import xxhash
@@ -47,8 +48,30 @@ def encode_header(key: bytes, layout: KVLayout, payload) -> bytes:
                        checksum(payload), key)
 
 
+@functools.lru_cache(maxsize=64)
+def _fixed_part(layout: KVLayout) -> bytes:
+    """The header's first 40 bytes (magic .. payload length): the same for every block
+    of a layout, so a read checks them with one comparison."""
+    shape = list(layout.shape) + [0] * (6 - len(layout.shape))
+    return HEADER.pack(MAGIC, VERSION, layout.dtype_code, len(layout.shape), *shape,
+                       layout.nbytes, 0, bytes(KEY_BYTES))[:40]
+
+
 def check_header(header, key: bytes, layout: KVLayout, payload) -> None:
     """CorruptBlock unless `header` describes exactly this key, layout and payload."""
+    h = bytes(header[:HEADER_BYTES])
+    if len(h) == HEADER_BYTES and h[:40] == _fixed_part(layout) and h[48:] == key \
+            and memoryview(payload).nbytes == layout.nbytes:
+        if checksum(payload) != int.from_bytes(h[40:48], "little"):
+            raise CorruptBlock("checksum mismatch")
+        return
+    _explain(h, key, layout, payload)
+
+
+def _explain(header: bytes, key: bytes, layout: KVLayout, payload) -> None:
+    """The slow path: say precisely which field is wrong."""
+    if len(header) < HEADER_BYTES:
+        raise CorruptBlock(f"truncated header: {len(header)} bytes")
     magic, version, dcode, ndim, *rest = HEADER.unpack_from(header)
     shape, (n, csum, stored_key) = rest[:6], rest[6:]
     if magic != MAGIC or version != VERSION:
@@ -57,10 +80,7 @@ def check_header(header, key: bytes, layout: KVLayout, payload) -> None:
         raise CorruptBlock("key mismatch")
     if dcode != layout.dtype_code or tuple(shape[:ndim]) != layout.shape or n != layout.nbytes:
         raise CorruptBlock(f"layout mismatch: dtype {dcode} shape {shape[:ndim]} len {n}")
-    if memoryview(payload).nbytes != n:
-        raise CorruptBlock(f"length {memoryview(payload).nbytes} != header's {n}")
-    if checksum(payload) != csum:
-        raise CorruptBlock("checksum mismatch")
+    raise CorruptBlock(f"length {memoryview(payload).nbytes} != header's {n}")
 
 
 def decode(blob, key: bytes, layout: KVLayout) -> memoryview:

@@ -46,11 +46,8 @@ class RedisTier:
         self.ttl_s = ttl_s or None
         self.stats = TierStats()
         self.breaker = CircuitBreaker(*backoff_s)
-        # reads in 1 MiB chunks: blocks are 0.3-2 MiB, and redis-py's pure-Python
-        # parser spends its time per chunk (the 64 KiB default is 16x the calls)
         self._opts = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                          retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
-                          socket_read_size=1 << 20)
+                          retry=Retry(NoBackoff(), 0), retry_on_timeout=False)
         if password is None:
             password = os.environ.get("KVYARD_REDIS_PASSWORD") or None
         if password is not None:
