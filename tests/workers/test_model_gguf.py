@@ -107,3 +107,18 @@ def test_chunked_prefill_and_decode_equal_one_shot(dtype: torch.dtype, tol: floa
         diff = (got - full).abs().max().item()
         print(f"{dtype}: max |logit diff| paged vs one-shot {diff:.2e}")
         assert diff < tol
+
+
+def test_int4_path_matches_dense_bfloat16() -> None:
+    """Small steps run on packed Q4 weights; they hold the file's values exactly, so
+    logits agree with the dense bf16 path up to bf16 rounding."""
+    model, cfg = load_model(resolve_model("demo"), torch.bfloat16)
+    assert model.int4_max_tokens == 16 and all(lw.int4 is not None for lw in model.layers)
+    ids = PROMPTS[0]
+    int4 = _one_shot(model, cfg, ids)
+    model.int4_max_tokens = 0
+    dense = _one_shot(model, cfg, ids)
+    diff = (int4 - dense).abs().max().item()
+    print(f"int4 vs dense bf16: max |logit diff| {diff:.2e}")
+    assert 0 < diff < 2.0  # bf16 vs float32 logits differ by up to ~1.5 on this model
+    _same_choices(int4, dense, 0.5)

@@ -46,12 +46,13 @@ class _StepPlan:
     num_decodes: int
     dec_len: int                     # S: longest decode context, padded to whole blocks
     dec_index: torch.Tensor | None   # all-heads: K/V block rows; head-major: K/V token-head rows
-    dec_bias: torch.Tensor | None    # additive mask, 0 or -inf past each seq_len
+    dec_bias: torch.Tensor | None    # additive mask: -inf past each seq_len (and, all-heads, off-head)
     all_heads: bool
     chunks: list[_Chunk]
 
 
-def _plan(meta: AttentionMetadata, cache_shape: torch.Size, dtype: torch.dtype, all_heads: bool) -> _StepPlan:
+def _plan(meta: AttentionMetadata, cache_shape: torch.Size, num_heads: int, dtype: torch.dtype,
+          all_heads: bool) -> _StepPlan:
     _, num_blocks, bs, nkv, _ = cache_shape
     nd = meta.num_decodes
     qsl, lens, bt = meta.query_start_loc, meta.seq_lens, meta.block_tables
@@ -66,7 +67,12 @@ def _plan(meta: AttentionMetadata, cache_shape: torch.Size, dtype: torch.dtype, 
         if all_heads:  # rows of the [2 * num_blocks, block] view; scores laid out [.., S * nkv]
             flat = blocks.reshape(-1)
             index = torch.cat((flat, flat + num_blocks))
-            bias = bias.view(nd, 1, S, 1).expand(nd, 1, S, nkv).reshape(nd, 1, S * nkv)
+            # -inf also on other heads' columns: one contiguous softmax then zeroes them.
+            g = num_heads // nkv
+            foreign = torch.arange(nkv).repeat_interleave(g)[:, None] != torch.arange(nkv)[None, :]
+            bias = bias.view(nd, 1, S, 1) + torch.zeros(num_heads, 1, nkv, dtype=dtype).masked_fill_(
+                foreign[:, None, :], float("-inf"))
+            bias = bias.reshape(nd, num_heads, S * nkv)
         else:  # rows of the [2 * slots * nkv, hd] view, ordered [K/V, seq, head, pos]
             slots = (blocks[:, :, None] * bs + torch.arange(bs)).view(nd, 1, S)
             rows = (slots * nkv + torch.arange(nkv).view(1, nkv, 1)).reshape(-1)
@@ -91,9 +97,9 @@ class TorchCPUBackend:
 
     def __init__(self, all_heads_max_kv: int = 4) -> None:
         # Up to this many KV heads, decode scores are computed against all heads at
-        # once (one bmm on block-gathered K, waste x num_kv_heads) keeping each query
-        # head's own diagonal; above it, rows are gathered head-major instead (slower
-        # gather, no waste).
+        # once (one bmm on block-gathered K, waste x num_kv_heads) and the mask
+        # zeroes other heads' columns; above it, rows are gathered head-major
+        # instead (slower gather, no waste).
         self.all_heads_max_kv = all_heads_max_kv
         self._ws: dict[torch.dtype, torch.Tensor] = {}
 
@@ -111,7 +117,8 @@ class TorchCPUBackend:
         _, num_blocks, block_size, nkv, hd = kv_cache.shape
         plan = meta.scratch.get(_KEY)
         if plan is None:
-            plan = meta.scratch[_KEY] = _plan(meta, kv_cache.shape, q.dtype, nkv <= self.all_heads_max_kv)
+            plan = meta.scratch[_KEY] = _plan(meta, kv_cache.shape, q.shape[1], q.dtype,
+                                                 nkv <= self.all_heads_max_kv)
         slots = kv_cache.view(2, num_blocks * block_size, nkv, hd)
         slots[0].index_copy_(0, meta.slot_mapping, k)
         slots[1].index_copy_(0, meta.slot_mapping, v)
@@ -135,15 +142,11 @@ class TorchCPUBackend:
             kv = self._gather(_as_int(kv_cache).view(2 * num_blocks, -1), plan.dec_index)
             kv = kv.view(q.dtype).view(2, nd, S * nkv, hd)
             scores = torch.baddbmm(plan.dec_bias, q, kv[0].transpose(1, 2), alpha=scale)  # [nd, nh, S*nkv]
-            own = scores.view(nd, nkv, g, S, nkv).diagonal(dim1=1, dim2=4)               # [nd, g, S, nkv]
-            probs = torch.zeros(nd, nkv, g, S, nkv, dtype=q.dtype)
-            probs.diagonal(dim1=1, dim2=4).copy_(torch.softmax(own, 2, dtype=torch.float32))
-            return torch.bmm(probs.view(nd, nh, S * nkv), kv[1])
+            return torch.bmm(torch.softmax(scores, -1), kv[1])
         kv = self._gather(_as_int(kv_cache).view(-1, hd), plan.dec_index)
         kv = kv.view(q.dtype).view(2, nd * nkv, S, hd)
         scores = torch.baddbmm(plan.dec_bias, q.reshape(nd * nkv, g, hd), kv[0].transpose(1, 2), alpha=scale)
-        probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
-        return torch.bmm(probs, kv[1]).view(nd, nh, hd)
+        return torch.bmm(torch.softmax(scores, -1), kv[1]).view(nd, nh, hd)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  c: _Chunk, scale: float) -> torch.Tensor:

@@ -151,3 +151,22 @@ def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int,
     # Rarer types (K-quants, IQ*): PyPI gguf's numpy reference.
     arr = np_dequantize(raw.numpy().reshape(-1, shape[-1] // block * type_size), qtype)
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).view(shape)
+
+
+def int4_parts(raw: torch.Tensor, qtype: GGMLQuantizationType,
+               shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Q4_0/Q4_1 as (codes 0..15 int32 [N, K], scale [N, K/32], zero [N, K/32]) float32,
+    with weight = (code - 8) * scale + zero: torch's int4 weight-only matmul convention,
+    which holds both formats exactly. None for any other type."""
+    Q = GGMLQuantizationType
+    if qtype not in (Q.Q4_0, Q.Q4_1) or len(shape) != 2:
+        return None
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    b = raw.view(-1, type_size)
+    n, k = shape
+    d = _f16(b, 0)
+    if qtype == Q.Q4_0:
+        codes, zero = _nibbles(b[:, 2:]), torch.zeros_like(d)
+    else:  # q * d + m == (q - 8) * d + (m + 8 d)
+        codes, zero = _nibbles(b[:, 4:]), _f16(b, 2) + 8 * d
+    return codes.to(torch.int32).view(n, k), d.view(n, k // 32), zero.view(n, k // 32)

@@ -18,8 +18,8 @@ from kvyard.common.models import ModelSource
 
 from ..attention.torch_cpu import TorchCPUBackend
 from .config import ModelConfig, config_from_gguf, config_from_hf
-from .gguf_file import GGUFFile
-from .llama import LayerWeights, LlamaForCausalLM
+from .gguf_file import GGUFFile, int4_parts
+from .llama import Int4Weight, LayerWeights, LlamaForCausalLM
 from .rope import rope_table
 
 _PROGRESS_MIN_BYTES = 1 << 30  # smaller checkpoints load in seconds; no bar
@@ -28,6 +28,7 @@ _PROGRESS_MIN_BYTES = 1 << 30  # smaller checkpoints load in seconds; no bar
 class WeightSource(Protocol):
     def has(self, name: str) -> bool: ...
     def get(self, name: str) -> torch.Tensor: ...
+    def get_int4(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None: ...
 
 
 class SafetensorsSource:
@@ -48,6 +49,9 @@ class SafetensorsSource:
 
     def get(self, name: str) -> torch.Tensor:
         return self._where[name].get_tensor(name)
+
+    def get_int4(self, name: str) -> None:
+        return None  # float checkpoints: re-quantising would change the model
 
 
 _GGUF_LAYER = {
@@ -85,17 +89,35 @@ class GGUFSource:
     def has(self, name: str) -> bool:
         return self._name(name) in self.f.tensors
 
-    def get(self, name: str) -> torch.Tensor:
-        t = self.f.load(self._name(name))
+    def _unpermute(self, name: str, t: torch.Tensor) -> torch.Tensor:
         if self.unpermute and (".q_proj." in name or ".k_proj." in name):
             heads = self.cfg.num_heads if ".q_proj." in name else self.cfg.num_kv_heads
             rows = t.shape[0]
             t = t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
         return t
 
+    def get(self, name: str) -> torch.Tensor:
+        return self._unpermute(name, self.f.load(self._name(name)))
+
+    def get_int4(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        t = self.f.tensors[self._name(name)]
+        parts = int4_parts(self.f.raw(t.name), t.qtype, t.shape)
+        return None if parts is None else tuple(self._unpermute(name, p) for p in parts)  # type: ignore[return-value]
+
+
+def _int4(src: WeightSource, names: list[str], dtype: torch.dtype) -> Int4Weight | None:
+    """Row-fused int4 weight of `names`, or None unless every part is stored as 4-bit."""
+    parts = [src.get_int4(n) for n in names]
+    if any(p is None for p in parts):
+        return None
+    codes, scale, zero = (torch.cat([p[i] for p in parts], 0) for i in range(3))  # type: ignore[index]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+    return Int4Weight(packed, torch.stack((scale.t(), zero.t()), -1).to(dtype).contiguous())
+
 
 def build(cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, max_len: int | None = None,
-          freq_factors: torch.Tensor | None = None, progress: bool = False) -> LlamaForCausalLM:
+          freq_factors: torch.Tensor | None = None, progress: bool = False,
+          int4_max_tokens: int = 16) -> LlamaForCausalLM:
     def w(name: str) -> torch.Tensor:
         return src.get(name).to(dtype)
 
@@ -113,6 +135,13 @@ def build(cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, max_len: int 
     for i in tqdm(range(cfg.num_layers), desc="loading layers", unit="layer", disable=not progress):
         p = f"model.layers.{i}."
         qkv_b = [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        int4 = None
+        if int4_max_tokens > 0 and dtype == torch.bfloat16:  # torch's fp32 int4 kernel is slow
+            ws = [_int4(src, [p + f"self_attn.{x}_proj.weight" for x in "qkv"], dtype),
+                  _int4(src, [p + "self_attn.o_proj.weight"], dtype),
+                  _int4(src, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], dtype),
+                  _int4(src, [p + "mlp.down_proj.weight"], dtype)]
+            int4 = tuple(ws) if all(w is not None for w in ws) else None
         layers.append(LayerWeights(
             input_norm=w(p + "input_layernorm.weight"),
             qkv=cat(*(p + f"self_attn.{x}_proj.weight" for x in "qkv")),
@@ -122,20 +151,27 @@ def build(cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, max_len: int 
             post_norm=w(p + "post_attention_layernorm.weight"),
             gate_up=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
             down=w(p + "mlp.down_proj.weight").contiguous(),
+            int4=int4,  # type: ignore[arg-type]
         ))
     embed = w("model.embed_tokens.weight").contiguous()
     tied = cfg.tie_word_embeddings or not src.has("lm_head.weight")
     lm_head = embed if tied else w("lm_head.weight").contiguous()
     rope = rope_table(cfg, max_len or cfg.max_position_embeddings, dtype, freq_factors)
-    model = LlamaForCausalLM(cfg, embed, layers, w("model.norm.weight"), lm_head, rope, TorchCPUBackend())
+    model = LlamaForCausalLM(cfg, embed, layers, w("model.norm.weight"), lm_head, rope, TorchCPUBackend(),
+                             int4_max_tokens)
     return model.eval().requires_grad_(False)
 
 
 def load_model(src: ModelSource, dtype: torch.dtype, max_len: int | None = None,
-               on_progress: Callable[[str], None] | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+               on_progress: Callable[[str], None] | None = None,
+               int4_max_tokens: int = 16) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load `src` (from `kvyard.common.models.resolve_model`) in `dtype` (float32 or bfloat16).
 
     `max_len` bounds the RoPE table (defaults to the model's max positions).
+    `int4_max_tokens`: for 4-bit GGUF layers, steps of at most this many tokens
+    run on the packed int4 weights (exact for Q4_0/Q4_1, ~4x fewer bytes read);
+    bfloat16 only (torch's float32 int4 kernel is slower than dense float32);
+    0 keeps every step on the dense weights.
     """
     t0 = time.perf_counter()
     if src.kind == "gguf":
@@ -150,7 +186,8 @@ def load_model(src: ModelSource, dtype: torch.dtype, max_len: int | None = None,
     else:
         raise ValueError(f"unknown model source kind {src.kind!r}")
     with torch.inference_mode():
-        model = build(cfg, weights, dtype, max_len, factors, progress=weights.nbytes >= _PROGRESS_MIN_BYTES)
+        model = build(cfg, weights, dtype, max_len, factors, progress=weights.nbytes >= _PROGRESS_MIN_BYTES,
+                      int4_max_tokens=int4_max_tokens)
     if on_progress:
         on_progress(f"loaded {src.served_name} in {time.perf_counter() - t0:.1f}s")
     return model, cfg
