@@ -99,39 +99,40 @@ class RedisTier:
         ok, res = self._call(run)
         return [bool(x) for x in res] if ok else [False] * len(keys)
 
-    def get_many(self, keys: Sequence[bytes], layout: KVLayout
+    def get_many(self, keys: Sequence[bytes], layout: KVLayout, mapper=map
                  ) -> list[tuple[memoryview, bytes] | None]:
-        """(payload view, the whole framed value) per key, or None."""
+        """(payload view, the whole framed value) per key, or None.
 
+        `mapper` (e.g. a thread pool's map) runs the per-value checksums, which
+        release the GIL, side by side."""
+        vals = self.fetch(keys)
+        return list(mapper(lambda kv: self.verify(kv[0], kv[1], layout), zip(keys, vals)))
+
+    def fetch(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Raw values in one round trip (MGET); all None while the tier is down."""
         rkeys = [self.rkey(k) for k in keys]
         ok, vals = self._call(
             lambda r: r.mget_nonatomic(rkeys) if self.cluster else r.mget(rkeys))
-        if not ok:
-            with self._lock:
-                self.stats.misses += len(keys)
-            return [None] * len(keys)
-        out: list[tuple[memoryview, bytes] | None] = []
-        bad: list[bytes] = []
-        hits = misses = 0
-        for k, rk, v in zip(keys, rkeys, vals):
-            if v is None:
-                misses += 1
-                out.append(None)
-                continue
+        return vals if ok else [None] * len(keys)
+
+    def verify(self, key: bytes, value: bytes | None, layout: KVLayout
+               ) -> tuple[memoryview, bytes] | None:
+        """A fetched value's payload, counted as hit or miss; corrupt ones are deleted."""
+        if value is not None:
             try:
-                out.append((decode(v, k, layout), v))
-                hits += 1
+                out = (decode(value, key, layout), value)
             except CorruptBlock:
-                bad.append(rk)
-                misses += 1
-                out.append(None)
+                with self._lock:
+                    self.stats.errors += 1
+                    self.stats.misses += 1
+                self._delete([self.rkey(key)])
+                return None
+            with self._lock:
+                self.stats.hits += 1
+            return out
         with self._lock:
-            self.stats.hits += hits
-            self.stats.misses += misses
-            self.stats.errors += len(bad)
-        if bad:
-            self._delete(bad)
-        return out
+            self.stats.misses += 1
+        return None
 
     def put_many(self, items: Sequence[tuple[bytes, object]]) -> bool:
         """items: (key, framed value: header + payload in one buffer, sent without a copy)."""

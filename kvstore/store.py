@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from kvyard.kvstore.codec import HEADER_BYTES, encode_header
 from kvyard.kvstore.dram import DramTier
 from kvyard.kvstore.layout import Namespace
@@ -28,6 +30,11 @@ from kvyard.kvstore.redis_tier import RedisTier
 from kvyard.kvstore.ssd import SsdTier
 
 _STOP = object()
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    """memcpy through numpy, which releases the GIL (a memoryview assignment does not)."""
+    np.frombuffer(dst, dtype=np.uint8)[:] = np.frombuffer(src, dtype=np.uint8)
 _BATCH = 64  # blocks per writer round: one Redis pipeline, one queue drain
 
 
@@ -276,7 +283,7 @@ class KVStore:
             for i in todo:
                 mv = self.dram.get(keys[i])
                 if mv is not None:
-                    dsts[i][:] = mv
+                    _copy(dsts[i], mv)
                     filled[i] = True
             todo = [i for i in todo if not filled[i]]
         if self.ssd is not None and todo:
@@ -287,11 +294,18 @@ class KVStore:
                     self.dram.put(keys[i], bytes(dsts[i]))
             todo = [i for i in todo if not filled[i]]
         if self.redis is not None and todo:
-            for i, v in zip(todo, self.redis.get_many([keys[i] for i in todo], self.layout)):
-                if v is not None:
-                    dsts[i][:] = v[0]
+            vals = self.redis.fetch([keys[i] for i in todo])
+
+            def verify_copy(iv):  # checksum + copy out, several at once
+                i, v = iv
+                got = self.redis.verify(keys[i], v, self.layout)
+                if got is not None:
+                    _copy(dsts[i], got[0])
+                return got
+            for i, got in zip(todo, self._map(verify_copy, list(zip(todo, vals)))):
+                if got is not None:
                     filled[i] = True
-                    self._promote(keys[i], *v)
+                    self._promote(keys[i], *got)
         n = 0
         while n < len(filled) and filled[n]:
             n += 1
