@@ -139,7 +139,7 @@ def _measure_hf(run: Run, dtype: str, hf_dir, prompts: dict[int, list[list[int]]
     from kvyard.bench import engine_hf
 
     _log(f"hf-generate {dtype}: loading {hf_dir}")
-    model = engine_hf.load(hf_dir, dtype, threads)
+    model, tokenizer = engine_hf.load(hf_dir, dtype, threads)
     levels = sorted(prompts)
     batches = sorted({1, levels[-1]})
     for b in batches:
@@ -150,7 +150,7 @@ def _measure_hf(run: Run, dtype: str, hf_dir, prompts: dict[int, list[list[int]]
         if len(ps) < b:
             run.notes.append(f"hf-generate static {b}: needs >= {b} requests; skipped")
             continue
-        res = engine_hf.run_static(model, ps, b, output_len)
+        res = engine_hf.run_static(model, tokenizer, ps, b, output_len)
         run.results[("hf-generate", dtype, b)] = res
         _log(f"hf-generate {dtype} batch {b}: {res.output_tok_s:.1f} tok/s")
     del model
@@ -160,12 +160,35 @@ def _ms(v: float) -> float:
     return v * 1000 if not math.isnan(v) else math.nan
 
 
+def agreement_notes(run: Run, dtypes: list[str]) -> list[str]:
+    """Same prompts, greedy, same weights: outputs should match kvyard's, exactly in
+    float32 and mostly in bfloat16 (rounding flips near-ties). A low count means
+    the systems did different work and the speed ratios are suspect."""
+    out = []
+    for dtype in dtypes:
+        counts: dict[str, list[int]] = {}
+        for (system, d, c), res in run.results.items():
+            ref = run.results.get(("kvyard", dtype, c))
+            if d != dtype or system == "kvyard" or ref is None:
+                continue
+            mine = {r.index: r.text for r in ref.ok}
+            same = [r.text == mine[r.index] for r in res.ok if r.index in mine]
+            tally = counts.setdefault(system, [0, 0])
+            tally[0] += sum(same)
+            tally[1] += len(same)
+        if counts:
+            parts = ", ".join(f"{s} {a}/{n}" for s, (a, n) in sorted(counts.items()))
+            out.append(f"{dtype}: greedy outputs identical to kvyard's: {parts}")
+    return out
+
+
 def build_report(run: Run, levels: list[int], dtypes: list[str], output_len: int) -> Report:
     rep = Report("kvyard bench engine: output tokens/s, TTFT and TPOT (ms)", COLUMNS,
                  meta=run.meta)
     order = {"kvyard": 0, "vllm-cpu": 1, "hf-generate": 2}
     for (system, dtype, c), res in sorted(run.results.items(),
-                                          key=lambda kv: (kv[0][1], order[kv[0][0]], kv[0][2])):
+                                          key=lambda kv: (dtypes.index(kv[0][1]), order[kv[0][0]],
+                                                         kv[0][2])):
         rep.add(system=system, dtype=dtype, conc=c, reqs=len(res.results),
                 out_tok_s=res.output_tok_s, ttft_p50_ms=_ms(res.ttft(50)),
                 ttft_p99_ms=_ms(res.ttft(99)), tpot_p50_ms=_ms(res.tpot(50)),
@@ -175,12 +198,13 @@ def build_report(run: Run, levels: list[int], dtypes: list[str], output_len: int
             run.notes.append(f"{system} {dtype} c{c}: {short} requests did not return "
                              f"exactly {output_len} tokens")
     rep.notes += run.notes
+    rep.notes += agreement_notes(run, dtypes)
     top = levels[-1]
     for dtype in dtypes:
         for num, nc, den, dc, target in TARGETS:
             nc, dc = nc or top, dc or top
             a, b = run.results.get((num, dtype, nc)), run.results.get((den, dtype, dc))
-            label = f"{dtype}: {num} c{nc} / {den} {'static ' if den == 'hf-generate' else 'c'}{dc}"
+            label = f"{dtype}: {num} c{nc} / {den} {'batch ' if den == 'hf-generate' else 'c'}{dc}"
             if a is None or b is None or not a.output_tokens or not b.output_tokens:
                 rep.notes.append(f"{label} = n/a (not measured)")
                 continue

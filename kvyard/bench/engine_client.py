@@ -29,6 +29,8 @@ class RequestResult:
     num_tokens: int
     latency_s: float
     error: str | None = None
+    index: int = -1               # position of the prompt in the level's list
+    text: str = ""                # the completion, to check systems did the same work
 
 
 @dataclass(slots=True)
@@ -66,6 +68,7 @@ async def _one(session, url: str, body: dict) -> RequestResult:
     first = last = math.nan
     chunks = 0
     usage_tokens: int | None = None
+    parts: list[str] = []
     try:
         async with session.post(url, json=body) as resp:
             if resp.status != 200:
@@ -82,6 +85,7 @@ async def _one(session, url: str, body: dict) -> RequestResult:
                 now = time.perf_counter()
                 msg = json.loads(data)
                 if msg.get("choices"):
+                    parts.append(msg["choices"][0].get("text") or "")
                     chunks += 1
                     if chunks == 1:
                         first = now
@@ -96,7 +100,7 @@ async def _one(session, url: str, body: dict) -> RequestResult:
     if chunks == 0:
         return RequestResult(math.nan, math.nan, 0, end - t0, "no tokens streamed")
     tpot = (last - first) / (n - 1) if n > 1 else math.nan
-    return RequestResult(first - t0, tpot, n, end - t0)
+    return RequestResult(first - t0, tpot, n, end - t0, text="".join(parts))
 
 
 def completion_body(model: str, prompt: Sequence[int], output_len: int) -> dict:
@@ -118,18 +122,20 @@ async def run_load(base_url: str, model: str, prompts: Sequence[Sequence[int]],
     import aiohttp
 
     url = base_url.rstrip("/") + "/v1/completions"
-    queue: asyncio.Queue[Sequence[int]] = asyncio.Queue()
-    for p in prompts:
-        queue.put_nowait(p)
+    queue: asyncio.Queue[tuple[int, Sequence[int]]] = asyncio.Queue()
+    for item in enumerate(prompts):
+        queue.put_nowait(item)
     results: list[RequestResult] = []
 
     async def worker(session) -> None:
         while True:
             try:
-                p = queue.get_nowait()
+                i, p = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            results.append(await _one(session, url, completion_body(model, p, output_len)))
+            res = await _one(session, url, completion_body(model, p, output_len))
+            res.index = i
+            results.append(res)
 
     conn = aiohttp.TCPConnector(limit=concurrency)
     tmo = aiohttp.ClientTimeout(total=timeout_s)

@@ -31,17 +31,20 @@ class _StepClock:
 
 
 def load(hf_dir: Path, dtype: str, threads: int):
+    """(model, tokenizer); the tokenizer only turns outputs into text for the
+    cross-system agreement check, outside the timed region."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=getattr(torch, dtype))
     model.eval()
-    return model
+    return model, AutoTokenizer.from_pretrained(str(hf_dir))
 
 
-def _generate(model, prompts: Sequence[Sequence[int]], output_len: int) -> tuple[list[float], float, int]:
-    """One static batch; returns token timestamps, start time and new tokens made."""
+def _generate(model, prompts: Sequence[Sequence[int]],
+              output_len: int) -> tuple[list[float], float, list[list[int]]]:
+    """One static batch; returns token timestamps, start time and each row's new tokens."""
     import torch
 
     ids = torch.tensor([list(p) for p in prompts], dtype=torch.long)
@@ -54,11 +57,11 @@ def _generate(model, prompts: Sequence[Sequence[int]], output_len: int) -> tuple
             pad_token_id=model.config.eos_token_id if model.config.pad_token_id is None
             else model.config.pad_token_id,
         )
-    new_tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
-    return clock.puts[1:], t0, new_tokens
+    return clock.puts[1:], t0, out[:, ids.shape[1]:].tolist()
 
 
-def run_static(model, prompts: Sequence[Sequence[int]], batch: int, output_len: int) -> LoadResult:
+def run_static(model, tokenizer, prompts: Sequence[Sequence[int]], batch: int,
+               output_len: int) -> LoadResult:
     """Run `prompts` in consecutive static batches of `batch`, after a short
     warm-up at the same batch shape (first calls pay allocator and kernel setup)."""
     _generate(model, list(prompts[:batch]), 2)
@@ -66,11 +69,12 @@ def run_static(model, prompts: Sequence[Sequence[int]], batch: int, output_len: 
     wall = 0.0
     for i in range(0, len(prompts) - batch + 1, batch):
         group = prompts[i:i + batch]
-        steps, t0, n_new = _generate(model, group, output_len)
+        steps, t0, new = _generate(model, group, output_len)
         end = steps[-1] if steps else time.perf_counter()
         wall += end - t0
-        per_seq = n_new // len(group)
         ttft = steps[0] - t0 if steps else math.nan
         tpot = (steps[-1] - steps[0]) / (len(steps) - 1) if len(steps) > 1 else math.nan
-        results += [RequestResult(ttft, tpot, per_seq, end - t0) for _ in group]
+        results += [RequestResult(ttft, tpot, len(toks), end - t0, index=i + j,
+                                  text=tokenizer.decode(toks))
+                    for j, toks in enumerate(new)]
     return LoadResult(batch, wall, results)

@@ -8,6 +8,7 @@ instead of as a timeout.
 """
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -93,6 +94,10 @@ class Server:
                 self._signal(signal.SIGKILL)
                 p.wait(timeout=10)
         self._reap_group()
+        # Keep the log only when something went wrong: it is the only evidence.
+        healthy = not math.isnan(self.startup_s)
+        if exc[:1] == (None,) and healthy and p.returncode in (0, -signal.SIGTERM):
+            self.log_path.unlink(missing_ok=True)
 
     def _signal(self, sig: int) -> None:
         assert self.proc is not None

