@@ -331,8 +331,12 @@ class KVStore:
     def close(self, timeout: float = 30.0) -> None:
         if self._writer is not None and self._writer.is_alive():
             self.flush(timeout)
-            self._q.put(_STOP)
-            self._writer.join(timeout)
+            try:
+                self._q.put(_STOP, timeout=timeout)
+            except queue.Full:  # a writer stuck on a dead disk: it is a daemon, leave it
+                pass
+            else:
+                self._writer.join(timeout)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         if self.redis is not None:
