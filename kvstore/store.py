@@ -1,9 +1,10 @@
 """The tiered store: DRAM ▸ SSD ▸ Redis, write-through, reads promote upward.
 
 `put` never blocks the engine: DRAM takes the buffer at once (no copy), and
-the slower tiers are fed by one background writer through a bounded queue;
-when the queue is full the write to SSD/Redis is dropped and counted, never
-waited for. `get` tries the tiers fastest first; a hit below DRAM is promoted
+the slower tiers are fed through a bounded queue by a writer thread (headers,
+SSD files) and a sender thread (Redis), so one batch's checksums overlap the
+previous batch's network time; when the queue is full the write to SSD/Redis
+is dropped and counted, never waited for. `get` tries the tiers fastest first; a hit below DRAM is promoted
 into DRAM (and a Redis hit into SSD, through the writer). `lookup` answers how
 many leading blocks are available anywhere, with the tier of each.
 
@@ -15,9 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import queue
-from concurrent.futures import ThreadPoolExecutor
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -30,12 +31,12 @@ from kvyard.kvstore.redis_tier import RedisTier
 from kvyard.kvstore.ssd import SsdTier
 
 _STOP = object()
+_BATCH = 64  # blocks per writer round: one Redis pipeline, one queue drain
 
 
 def _copy(dst: memoryview, src: memoryview) -> None:
     """memcpy through numpy, which releases the GIL (a memoryview assignment does not)."""
     np.frombuffer(dst, dtype=np.uint8)[:] = np.frombuffer(src, dtype=np.uint8)
-_BATCH = 64  # blocks per writer round: one Redis pipeline, one queue drain
 
 
 @dataclass(slots=True)
