@@ -207,7 +207,8 @@ class SsdTier:
         size = sum(b.nbytes for b in bufs)
         if size > self.capacity:
             return False
-        if time.monotonic() >= self._next_scan:
+        if time.monotonic() >= self._next_scan:  # other processes' files join the count
+            self._next_scan = time.monotonic() + self.rescan_s  # one thread rescans
             self.rescan()
         self._reserve(key, size)
         path = self.path(key)
