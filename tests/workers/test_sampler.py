@@ -94,44 +94,46 @@ def test_find_stop_and_held_back():
     assert held_back("abc", ["zz"]) == 0
 
 
-class _Pieces:
-    """Text pieces per token, standing in for the tokenizer's detokenizer in pure-text tests."""
+@pytest.fixture(scope="module")
+def tok():
+    from kvyard.common.tokenizer import load_tokenizer
 
-    def __init__(self, pieces: dict[int, str]) -> None:
-        self.pieces = pieces
-
-    def add(self, ids: list[int]) -> str:
-        return "".join(self.pieces[i] for i in ids)
+    return load_tokenizer("demo")
 
 
-@pytest.mark.parametrize("stop", [["STOP"], ["ST", "STOP"], ["xx", "OP!"]])
-def test_stop_string_across_tokens_is_trimmed_and_never_streamed(stop):
-    pieces = {1: "Hello ", 2: "S", 3: "TO", 4: "P! ", 5: "more"}
-    seq = Sequence("r", [0], 1, SamplingParams(max_tokens=10, stop=stop))
-    seq.detokenizer = _Pieces(pieces)
+def fed(tok, text: str, params: SamplingParams) -> tuple[Sequence, list[int]]:
+    prompt = tok.encode("Say something.")
+    s = Sequence("r", prompt, len(prompt), params)
+    s.detokenizer = tok.incremental_detokenizer(prompt[-4:])
+    return s, tok.encode(text)
+
+
+@pytest.mark.parametrize("stop", [["STOP"], ["ST", "STOP"], ["xx", "OP!"], ["lo S"]])
+def test_stop_string_across_tokens_is_trimmed_and_never_streamed(tok, stop):
+    full = "Hello STOP! more words"
+    seq, ids = fed(tok, full, SamplingParams(max_tokens=50, stop=stop))
+    assert len(ids) > 3
     streamed, reason = "", None
-    for tok in (1, 2, 3, 4, 5):
-        delta, reason = append_token(seq, tok, frozenset(), 10_000)
+    for t in ids:
+        delta, reason = append_token(seq, t, tok.eos_token_ids, 10_000)
         streamed += delta
         if reason:
             break
-    full = "Hello STOP! more"
     cut = min(full.find(s) for s in stop if s in full)
     assert reason == "stop" and streamed == full[:cut] and seq.output_text == full[:cut]
 
 
-def test_eos_max_tokens_and_ignore_eos():
-    pieces = {1: "a", 2: "b", 9: "<eos>"}
-    s = Sequence("r", [0], 1, SamplingParams(max_tokens=3))
-    s.detokenizer = _Pieces(pieces)
-    assert append_token(s, 1, {9}, 100) == ("a", None)
-    assert append_token(s, 9, {9}, 100) == ("", "stop")
-    assert s.output_text == "a" and s.output_token_ids == [1, 9]
-    s = Sequence("r", [0], 1, SamplingParams(max_tokens=2, ignore_eos=True))
-    s.detokenizer = _Pieces(pieces)
-    assert append_token(s, 9, {9}, 100)[1] is None
-    assert append_token(s, 2, {9}, 100)[1] == "length"
-    s = Sequence("r", [0], 1, SamplingParams(max_tokens=5, stop_token_ids=[2]))
-    assert append_token(s, 2, set(), 100) == ("", "stop")
-    s = Sequence("r", [0, 0], 2, SamplingParams(max_tokens=50))
-    assert append_token(s, 1, set(), 3)[1] == "length"           # max_model_len reached
+def test_eos_max_tokens_and_ignore_eos(tok):
+    eos = tok.eos_token_id
+    s, ids = fed(tok, "a b c", SamplingParams(max_tokens=3))
+    delta, reason = append_token(s, ids[0], tok.eos_token_ids, 100)
+    assert delta == "a" and reason is None
+    assert append_token(s, eos, tok.eos_token_ids, 100) == ("", "stop")
+    assert s.output_text == "a" and s.output_token_ids == [ids[0], eos]
+    s, ids = fed(tok, "a b c", SamplingParams(max_tokens=2, ignore_eos=True))
+    assert append_token(s, eos, tok.eos_token_ids, 100)[1] is None
+    assert append_token(s, ids[1], tok.eos_token_ids, 100)[1] == "length"
+    s, ids = fed(tok, "a b c", SamplingParams(max_tokens=5, stop_token_ids=[ids[1]]))
+    assert append_token(s, ids[1], tok.eos_token_ids, 100) == ("", "stop")
+    s, ids = fed(tok, "a b c", SamplingParams(max_tokens=50))
+    assert append_token(s, ids[0], tok.eos_token_ids, s.num_tokens + 1)[1] == "length"  # max_model_len

@@ -45,6 +45,7 @@ def append_token(seq: Sequence, token: int, eos_token_ids: Iterable[int],
     seq.token_ids.append(token)
     p = seq.params
     reason: str | None = None
+    cut_at: int | None = None
     if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
         reason = "stop"
     elif seq.detokenizer is not None:
@@ -52,12 +53,14 @@ def append_token(seq: Sequence, token: int, eos_token_ids: Iterable[int],
         start = len(seq.output_text)
         seq.output_text += text_delta
         if p.stop:
-            cut = find_stop(seq.output_text, p.stop, start)
-            if cut is not None:
-                seq.output_text = seq.output_text[:cut]
+            cut_at = find_stop(seq.output_text, p.stop, start)
+            if cut_at is not None:
+                seq.output_text = seq.output_text[:cut_at]
                 reason = "stop"
     if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_model_len):
         reason = "length"
+    if reason is not None and cut_at is None and seq.detokenizer is not None:
+        seq.output_text += seq.detokenizer.flush()   # bytes held for a character that never completed
     end = len(seq.output_text)
     if reason is None and p.stop:
         end -= held_back(seq.output_text, p.stop)
