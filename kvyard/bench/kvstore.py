@@ -282,8 +282,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"throughput": report.to_json(),
                           "ttft": ttft.to_json() if ttft else None}, indent=2), flush=True)
     else:
-        report.emit(False)
-        if ttft is not None:
+        if report.rows:
+            report.emit(False)
             print()
+        if ttft is not None:
             ttft.emit(False)
     return 0
