@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
+from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
 from kvyard.common.models import ModelSource
@@ -29,6 +30,7 @@ class WeightSource(Protocol):
     def has(self, name: str) -> bool: ...
     def get(self, name: str) -> torch.Tensor: ...
     def get_int4(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None: ...
+    def is_8bit(self, name: str) -> bool: ...
 
 
 class SafetensorsSource:
@@ -52,6 +54,9 @@ class SafetensorsSource:
 
     def get_int4(self, name: str) -> None:
         return None  # float checkpoints: re-quantising would change the model
+
+    def is_8bit(self, name: str) -> bool:
+        return False
 
 
 _GGUF_LAYER = {
@@ -99,6 +104,9 @@ class GGUFSource:
     def get(self, name: str) -> torch.Tensor:
         return self._unpermute(name, self.f.load(self._name(name)))
 
+    def is_8bit(self, name: str) -> bool:
+        return self.f.tensors[self._name(name)].qtype == GGMLQuantizationType.Q8_0
+
     def get_int4(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         t = self.f.tensors[self._name(name)]
         parts = int4_parts(self.f.raw(t.name), t.qtype, t.shape)
@@ -113,6 +121,15 @@ def _int4(src: WeightSource, names: list[str], dtype: torch.dtype) -> Int4Weight
     codes, scale, zero = (torch.cat([p[i] for p in parts], 0) for i in range(3))  # type: ignore[index]
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
     return Int4Weight(packed, torch.stack((scale.t(), zero.t()), -1).to(dtype).contiguous())
+
+
+def _int8_rows(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row int8 codes and scales of an 8-bit (Q8_0) head: its values move by at
+    most half a step of the row's scale, the size of bf16's own rounding here."""
+    w = w.float()
+    scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
+    codes = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return codes, scale.to(dtype)
 
 
 def build(cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, max_len: int | None = None,
@@ -155,10 +172,14 @@ def build(cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, max_len: int 
         ))
     embed = w("model.embed_tokens.weight").contiguous()
     tied = cfg.tie_word_embeddings or not src.has("lm_head.weight")
-    lm_head = embed if tied else w("lm_head.weight").contiguous()
+    head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    lm_head = embed if tied else w(head_name).contiguous()
+    head8 = None
+    if int4_max_tokens > 0 and dtype == torch.bfloat16 and src.is_8bit(head_name):
+        head8 = _int8_rows(src.get(head_name), dtype)
     rope = rope_table(cfg, max_len or cfg.max_position_embeddings, dtype, freq_factors)
     model = LlamaForCausalLM(cfg, embed, layers, w("model.norm.weight"), lm_head, rope, TorchCPUBackend(),
-                             int4_max_tokens)
+                             int4_max_tokens, head8)
     return model.eval().requires_grad_(False)
 
 
