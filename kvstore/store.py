@@ -142,11 +142,8 @@ class KVStore:
             work = [b for b in batch if b is not _STOP]
             handed = False
             try:
-                # threads pay off for file writes and for big checksums; for small
-                # Redis-only blocks their GIL hand-offs cost more than they save
-                par = self.ssd is not None or self.layout.nbytes >= 1 << 20
-                written = self._map(self._encode_and_write, work) if par else \
-                    [self._encode_and_write(it) for it in work]
+                written = self._map(self._encode_and_write, work,
+                                    big_only=self.ssd is None)
                 remote = [(it[0], bufs[0] if len(bufs) == 1 else b"".join(bufs))
                           for it, bufs in zip(work, written) if it[3]]
                 if self._sendq is not None and remote:
@@ -174,8 +171,12 @@ class KVStore:
                 for _ in range(n):
                     self._q.task_done()
 
-    def _map(self, fn, items: list) -> list:
-        if self._pool is None or len(items) < 2:
+    def _map(self, fn, items: list, big_only: bool = False) -> list:
+        """`fn` over items on the I/O threads. Threads pay off for file I/O and for
+        checksums of big blocks; for sub-MiB blocks without file I/O their GIL
+        hand-offs cost more than they save (measured: 0.84 vs 0.94 of raw redis-py
+        GETs for 360 KiB blocks), hence `big_only`."""
+        if self._pool is None or len(items) < 2 or (big_only and self.layout.nbytes < 1 << 20):
             return [fn(x) for x in items]
         return list(self._pool.map(fn, items))
 
@@ -303,7 +304,7 @@ class KVStore:
                 if got is not None:
                     _copy(dsts[i], got[0])
                 return got
-            for i, got in zip(todo, self._map(verify_copy, list(zip(todo, vals)))):
+            for i, got in zip(todo, self._map(verify_copy, list(zip(todo, vals)), big_only=True)):
                 if got is not None:
                     filled[i] = True
                     self._promote(keys[i], *got)
