@@ -94,8 +94,9 @@ class ModelRunner:
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
         positions = torch.tensor(pos, dtype=torch.int64)
         input_ids = torch.tensor(ids, dtype=torch.int64)
-        counts = torch.tensor(sched.num_new_tokens, dtype=torch.int64)
-        row = torch.repeat_interleave(torch.arange(len(tables)), counts)
+        row = torch.arange(len(tables))
+        if len(ids) != len(tables):             # some sequence brings several tokens
+            row = torch.repeat_interleave(row, torch.tensor(sched.num_new_tokens, dtype=torch.int64))
         slot_mapping = block_tables[row, positions // bs] * bs + positions % bs
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
