@@ -57,7 +57,6 @@ def test_logits_match_transformers(case: str, tmp_path: Path) -> None:
     model, cfg = load_model(resolve_model(str(tmp_path)), torch.float32)
     assert cfg.attention_bias == case.startswith("qwen2")
     assert cfg.tie_word_embeddings == ("-tied" in case)
-    assert (model.lm_head is model.embed) == cfg.tie_word_embeddings
     ids = torch.randint(0, 97, (70,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0]

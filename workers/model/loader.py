@@ -180,7 +180,9 @@ def build(cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, max_len: int 
     rope = rope_table(cfg, max_len or cfg.max_position_embeddings, dtype, freq_factors)
     model = LlamaForCausalLM(cfg, embed, layers, w("model.norm.weight"), lm_head, rope, TorchCPUBackend(),
                              int4_max_tokens, head8)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    model.pack()
+    return model
 
 
 def load_model(src: ModelSource, dtype: torch.dtype, max_len: int | None = None,
