@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvyard.common.hashing import block_hashes
 from kvyard.common.models import resolve_model
 from kvyard.common.tokenizer import load_tokenizer
 from kvyard.workers.engine.api import SamplingParams
@@ -93,7 +94,12 @@ def test_seeded_sampling_repeats_alone_and_in_a_batch(loaded, prompts):
 
 def test_prefix_cache_counts_hits_in_tokens(loaded, prompts):
     llm = make(loaded)
-    llm.generate(prompts[:1], GREEDY)
+    events = []
+    llm.engine.add_kv_event_listener(events.append)
+    first = llm.generate(prompts[:1], GREEDY)[0]
+    stored = [h for e in events if e.kind == "stored" for h in e.block_hashes]
+    # the router recomputes these from token ids alone: they must be the common hashes
+    assert stored == block_hashes(prompts[0] + first.token_ids[:-1], 16)
     st = llm.engine.stats()
     assert st.prefix_queries_tokens == len(prompts[0])
     again = llm.generate(prompts[:1], GREEDY)[0]

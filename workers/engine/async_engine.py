@@ -15,9 +15,10 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import Any, AsyncIterator, Sequence as Seq
+from typing import Any, AsyncIterator, Callable, Sequence as Seq
 
 from .api import EngineStats, RequestOutput, SamplingParams
+from .block_manager import KVEvent
 from .config import EngineConfig
 from .llm_engine import LLMEngine
 
@@ -110,6 +111,10 @@ class AsyncLLMEngine:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def add_kv_event_listener(self, callback: Callable[[KVEvent], None]) -> None:
+        """See LLMEngine.add_kv_event_listener: runs on the engine thread, not the event loop."""
+        self.engine.add_kv_event_listener(callback)
 
     # ---- the engine thread ---------------------------------------------------
     def _submit(self, cmd: tuple[Any, ...]) -> None:

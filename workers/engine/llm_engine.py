@@ -7,14 +7,14 @@ them needs a lock. `AsyncLLMEngine` drives it from its own thread.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence as Seq
+from typing import Any, Callable, Sequence as Seq
 
 import torch
 
 from kvyard.common.models import resolve_model
 
 from .api import EngineStats, RequestOutput, SamplingParams
-from .block_manager import BlockManager
+from .block_manager import BlockManager, KVEvent
 from .config import EngineConfig
 from .model_runner import ModelRunner, num_blocks_for, resolve_dtype
 from .sampler import Sampler, make_generator
@@ -99,6 +99,10 @@ class LLMEngine:
 
     def abort_all(self) -> list[RequestOutput]:
         return [o for rid in list(self.scheduler.requests) if (o := self.abort_request(rid))]
+
+    def add_kv_event_listener(self, callback: Callable[[KVEvent], None]) -> None:
+        """Blocks entering/leaving the prefix cache; called on the engine's thread, so keep it cheap."""
+        self.block_manager.listeners.append(callback)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
