@@ -113,8 +113,8 @@ def test_int4_path_matches_dense_bfloat16() -> None:
     """Small steps run on packed Q4 weights; they hold the file's values exactly, so
     logits agree with the dense bf16 path up to bf16 rounding."""
     model, cfg = load_model(resolve_model("demo"), torch.bfloat16)
-    assert model.int4_max_tokens == 16 and all(lw.int4 is not None for lw in model.layers)
-    ids = PROMPTS[0]
+    assert model.int4_max_tokens == 8 and all(lw.int4 is not None for lw in model.layers)
+    ids = PROMPTS[0][:model.int4_max_tokens]
     int4 = _one_shot(model, cfg, ids)
     model.int4_max_tokens = 0
     dense = _one_shot(model, cfg, ids)
@@ -123,19 +123,3 @@ def test_int4_path_matches_dense_bfloat16() -> None:
     assert 0 < diff < 2.0  # bf16 vs float32 logits differ by up to ~1.5 on this model
     _same_choices(int4, dense, 0.5)
 
-
-def test_int8_head_for_one_or_two_rows() -> None:
-    """The Q8_0 head runs as per-row int8 for 1-2 sampled rows; it must pick the same
-    greedy tokens as the dense head (near-ties aside) and stay well inside the ~1.0
-    logit error that bf16 itself brings to this model (measured: ~0.6 on |logits| <= 38)."""
-    model, cfg = load_model(resolve_model("demo"), torch.bfloat16)
-    assert model.head_int8 is not None
-    g = torch.Generator().manual_seed(0)
-    hidden = (torch.randn(64, cfg.hidden_size, generator=g) * 2).to(torch.bfloat16)
-    with torch.inference_mode():
-        dense = model.compute_logits(hidden)  # 64 rows: dense path
-        rows = torch.cat([model.compute_logits(hidden[i:i + 2]) for i in range(0, 64, 2)])
-    diff = (rows - dense).abs().max().item()
-    print(f"int8 head vs dense bf16: max |logit diff| {diff:.2e}")
-    assert 0 < diff < 1.0
-    _same_choices(rows, dense, 0.5)

@@ -63,8 +63,7 @@ class LayerWeights:
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: torch.Tensor, rope: torch.Tensor,
-                 backend: AttentionBackend, int4_max_tokens: int = 16,
-                 head_int8: tuple[torch.Tensor, torch.Tensor] | None = None, packed: bool = False) -> None:
+                 backend: AttentionBackend, int4_max_tokens: int = 8) -> None:
         super().__init__()
         self.config = cfg
         self.embed = nn.Parameter(embed, requires_grad=False)
@@ -82,16 +81,9 @@ class LlamaForCausalLM(nn.Module):
                 self.register_buffer(f"layer{i}_int4_{j}_packed", w4.packed, persistent=False)
                 self.register_buffer(f"layer{i}_int4_{j}_sz", w4.scales_zeros, persistent=False)
         self.layers = layers
-        self.linear = packed_linear if packed else F.linear  # how qkv/o/gate_up/down/head are stored
-        # A 1-2 row LM head reads the whole vocab matrix for a few dot products;
-        # int8 rows halve those bytes (torch's int8 kernel loses beyond ~2 rows).
-        self.head_int8 = head_int8
-        self.head_int8_max_rows = 2
-        if head_int8 is not None:
-            self.register_buffer("lm_head_int8", head_int8[0], persistent=False)
-            self.register_buffer("lm_head_int8_scale", head_int8[1], persistent=False)
+        self.linear = F.linear  # packed_linear once `pack` has re-laid the matrices
         # Steps with at most this many tokens use the int4 weights where present
-        # (below ~16-32 rows the int4 kernel wins; above, bf16/fp32 GEMM does).
+        # (measured: below ~8 rows the int4 kernel wins; above, packed bf16 GEMM does).
         self.int4_max_tokens = int4_max_tokens if all(lw.int4 for lw in layers) else 0
         self.backend = backend
         self.scale = cfg.head_dim ** -0.5
@@ -149,6 +141,4 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the sampled rows only; float32 for the sampler."""
         h = F.rms_norm(hidden, (self.config.hidden_size,), self.final_norm, self.config.rms_norm_eps)
-        if self.head_int8 is not None and h.shape[0] <= self.head_int8_max_rows:
-            return torch.ops.aten._weight_int8pack_mm(h, *self.head_int8).float()
         return self.linear(h, self.lm_head, None).float()

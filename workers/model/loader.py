@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
-from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
 from kvyard.common.models import ModelSource
@@ -30,7 +29,6 @@ class WeightSource(Protocol):
     def has(self, name: str) -> bool: ...
     def get(self, name: str) -> torch.Tensor: ...
     def get_int4(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None: ...
-    def is_8bit(self, name: str) -> bool: ...
 
 
 class SafetensorsSource:
@@ -54,9 +52,6 @@ class SafetensorsSource:
 
     def get_int4(self, name: str) -> None:
         return None  # float checkpoints: re-quantising would change the model
-
-    def is_8bit(self, name: str) -> bool:
-        return False
 
 
 _GGUF_LAYER = {
@@ -104,9 +99,6 @@ class GGUFSource:
     def get(self, name: str) -> torch.Tensor:
         return self._unpermute(name, self.f.load(self._name(name)))
 
-    def is_8bit(self, name: str) -> bool:
-        return self.f.tensors[self._name(name)].qtype == GGMLQuantizationType.Q8_0
-
     def get_int4(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         t = self.f.tensors[self._name(name)]
         parts = int4_parts(self.f.raw(t.name), t.qtype, t.shape)
@@ -123,18 +115,9 @@ def _int4(src: WeightSource, names: list[str], dtype: torch.dtype) -> Int4Weight
     return Int4Weight(packed, torch.stack((scale.t(), zero.t()), -1).to(dtype).contiguous())
 
 
-def _int8_rows(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row int8 codes and scales of an 8-bit (Q8_0) head: its values move by at
-    most half a step of the row's scale, the size of bf16's own rounding here."""
-    w = w.float()
-    scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
-    codes = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return codes, scale.to(dtype)
-
-
 def build(cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, max_len: int | None = None,
           freq_factors: torch.Tensor | None = None, progress: bool = False,
-          int4_max_tokens: int = 16) -> LlamaForCausalLM:
+          int4_max_tokens: int = 8) -> LlamaForCausalLM:
     def w(name: str) -> torch.Tensor:
         return src.get(name).to(dtype)
 
@@ -172,14 +155,10 @@ def build(cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, max_len: int 
         ))
     embed = w("model.embed_tokens.weight").contiguous()
     tied = cfg.tie_word_embeddings or not src.has("lm_head.weight")
-    head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
-    lm_head = embed if tied else w(head_name).contiguous()
-    head8 = None
-    if int4_max_tokens > 0 and dtype == torch.bfloat16 and src.is_8bit(head_name):
-        head8 = _int8_rows(src.get(head_name), dtype)
+    lm_head = embed if tied else w("lm_head.weight").contiguous()
     rope = rope_table(cfg, max_len or cfg.max_position_embeddings, dtype, freq_factors)
     model = LlamaForCausalLM(cfg, embed, layers, w("model.norm.weight"), lm_head, rope, TorchCPUBackend(),
-                             int4_max_tokens, head8)
+                             int4_max_tokens)
     model.eval().requires_grad_(False)
     model.pack()
     return model
@@ -187,7 +166,7 @@ def build(cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, max_len: int 
 
 def load_model(src: ModelSource, dtype: torch.dtype, max_len: int | None = None,
                on_progress: Callable[[str], None] | None = None,
-               int4_max_tokens: int = 16) -> tuple[LlamaForCausalLM, ModelConfig]:
+               int4_max_tokens: int = 8) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load `src` (from `kvyard.common.models.resolve_model`) in `dtype` (float32 or bfloat16).
 
     `max_len` bounds the RoPE table (defaults to the model's max positions).
