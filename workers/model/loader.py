@@ -37,7 +37,12 @@ class SafetensorsSource:
     def __init__(self, directory: Path) -> None:
         from safetensors import safe_open
 
-        files = sorted(directory.glob("*.safetensors"))
+        index = directory / "model.safetensors.index.json"
+        if index.exists():  # only the shards it names (some repos also ship consolidated copies)
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            files = [directory / n for n in names]
+        else:
+            files = sorted(directory.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{directory}: no *.safetensors files")
         self._handles = [safe_open(str(f), framework="pt") for f in files]
