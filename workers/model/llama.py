@@ -71,7 +71,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = self.embed if lm_head is embed else lm_head
         self.final_norm = nn.Parameter(final_norm, requires_grad=False)
         self.register_buffer("rope", rope, persistent=False)
-        # Registered as parameters so .to()/state_dict see them; forward reads the plain tuple.
+        # Registered so state_dict sees them until `pack` swaps in opaque oneDNN copies;
+        # forward reads the LayerWeights directly.
         for i, lw in enumerate(layers):
             for name in LayerWeights.__slots__:
                 t = getattr(lw, name)
