@@ -5,6 +5,12 @@ deadlines; nothing sleeps to synchronise.
 """
 from __future__ import annotations
 
+import os
+
+# Before torch loads anywhere in the session: spinning OpenMP threads starve
+# the servers' own threads on small machines (see kvyard/cli.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import socket
 import time
 from pathlib import Path
