@@ -1,12 +1,17 @@
 """The ext_proc stream handler: one bidirectional stream per HTTP request.
 
-Body mode is BUFFERED (pinned with the gateway's Envoy config: request
-headers SEND, request body BUFFERED, response headers SKIP, response body
-NONE). Why not FULL_DUPLEX_STREAMED like the reference EPP: routing needs
-the whole body anyway, and BUFFERED hands it over in one message, so there is
-nothing to reassemble, no chunk replay on the way back, and one message fewer
-per chunk; Envoy enforces the size limit with its buffer (413) before we see
-it. We still check `--max-body-bytes` ourselves and accept split bodies.
+Body handling (pinned with the gateway's Envoy config, kvyard/gateway/config.py):
+request headers SEND; request body STREAMED with
+`send_body_without_waiting_for_header_response`, behind Envoy's buffer
+filter; response headers SKIP, response body NONE. The buffer filter holds
+the whole body (and answers 413 over the limit), so we receive it as one
+chunk with end_of_stream right after the headers. Why not BUFFERED: Envoy
+then sends no body until the headers message is answered, and we can only
+answer it once we have read the prompt (a deadlock, checked with Envoy 1.40).
+Why not FULL_DUPLEX_STREAMED like the reference EPP: routing needs the whole
+body anyway; one chunk means nothing to replay on the way back and one
+message per request, and FailOpen keeps working. We still check
+`--max-body-bytes` ourselves and accept bodies split into several chunks.
 
 Order on the stream: request_headers arrives first and is held (unless it
 has end_of_stream, e.g. GET /v1/models, which is routed at once); when the

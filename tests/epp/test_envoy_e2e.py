@@ -1,6 +1,7 @@
 """The EPP behind a real Envoy (the gateway's own bootstrap): proves the
-pinned protocol — headers SEND, body BUFFERED, routing answered on the
-headers message once the body is in — end to end."""
+pinned protocol — headers SEND, body STREAMED behind the buffer filter
+(whole body in one chunk), routing answered on the headers message once the
+body is in — end to end."""
 from __future__ import annotations
 
 import asyncio
