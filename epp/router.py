@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvyard.common.wire import DROPPED_REASON_HEADER
@@ -59,14 +59,19 @@ class Finisher:
 
     The backlog is bounded: under overload we skip teaching (the index then
     knows only the prefix hashed during the decision) rather than queue work
-    without limit.
+    without limit. `settle()` lets the next decision wait (briefly) for
+    teaching still in flight: otherwise a follow-up request that shares the
+    prefix could be routed before the index knows where the prefix went,
+    which broke stickiness on a loaded machine.
     """
 
     pool: EndpointPool
     scheduler: Scheduler
     max_backlog: int = 256
+    settle_timeout_s: float = 0.05
     backlog: int = 0
     skipped: int = 0
+    _pending: set = field(default_factory=set)
     _executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="epp-finish"))
 
@@ -78,15 +83,26 @@ class Finisher:
             self.skipped += 1
             return
         self.backlog += 1
-        fut = asyncio.get_running_loop().run_in_executor(self._executor, p.finish)
-        fut.add_done_callback(lambda f, a=d.endpoint.address: self._done(a, f))
+        task = asyncio.ensure_future(self._finish(d.endpoint.address, p))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
-    def _done(self, address: str, fut: Future) -> None:
-        self.backlog -= 1
-        if fut.cancelled() or fut.exception() is not None:
+    async def _finish(self, address: str, prompt: LazyPrompt) -> None:
+        try:
+            hashes = await asyncio.get_running_loop().run_in_executor(self._executor, prompt.finish)
+        except Exception:  # noqa: BLE001 - teaching is best effort; routing already happened
             return
+        finally:
+            self.backlog -= 1
         if self.pool.get(address) is not None:  # it may have left meanwhile
-            self.scheduler.learn(address, fut.result())
+            self.scheduler.learn(address, hashes)
+
+    async def settle(self) -> None:
+        """Wait, at most `settle_timeout_s`, until earlier decisions are taught."""
+        if self._pending:
+            await asyncio.wait(set(self._pending), timeout=self.settle_timeout_s)
 
     def close(self) -> None:
+        for t in self._pending:
+            t.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)

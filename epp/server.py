@@ -71,6 +71,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
     async def _answer(self, headers: dict[str, str] | None,
                       chunks: list[bytes]) -> AsyncIterator[ep.ProcessingResponse]:
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        await self.finisher.settle()
         answers, decision = self._decide(headers or {}, body)
         for r in answers:
             yield r

@@ -9,6 +9,9 @@ everything already started is stopped and the error carries the log tail.
 from __future__ import annotations
 
 import json
+import os
+import secrets
+import shutil
 import socket
 import sys
 import time
@@ -55,7 +58,11 @@ class StackSpec:
     body_limit_bytes: int = 4 * 1024 * 1024
     ready_timeout_s: float = 180.0
     extras: list[ServiceSpec] = field(default_factory=list)
-    # A local redis-server as the workers' shared KV tier (kvstore).
+    # The workers' kvstore tiers: DRAM and a node-shared SSD directory in the run
+    # dir, plus a local authenticated redis-server as the pool-wide tier.
+    kv_tiers: bool = True
+    kv_dram_gb: float = 1.0
+    kv_ssd_gb: float = 4.0
     kv_redis: bool = False
     worker_args: list[str] = field(default_factory=list)
     epp_args: list[str] = field(default_factory=list)
@@ -97,11 +104,22 @@ class StackState:
         return [p.pid for p in self.procs]
 
 
-def redis_service(port: int) -> ServiceSpec:
-    """Loopback-only, nothing persisted: a scratch tier that dies with the stack."""
+def redis_service(port: int, run: Path) -> tuple[ServiceSpec, str]:
+    """Loopback-only, nothing persisted, password required: a scratch tier that
+    dies with the stack. The password sits in a 0600 config file and reaches
+    the workers through their environment, never on a command line (`ps`)."""
+    password = secrets.token_urlsafe(24)
+    conf = run / "redis.conf"
+    fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(f"port {port}\nbind 127.0.0.1\nprotected-mode yes\nsave \"\"\n"
+                 f"appendonly no\nrequirepass {password}\n")
     return ServiceSpec(name="redis", ready=f"tcp:{port}", ports={"redis": port},
-                       cmd=["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                            "--save", "", "--appendonly", "no"])
+                       cmd=["redis-server", str(conf)]), password
+
+
+def redis_available() -> bool:
+    return shutil.which("redis-server") is not None
 
 
 def py_module(module: str, *args: str) -> list[str]:
@@ -195,10 +213,17 @@ def start_stack(spec: StackSpec) -> StackState:
         checks: list[tuple[Proc, Callable[[], bool]]] = []
         extras = list(spec.extras)
         worker_args = list(spec.worker_args)
+        worker_env: dict[str, str] = {}
+        if spec.kv_tiers and not spec.standin:
+            worker_args += ["--kv-dram-gb", str(spec.kv_dram_gb),
+                            "--kv-ssd-dir", str(run / "kvcache"), "--kv-ssd-gb", str(spec.kv_ssd_gb)]
         if spec.kv_redis:
             rport = procs.free_port(6379, taken)
-            extras.append(redis_service(rport))
-            worker_args += ["--kv-redis-url", f"redis://127.0.0.1:{rport}"]
+            service, password = redis_service(rport, run)
+            extras.append(service)
+            if not spec.standin:  # stand-ins take no KV flags
+                worker_args += ["--kv-redis-url", f"redis://127.0.0.1:{rport}"]
+                worker_env["KVYARD_REDIS_PASSWORD"] = password
         for ex in extras:
             p = procs.spawn(ex.name, ex.cmd, logs / f"{ex.name}.log", ports=ex.ports)
             started.add(p)
@@ -209,7 +234,7 @@ def start_stack(spec: StackSpec) -> StackState:
             port = procs.free_port(None if base is None else base + i, taken)
             addresses.append(f"127.0.0.1:{port}")
             p = procs.spawn(f"worker-{i}", worker_cmd(spec, port, worker_args),
-                            logs / f"worker-{i}.log",
+                            logs / f"worker-{i}.log", env=worker_env,
                             ports={"http": port})
             started.add(p)
             checks.append((p, _ready_check(f"http://127.0.0.1:{port}/health")))

@@ -18,8 +18,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8080, help="gateway port (another free one if taken)")
     p.add_argument("--model", default="demo")
     p.add_argument("--dtype", default=None, help="worker dtype (passed to kvyard worker)")
-    p.add_argument("--kv-redis", action="store_true",
-                   help="also start a loopback redis-server as the workers' shared KV tier")
+    p.add_argument("--kv-redis", action=argparse.BooleanOptionalAction, default=None,
+                   help="start a loopback, password-protected redis-server as the workers' "
+                        "pool-wide KV tier (default: when redis-server is installed)")
+    p.add_argument("--kv-tiers", action=argparse.BooleanOptionalAction, default=True,
+                   help="give workers a DRAM and a shared SSD kvstore tier (default on)")
     p.add_argument("--restart", action="store_true", help="stop a running stack first")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for readiness")
     # Model-free workers, for tests and routing benchmarks.
@@ -43,9 +46,12 @@ def run(args: argparse.Namespace) -> int:
             return 0
         print(f"kvyard: stopping the previous stack in {rd}", file=sys.stderr)
         stop_stack(old)
+    from kvyard.stack.launch import redis_available
+
+    kv_redis = redis_available() if args.kv_redis is None else args.kv_redis
     spec = StackSpec(run_dir=rd, workers=args.workers, gateway_port=args.port, model=args.model,
                      dtype=args.dtype, standin=args.standin_workers, ready_timeout_s=args.timeout,
-                     kv_redis=args.kv_redis)
+                     kv_redis=kv_redis, kv_tiers=args.kv_tiers)
     print(f"kvyard: starting {args.workers} worker(s), the EPP and Envoy (logs in {rd}/logs)",
           flush=True)
     try:

@@ -29,7 +29,7 @@ async def envoy(free_port, tmp_path):
         cfg = GatewayConfig(listen_port=port, epp_address=f"127.0.0.1:{ext_proc_port}",
                             admin_port=admin)
         path = write_config(cfg, tmp_path / "envoy.yaml")
-        procs.append(subprocess.Popen(envoy_command(path, base_id=admin),
+        procs.append(subprocess.Popen(envoy_command(path),
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         return port, admin
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import socket
+
+import pytest
 import subprocess
 import sys
 from pathlib import Path
@@ -58,16 +60,25 @@ def test_down_after_a_crash_stops_the_rest(tmp_path: Path) -> None:
         taken = busy.getsockname()[1]
         up = kvyard("up", "--workers", "1", "--standin-workers", "--kv-redis",
                     "--port", str(taken), "--run-dir", rd)
-    assert up.returncode == 0, up.stdout + up.stderr
-    state = StackState.load(Path(rd))
-    assert state.gateway_url != f"http://127.0.0.1:{taken}"
-    redis = next(p for p in state.procs if p.name == "redis")
-    worker = next(p for p in state.procs if p.name == "worker-0")
-    assert f"redis://127.0.0.1:{redis.ports['redis']}" not in worker.cmd  # stand-ins take no KV flags
-    assert procs.alive(redis.pid)
-    procs.stop([worker.pid], timeout_s=2)  # a worker "crashes"
-    assert kvyard("down", "--run-dir", rd).returncode == 0
-    assert not any(procs.alive(pid) for pid in state.pids())
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        state = StackState.load(Path(rd))
+        assert state.gateway_url != f"http://127.0.0.1:{taken}"
+        redis = next(p for p in state.procs if p.name == "redis")
+        worker = next(p for p in state.procs if p.name == "worker-0")
+        assert f"redis://127.0.0.1:{redis.ports['redis']}" not in worker.cmd  # stand-ins take no KV flags
+        assert procs.alive(redis.pid)
+        # Redis is authenticated by default; its password file is private.
+        import redis as redis_py
+
+        with pytest.raises(redis_py.exceptions.AuthenticationError):
+            redis_py.Redis(port=redis.ports["redis"], socket_timeout=5).ping()
+        assert (Path(rd) / "redis.conf").stat().st_mode & 0o077 == 0
+        procs.stop([worker.pid], timeout_s=2)  # a worker "crashes"
+        assert kvyard("down", "--run-dir", rd).returncode == 0
+        assert not any(procs.alive(pid) for pid in state.pids())
+    finally:  # a failed assertion must not leak the stack into later tests
+        kvyard("down", "--run-dir", rd)
 
 
 def test_up_failure_tears_down_and_shows_the_log(tmp_path: Path) -> None:
