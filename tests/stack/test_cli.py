@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import json
 import socket
-
-import pytest
 import subprocess
 import sys
+
+import pytest
 from pathlib import Path
 
 from kvyard.stack import procs
