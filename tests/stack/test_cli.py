@@ -5,9 +5,9 @@ import json
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 from kvyard.stack import procs
 from kvyard.stack.launch import StackState
