@@ -31,8 +31,12 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
-    """Liveness and readiness: the server only listens once the engine has started."""
+    """Liveness and readiness: the server only listens once the engine has started,
+    and a dead engine thread turns this into 503 so Kubernetes restarts the pod
+    (and the EPP, seeing scrapes succeed but health fail, is not the only judge)."""
     state = get_state(request.app)
+    if getattr(state.engine, "is_running", True) is False:
+        return web.json_response({"status": "engine stopped", "role": state.role}, status=503)
     return web.json_response({"status": "ok", "role": state.role})
 
 
