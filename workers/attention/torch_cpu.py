@@ -5,7 +5,9 @@ attend. All decodes go at once: their blocks are gathered by `block_tables`
 into one reused buffer, padding is masked by `seq_lens`, and a few batched
 matmuls do the rest (SDPA's CPU flash kernel is slow for 1-token queries).
 Prefill chunks go one SDPA each: new tokens see every cached token and,
-causally, each other. Gather indices and masks depend only on the step, so
+causally, each other; a run of fresh (nothing cached) prompts of equal length
+goes as one batched SDPA instead (measured ~2x faster than one call each at
+4 x 256 tokens, bit-identical). Gather indices and masks depend only on the step, so
 the first layer builds them into `meta.scratch` and later layers reuse them.
 
 Measured on torch 2.13 CPU, and the reason for the odd-looking choices:
@@ -32,13 +34,15 @@ def _as_int(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass(slots=True)
 class _Chunk:
-    """One prefill chunk: new tokens q[start:end] against the sequence's first `ctx` tokens."""
+    """One prefill chunk: new tokens q[start:end] against the sequence's first `ctx` tokens,
+    or (`seqs` > 1) that many fresh sequences of `ctx` tokens each, back to back."""
 
     start: int
     end: int
     ctx: int
     blocks: torch.Tensor | None     # [2 * nb] K then V block rows; None when nothing was cached
     mask: torch.Tensor | None       # [n, ctx] bool, True = may attend; None = plain causal
+    seqs: int = 1
 
 
 @dataclass(slots=True)
@@ -83,7 +87,11 @@ def _plan(meta: AttentionMetadata, cache_shape: torch.Size, num_heads: int, dtyp
         s, e, ctx = qsl[i], qsl[i + 1], lens[i]
         cached = ctx - (e - s)
         if cached == 0:
-            chunks.append(_Chunk(s, e, ctx, None, None))
+            last = chunks[-1] if chunks else None
+            if last is not None and last.blocks is None and last.ctx == ctx:
+                last.end, last.seqs = e, last.seqs + 1   # same-length fresh run: one batched call
+            else:
+                chunks.append(_Chunk(s, e, ctx, None, None))
             continue
         blocks = bt[i, :-(-ctx // bs)]
         mask = torch.arange(ctx)[None, :] <= torch.arange(cached, ctx)[:, None]
@@ -126,6 +134,9 @@ class TorchCPUBackend:
         nd = plan.num_decodes
         if nd and not plan.chunks:
             return self._decode(q, kv_cache, plan, scale)
+        if not nd and len(plan.chunks) == 1:
+            c = plan.chunks[0]
+            return self._prefill(q, k, v, kv_cache, c, scale)
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], kv_cache, plan, scale)
@@ -152,13 +163,14 @@ class TorchCPUBackend:
                  c: _Chunk, scale: float) -> torch.Tensor:
         n, nh, hd = q.shape
         _, num_blocks, _, nkv, _ = kv_cache.shape
-        qh = q.transpose(0, 1).unsqueeze(0)
         if c.blocks is None:
-            o = F.scaled_dot_product_attention(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                                               is_causal=True, scale=scale, enable_gqa=nh != nkv)
-        else:
-            kv = self._gather(_as_int(kv_cache).view(2 * num_blocks, -1), c.blocks).view(q.dtype)
-            kv = kv.view(2, -1, nkv, hd)[:, :c.ctx].transpose(1, 2).unsqueeze(1)  # [2, 1, nkv, ctx, hd]
-            o = F.scaled_dot_product_attention(qh, kv[0], kv[1], attn_mask=c.mask,
-                                               scale=scale, enable_gqa=nh != nkv)
+            b = c.seqs
+            o = F.scaled_dot_product_attention(
+                q.view(b, c.ctx, nh, hd).transpose(1, 2), k.view(b, c.ctx, nkv, hd).transpose(1, 2),
+                v.view(b, c.ctx, nkv, hd).transpose(1, 2), is_causal=True, scale=scale, enable_gqa=nh != nkv)
+            return o.transpose(1, 2).reshape(n, nh, hd)
+        kv = self._gather(_as_int(kv_cache).view(2 * num_blocks, -1), c.blocks).view(q.dtype)
+        kv = kv.view(2, -1, nkv, hd)[:, :c.ctx].transpose(1, 2).unsqueeze(1)  # [2, 1, nkv, ctx, hd]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), kv[0], kv[1], attn_mask=c.mask,
+                                           scale=scale, enable_gqa=nh != nkv)
         return o[0].transpose(0, 1)
