@@ -4,13 +4,17 @@ and TTFT on the demo model when the prompt's KV comes from each tier.
 Part 1 measures, for a demo-model block and an 8B-class block, the bytes per
 second of `put` (until the bytes are in the tier) and `get` (until the bytes
 are in the caller's buffer, `get_into`), next to what the same bytes cost
-without the store, measured in the same run, interleaved, best of `--repeat`.
+without the store. The machine may be shared and noisy, so each row is
+`--repeat` interleaved pairs (store then reference, order alternating), every
+pair started from the same state (a cleared, synced directory for file
+writes), and the row reports the median of the per-pair ratios, with the
+medians of both rates and the ratios' spread (min..max).
 Sources are framed buffers (header room + payload), as the connector makes.
-  DRAM  - memcpy into a preallocated buffer (the store's put is a copy into a
-          fresh buffer it then owns, as the connector's gather does; get is a
-          lookup plus a copy out)
+  DRAM  - memcpy into a preallocated buffer (the store's put is the connector's
+          gather: a copy into framed buffers the store hands out and then owns;
+          get is a lookup plus a copy out)
   SSD   - plain open/write/close and open/readinto of one file per block (the
-          store adds the header, a checksum, a temp file + rename, LRU
+          store adds the header, a checksum, an atomic publish, LRU
           bookkeeping, a writer thread). Reads come from the page cache in both,
           since the data was just written: software overhead, not the device
   Redis - raw redis-py pipelined SET / MGET of equal-size values in the same
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from typing import Callable
@@ -39,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mb", type=int, default=256, help="MB moved per measurement")
     p.add_argument("--layouts", default="demo,8b", help=f"comma list of {sorted(LAYOUTS)}")
     p.add_argument("--tiers", default="dram,ssd,redis")
-    p.add_argument("--repeat", type=int, default=3, help="best of N, interleaved with the reference")
+    p.add_argument("--repeat", type=int, default=5, help="interleaved store/reference pairs per row (median ratio)")
     p.add_argument("--batch", type=int, default=64, help="blocks per get call / Redis round trip")
     p.add_argument("--ssd-dir", default=None, help="where SSD files go (default: a temp dir)")
     p.add_argument("--redis-url", default=None,
@@ -51,22 +56,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def _best(fn: Callable[[], None], nbytes: int, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
+def _timed(fn: Callable[[], None], setup: Callable[[], None] | None) -> float:
+    if setup is not None:
+        setup()  # outside the clock: both sides start from the same state
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
-def _pair(store_fn, ref_fn, nbytes: int, repeat: int) -> tuple[float, float]:
-    """Interleave store and reference runs so noise from neighbours hits both alike."""
-    s = r = 0.0
-    for _ in range(repeat):
-        r = max(r, _best(ref_fn, nbytes, 1))
-        s = max(s, _best(store_fn, nbytes, 1))
-    return s, r
+def _pair(store_fn, ref_fn, nbytes: int, repeat: int, store_setup=None, ref_setup=None
+          ) -> tuple[float, float, float, float, float]:
+    """Interleave store and reference runs (alternating which goes first) so noise from
+    neighbours hits both alike; (median store GB/s, median ref GB/s, median of the
+    per-pair ratios, min ratio, max ratio)."""
+    s_t, r_t, ratios = [], [], []
+    for i in range(max(1, repeat)):
+        if i % 2:
+            r = _timed(ref_fn, ref_setup)
+            s = _timed(store_fn, store_setup)
+        else:
+            s = _timed(store_fn, store_setup)
+            r = _timed(ref_fn, ref_setup)
+        s_t.append(s)
+        r_t.append(r)
+        ratios.append(r / s)  # store rate / ref rate for the same bytes
+    return (nbytes / statistics.median(s_t) / 1e9, nbytes / statistics.median(r_t) / 1e9,
+            statistics.median(ratios), min(ratios), max(ratios))
 
 
 def _throughput(report, args, lname, layout, tmp, redis_url, redis_pw) -> None:
@@ -89,7 +104,7 @@ def _throughput(report, args, lname, layout, tmp, redis_url, redis_pw) -> None:
     dst = np.empty((n, nb), dtype=np.uint8)
     outs = list(dst)
     batches = [keys[i:i + args.batch] for i in range(0, n, args.batch)]
-    rows: list[tuple[str, str, float, float]] = []
+    rows: list[tuple] = []
 
     def memcpy():
         for i in range(n):
@@ -117,12 +132,25 @@ def _throughput(report, args, lname, layout, tmp, redis_url, redis_pw) -> None:
         root = os.path.join(tmp, f"ssd-{lname}")
         ref_dir = os.path.join(tmp, f"ref-{lname}")
         os.makedirs(ref_dir, exist_ok=True)
-        st = KVStore(Namespace(lname, layout), ssd=SsdTier(root, 4 * (total + n * HEADER_BYTES)),
-                     queue_blocks=n + 1)
+        cur: dict[str, KVStore] = {}
+
+        def ssd_setup():  # an empty tier on a cleared, synced directory, as the reference's
+            if "st" in cur:
+                cur.pop("st").close()
+            shutil.rmtree(root, ignore_errors=True)
+            cur["st"] = KVStore(Namespace(lname, layout),
+                                ssd=SsdTier(root, 4 * (total + n * HEADER_BYTES)),
+                                queue_blocks=n + 1)
+            os.sync()
+
+        def ref_setup():
+            shutil.rmtree(ref_dir, ignore_errors=True)
+            os.makedirs(ref_dir)
+            os.sync()
 
         def ssd_put():
-            st.put(keys, list(frames))
-            st.flush(600)
+            cur["st"].put(keys, list(frames))
+            cur["st"].flush(600)
 
         def ref_write():
             for i in range(n):
@@ -133,7 +161,9 @@ def _throughput(report, args, lname, layout, tmp, redis_url, redis_pw) -> None:
             for i in range(n):
                 with open(os.path.join(ref_dir, f"{i}.blk"), "rb", buffering=0) as f:
                     f.readinto(dst[i])
-        rows.append(("ssd", "put", *_pair(ssd_put, ref_write, total, args.repeat)))
+        rows.append(("ssd", "put", *_pair(ssd_put, ref_write, total, args.repeat,
+                                          ssd_setup, ref_setup)))
+        st = cur["st"]
         rows.append(("ssd", "get", *_pair(lambda: get_into(st), ref_read, total, args.repeat)))
         st.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -168,10 +198,9 @@ def _throughput(report, args, lname, layout, tmp, redis_url, redis_pw) -> None:
             raw.delete(k)
         raw.close()
         st.close()
-    for tier, op, s, r in rows:
-        ratio = s / r if r else float("nan")
+    for tier, op, s, r, ratio, lo, hi in rows:
         report.add(layout=lname, block_kib=nb // 1024, tier=tier, op=op, store_gbps=s,
-                   ref_gbps=r, ratio=ratio, target=TARGETS[tier],
+                   ref_gbps=r, ratio=ratio, spread=f"{lo:.2f}..{hi:.2f}", target=TARGETS[tier],
                    ok="yes" if ratio >= TARGETS[tier] else "NO")
 
 
@@ -252,9 +281,10 @@ def run(args: argparse.Namespace) -> int:
     from kvyard.kvstore import KVLayout
     from kvyard.kvstore.redis_server import RedisServer
 
-    report = Report("kvstore: tier throughput vs physical reference (same run, best of "
-                    f"{args.repeat})", ["layout", "block_kib", "tier", "op", "store_gbps",
-                                        "ref_gbps", "ratio", "target", "ok"])
+    report = Report("kvstore: tier throughput vs physical reference (same run, "
+                    f"{args.repeat} interleaved pairs per row)",
+                    ["layout", "block_kib", "tier", "op", "store_gbps", "ref_gbps", "ratio",
+                     "spread", "target", "ok"])
     tmp = tempfile.mkdtemp(prefix="kvyard-bench-kvstore-", dir=args.ssd_dir)
     server = None
     redis_url, redis_pw = args.redis_url, args.redis_password
@@ -270,8 +300,11 @@ def run(args: argparse.Namespace) -> int:
                         redis_url, redis_pw)
         report.meta.update(mb=args.mb, batch=args.batch, cpus=os.cpu_count(),
                            load=os.getloadavg()[0])
-        report.notes.append("ratio = store / reference; reads of SSD files come from the page "
-                            "cache in both columns (software overhead, not the device)")
+        report.notes.append("ratio = median over interleaved pairs of store rate / reference rate "
+                            "(spread: min..max of those ratios; GB/s columns: medians); reads "
+                            "of SSD files come from the page cache in both columns (software "
+                            "overhead, not the device); file writes start from a cleared, "
+                            "synced directory on both sides")
         if args.ttft:
             ttft = _ttft(args, tmp, redis_url, redis_pw)
     finally:
