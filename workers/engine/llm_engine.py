@@ -36,7 +36,7 @@ class LLMEngine:
         bs = config.block_size
         num_blocks = num_blocks_for(model_config, bs, self.dtype, config.kv_cache_memory_bytes)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-        self.runner = ModelRunner(model, model_config, bs, num_blocks, self.dtype)
+        self.runner = ModelRunner(model, model_config, bs, num_blocks, self.dtype, config.num_threads)
         self.connector = config.kv_connector
         if self.connector is not None:
             self.connector.bind(self.runner.kv_caches, bs)
