@@ -27,6 +27,7 @@ import numpy as np
 from kvyard.kvstore.codec import HEADER_BYTES, encode_header
 from kvyard.kvstore.dram import DramTier
 from kvyard.kvstore.layout import Namespace
+from kvyard.kvstore.malloc import tune_malloc
 from kvyard.kvstore.redis_tier import RedisTier
 from kvyard.kvstore.ssd import SsdTier
 
@@ -66,6 +67,7 @@ class KVStore:
                  ssd: SsdTier | None = None, redis: RedisTier | None = None,
                  queue_blocks: int = 1024, io_threads: int = 4) -> None:
         self.namespace = namespace
+        tune_malloc()  # block-sized buffers churn: keep freed ones warm (see malloc.py)
         # Parallel block I/O and checksums (both release the GIL): a page-cache or
         # NVMe read, and a checksum pass, each run far below memory or device
         # bandwidth on one core, so a few threads are what reach it.
