@@ -19,7 +19,9 @@ from typing import Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+from redis._parsers import Encoder
 from redis.backoff import NoBackoff
+from redis.connection import PythonRespSerializer
 from redis.retry import Retry
 
 from kvyard.kvstore.breaker import CircuitBreaker
@@ -28,6 +30,15 @@ from kvyard.kvstore.layout import KVLayout
 from kvyard.kvstore.stats import TierStats
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def zero_copy_packer() -> PythonRespSerializer:
+    """redis-py's pure-Python RESP packer, which sends a memoryview argument as a
+    chunk of its own, uncopied. Once hiredis is installed redis-py packs with
+    hiredis instead, which copies every value twice (`bytes()`, then
+    `pack_command`): measured 4x slower pipelined SETs of 360 KiB values.
+    Replies still parse with hiredis (2x faster MGETs than the Python parser)."""
+    return PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
 
 
 class RedisTier:
@@ -66,7 +77,8 @@ class RedisTier:
                         opts = {k: v for k, v in self._opts.items() if k != "retry_on_timeout"}
                         self._client = RedisCluster.from_url(self.url, **opts)
                     else:
-                        self._client = redis.Redis.from_url(self.url, **self._opts)
+                        self._client = redis.Redis.from_url(
+                            self.url, command_packer=zero_copy_packer(), **self._opts)
         return self._client
 
     def rkey(self, key: bytes) -> bytes:

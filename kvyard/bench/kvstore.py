@@ -18,7 +18,8 @@ Sources are framed buffers (header room + payload), as the connector makes.
           bookkeeping, a writer thread). Reads come from the page cache in both,
           since the data was just written: software overhead, not the device
   Redis - raw redis-py pipelined SET / MGET of equal-size values in the same
-          batches, values copied into the caller's buffer (the store adds
+          batches, values copied into the caller's buffer; same client settings
+          as the store's (memoryview values sent uncopied, hiredis replies) (the store adds
           header, checksum, and a writer thread)
 Part 2 (`--ttft`) prefills a long prompt cold, then on fresh engines whose own
 prefix cache is empty but whose store has the prompt's blocks in one tier.
@@ -91,7 +92,7 @@ def _throughput(report, args, lname, layout, tmp, redis_url, redis_pw) -> None:
     from kvyard.kvstore import KVStore, Namespace
     from kvyard.kvstore.codec import HEADER_BYTES
     from kvyard.kvstore.dram import DramTier
-    from kvyard.kvstore.redis_tier import RedisTier
+    from kvyard.kvstore.redis_tier import RedisTier, zero_copy_packer
     from kvyard.kvstore.ssd import SsdTier
 
     nb = layout.nbytes
@@ -172,7 +173,10 @@ def _throughput(report, args, lname, layout, tmp, redis_url, redis_pw) -> None:
         prefix = f"kvyard-bench:{os.getpid()}:"
         red = RedisTier(redis_url, password=redis_pw, prefix=prefix, timeout_s=10.0)
         st = KVStore(Namespace(lname, layout), redis=red, queue_blocks=n + 1)
-        raw = redis.Redis.from_url(redis_url, password=redis_pw, socket_timeout=10)
+        # the same redis-py client settings as the store's (values sent as memoryviews,
+        # replies parsed by hiredis when installed): the ratio is what the store adds
+        raw = redis.Redis.from_url(redis_url, password=redis_pw, socket_timeout=10,
+                                   command_packer=zero_copy_packer())
         rkeys = [f"{prefix}raw:{i}".encode() for i in range(n)]
 
         def redis_put():
