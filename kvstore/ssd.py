@@ -33,6 +33,7 @@ from kvyard.kvstore.stats import TierStats
 
 SUFFIX = ".kvb"
 STALE_TMP_S = 600.0  # a temp file this old belongs to a writer that died
+TOUCH_S = 60.0  # a file's mtime (LRU order across restarts) is bumped at most this often
 
 
 class SsdTier:
@@ -49,6 +50,7 @@ class SsdTier:
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, oldest first
         self._lock = threading.Lock()
         self._dirs: set[str] = set()
+        self._bumped: dict[bytes, float] = {}  # key -> monotonic time of its last mtime bump
         self._next_scan = 0.0
         self.rescan()
 
@@ -64,6 +66,7 @@ class SsdTier:
             self._index[key] = size
 
     def _forget(self, key: bytes) -> None:
+        self._bumped.pop(key, None)
         with self._lock:
             old = self._index.pop(key, None)
             if old is not None:
@@ -189,10 +192,17 @@ class SsdTier:
         return True
 
     def _touch(self, key: bytes, path: str, size: int) -> None:
-        try:
-            os.utime(path)  # LRU order that survives a restart
-        except OSError:
-            pass
+        """Count a hit and move the key to the LRU's young end. The file's mtime, the
+        order a restart recovers, is bumped at most every TOUCH_S per key: a utime per
+        read dirtied an inode per block (a syscall and a journal update), and an order
+        to the minute is all a restart needs."""
+        now = time.monotonic()
+        if now - self._bumped.get(key, -TOUCH_S) >= TOUCH_S:
+            try:
+                os.utime(path)
+            except OSError:
+                pass
+            self._bumped[key] = now
         with self._lock:
             self.stats.hits += 1
             if key in self._index:
@@ -221,6 +231,7 @@ class SsdTier:
             try:
                 self._write(tmp, bufs)
                 os.replace(tmp, path)
+                self._bumped[key] = time.monotonic()  # a new file: its mtime is now
                 break
             except OSError as e:
                 _unlink(tmp)
@@ -270,6 +281,7 @@ class SsdTier:
                 victims.append(victim)
             self._index[key] = size
         for victim in victims:
+            self._bumped.pop(victim, None)
             _unlink(self.path(victim))
 
     def _evict(self, nbytes: int) -> None:
@@ -282,6 +294,7 @@ class SsdTier:
                 key, size = self._index.popitem(last=False)
                 self.stats.bytes -= size
                 self.stats.evictions += 1
+            self._bumped.pop(key, None)
             _unlink(self.path(key))
             freed += size
 

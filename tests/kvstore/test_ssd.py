@@ -147,3 +147,21 @@ def test_full_disk_evicts_counts_and_never_raises(tmp_path, tiny_fs):
     got = st.get([59])[0]
     assert got is not None and bytes(got) == blocks[59]
     st.close()
+
+
+def test_reads_bump_mtime_at_most_once_per_touch_interval(ns, layout, make_blocks, tmp_path):
+    """The LRU order a restart recovers comes from mtimes; a read bumps its file's mtime,
+    but not again within TOUCH_S (a utime per read cost a syscall and a journal update)."""
+    st = KVStore(ns, ssd=SsdTier(tmp_path, 1 << 20))
+    st.put([7], make_blocks(1))
+    assert st.flush()
+    st.close()
+    p = SsdTier.path(st.ssd, ns.key(7))
+    os.utime(p, (100, 100))
+    again = KVStore(ns, ssd=SsdTier(tmp_path, 1 << 20))  # a restart: nothing bumped yet
+    assert again.get([7])[0] is not None
+    assert os.stat(p).st_mtime > 100  # first read: bumped
+    os.utime(p, (100, 100))
+    assert again.get([7])[0] is not None
+    assert os.stat(p).st_mtime == 100  # within TOUCH_S: left alone
+    again.close()
