@@ -6,21 +6,23 @@ second of `put` (until the bytes are in the tier) and `get` (until the bytes
 are in the caller's buffer, `get_into`), next to what the same bytes cost
 without the store. The machine may be shared and noisy, so each row is
 `--repeat` interleaved pairs (store then reference, order alternating), every
-pair started from the same state (a cleared, synced directory for file
-writes), and the row reports the median of the per-pair ratios, with the
-medians of both rates and the ratios' spread (min..max).
+pair started from the same state (file I/O: a sync first; writes make new
+files, the store's in its fan-out, the reference's in a new empty directory,
+nothing deleted or overwritten); a row reports the median of the per-pair
+ratios, the medians of both rates and the ratios' spread (min..max);
+KVYARD_BENCH_DEBUG=1 prints every pair.
 Sources are framed buffers (header room + payload), as the connector makes.
-  DRAM  - memcpy into a preallocated buffer (the store's put is the connector's
-          gather: a copy into framed buffers the store hands out and then owns;
-          get is a lookup plus a copy out)
+  DRAM  - memcpy into a preallocated buffer (the store's put includes the
+          connector's gather: a copy into fresh buffers whose ownership passes
+          to the store; get is a lookup plus a copy out)
   SSD   - plain open/write/close and open/readinto of one file per block (the
           store adds the header, a checksum, an atomic publish, LRU
           bookkeeping, a writer thread). Reads come from the page cache in both,
           since the data was just written: software overhead, not the device
   Redis - raw redis-py pipelined SET / MGET of equal-size values in the same
-          batches, values copied into the caller's buffer; same client settings
-          as the store's (memoryview values sent uncopied, hiredis replies) (the store adds
-          header, checksum, and a writer thread)
+          batches, values copied into the caller's buffer, with the store's
+          client settings (memoryviews sent uncopied, hiredis replies); the
+          store adds header, checksum, and a writer thread
 Part 2 (`--ttft`) prefills a long prompt cold, then on fresh engines whose own
 prefix cache is empty but whose store has the prompt's blocks in one tier.
 """
@@ -45,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mb", type=int, default=256, help="MB moved per measurement")
     p.add_argument("--layouts", default="demo,8b", help=f"comma list of {sorted(LAYOUTS)}")
     p.add_argument("--tiers", default="dram,ssd,redis")
-    p.add_argument("--repeat", type=int, default=5, help="interleaved store/reference pairs per row (median ratio)")
+    p.add_argument("--repeat", type=int, default=5,
+                   help="interleaved store/reference pairs per row (median ratio)")
     p.add_argument("--batch", type=int, default=64, help="blocks per get call / Redis round trip")
     p.add_argument("--ssd-dir", default=None, help="where SSD files go (default: a temp dir)")
     p.add_argument("--redis-url", default=None,
@@ -78,6 +81,9 @@ def _pair(store_fn, ref_fn, nbytes: int, repeat: int, store_setup=None, ref_setu
         else:
             s = _timed(store_fn, store_setup)
             r = _timed(ref_fn, ref_setup)
+        if os.environ.get("KVYARD_BENCH_DEBUG"):
+            print(f"pair {i}: store {nbytes / s / 1e9:.2f} ref {nbytes / r / 1e9:.2f} GB/s",
+                  flush=True)
         s_t.append(s)
         r_t.append(r)
         ratios.append(r / s)  # store rate / ref rate for the same bytes
@@ -103,6 +109,7 @@ def _throughput(report, args, lname, layout, tmp, redis_url, redis_pw) -> None:
     src = frames[:, HEADER_BYTES:]
     keys = list(range(1, n + 1))
     dst = np.empty((n, nb), dtype=np.uint8)
+    dst.fill(0)  # fault its pages in now, not in whichever side of the first pair reads first
     outs = list(dst)
     batches = [keys[i:i + args.batch] for i in range(0, n, args.batch)]
     rows: list[tuple] = []
@@ -133,39 +140,34 @@ def _throughput(report, args, lname, layout, tmp, redis_url, redis_pw) -> None:
         root = os.path.join(tmp, f"ssd-{lname}")
         ref_dir = os.path.join(tmp, f"ref-{lname}")
         os.makedirs(ref_dir, exist_ok=True)
-        cur: dict[str, KVStore] = {}
+        st = KVStore(Namespace(lname, layout),
+                     ssd=SsdTier(root, (args.repeat + 2) * (total + n * HEADER_BYTES)),
+                     queue_blocks=n + 1)
+        rep = {"store": 0, "ref": 0}
+        for r in range(args.repeat):  # the reference writes each pair into a new, empty dir
+            os.makedirs(os.path.join(ref_dir, str(r)), exist_ok=True)
 
-        def ssd_setup():  # an empty tier on a cleared, synced directory, as the reference's
-            if "st" in cur:
-                cur.pop("st").close()
-            shutil.rmtree(root, ignore_errors=True)
-            cur["st"] = KVStore(Namespace(lname, layout),
-                                ssd=SsdTier(root, 4 * (total + n * HEADER_BYTES)),
-                                queue_blocks=n + 1)
-            os.sync()
-
-        def ref_setup():
-            shutil.rmtree(ref_dir, ignore_errors=True)
-            os.makedirs(ref_dir)
-            os.sync()
-
-        def ssd_put():
-            cur["st"].put(keys, list(frames))
-            cur["st"].flush(600)
+        def ssd_put():  # new keys every pair: no overwrite, no delete, as a tier that grows
+            k = rep["store"] * n
+            rep["store"] += 1
+            st.put([k + j for j in keys], list(frames))
+            st.flush(600)
 
         def ref_write():
+            r = rep["ref"]
+            rep["ref"] += 1
             for i in range(n):
-                with open(os.path.join(ref_dir, f"{i}.blk"), "wb") as f:
+                with open(os.path.join(ref_dir, str(r), f"{i}.blk"), "wb") as f:
                     f.write(src[i])
 
         def ref_read():
             for i in range(n):
-                with open(os.path.join(ref_dir, f"{i}.blk"), "rb", buffering=0) as f:
+                with open(os.path.join(ref_dir, "0", f"{i}.blk"), "rb", buffering=0) as f:
                     f.readinto(dst[i])
         rows.append(("ssd", "put", *_pair(ssd_put, ref_write, total, args.repeat,
-                                          ssd_setup, ref_setup)))
-        st = cur["st"]
-        rows.append(("ssd", "get", *_pair(lambda: get_into(st), ref_read, total, args.repeat)))
+                                          os.sync, os.sync)))
+        rows.append(("ssd", "get", *_pair(lambda: get_into(st), ref_read, total, args.repeat,
+                                          os.sync, os.sync)))
         st.close()
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(ref_dir, ignore_errors=True)
@@ -307,8 +309,8 @@ def run(args: argparse.Namespace) -> int:
         report.notes.append("ratio = median over interleaved pairs of store rate / reference rate "
                             "(spread: min..max of those ratios; GB/s columns: medians); reads "
                             "of SSD files come from the page cache in both columns (software "
-                            "overhead, not the device); file writes start from a cleared, "
-                            "synced directory on both sides")
+                            "overhead, not the device); file I/O starts after a sync; writes make "
+                            "new files on both sides")
         if args.ttft:
             ttft = _ttft(args, tmp, redis_url, redis_pw)
     finally:
