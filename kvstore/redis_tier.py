@@ -146,15 +146,39 @@ class RedisTier:
             self.stats.misses += 1
         return None
 
-    def put_many(self, items: Sequence[tuple[bytes, object]]) -> bool:
-        """items: (key, framed value: header + payload in one buffer, sent without a copy)."""
+    def put_many(self, items: Sequence[tuple[bytes, object]], prepare=None) -> bool:
+        """items: (key, framed value: header + payload in one buffer, sent without a copy),
+        in one pipelined round trip: every SET is written, then every reply read.
+
+        `prepare(i)`, when given, runs just before value i goes out (the store fills
+        the header there): its checksum pass leaves the bytes in cache for the socket
+        copy that follows, where a batch checksummed up front is cold again by then
+        (measured: 0.96 vs 0.91 of raw pipelined SETs of 360 KiB values)."""
         values = [(self.rkey(k), memoryview(v).cast("B")) for k, v in items]
+        ex = ("EX", self.ttl_s) if self.ttl_s else ()
 
         def run(r):
-            p = r.pipeline(transaction=False)
-            for rk, v in values:
-                p.set(rk, v, ex=self.ttl_s)
-            return p.execute()
+            if self.cluster:  # keys span nodes: redis-py's cluster pipeline routes them
+                for i in range(len(values) if prepare is not None else 0):
+                    prepare(i)
+                p = r.pipeline(transaction=False)
+                for rk, v in values:
+                    p.set(rk, v, ex=self.ttl_s)
+                return p.execute()
+            pool = r.connection_pool
+            conn = pool.get_connection()
+            try:
+                for i, (rk, v) in enumerate(values):
+                    if prepare is not None:
+                        prepare(i)
+                    conn.send_packed_command(conn.pack_command("SET", rk, v, *ex),
+                                             check_health=False)
+                return [conn.read_response() for _ in values]  # an error reply raises
+            except BaseException:
+                conn.disconnect()  # replies may be left unread: never reuse it
+                raise
+            finally:
+                pool.release(conn)
         ok, _ = self._call(run)
         if ok:
             with self._lock:

@@ -131,7 +131,9 @@ class KVStore:
 
     def _write_loop(self) -> None:
         """Stage 1 of the write pipeline: headers (checksums) and SSD files for a batch,
-        while the sender thread still ships the previous batch to Redis."""
+        while the sender thread still ships the previous batch to Redis. Without an
+        SSD tier, a caller's frame gets its header in the sender, just before it is
+        sent (see `RedisTier.put_many`)."""
         while True:
             item = self._q.get()
             batch = [item]
@@ -144,12 +146,16 @@ class KVStore:
             work = [b for b in batch if b is not _STOP]
             handed = False
             try:
-                written = self._map(self._encode_and_write, work,
-                                    big_only=self.ssd is None)
+                early, late = [], []
+                for it in work:
+                    framed = it[2] is not None and not it[2].readonly
+                    (late if framed and self.ssd is None else early).append(it)
+                written = self._map(self._encode_and_write, early, big_only=self.ssd is None)
                 remote = [(it[0], bufs[0] if len(bufs) == 1 else b"".join(bufs))
-                          for it, bufs in zip(work, written) if it[3]]
+                          for it, bufs in zip(early, written) if it[3]]
+                remote += [(it[0], it[2]) for it in late]
                 if self._sendq is not None and remote:
-                    self._sendq.put((remote, len(batch)))  # the sender marks them done
+                    self._sendq.put((remote, late, len(batch)))  # the sender marks them done
                     handed = True
             finally:
                 if not handed:
@@ -161,14 +167,21 @@ class KVStore:
                 return
 
     def _send_loop(self) -> None:
-        """Stage 2: one pipelined round trip of SETs per batch."""
+        """Stage 2: one pipelined round trip of SETs per batch; the headers of `late`
+        frames (the last entries of `remote`) are filled value by value as they go."""
         while True:
             job = self._sendq.get()
             if job is None:
                 return
-            remote, n = job
+            remote, late, n = job
+            first = len(remote) - len(late)
+
+            def prepare(i):
+                if i >= first:
+                    key, payload, frame, _ = late[i - first]
+                    frame[:HEADER_BYTES] = encode_header(key, self.layout, payload)
             try:
-                self.redis.put_many(remote)
+                self.redis.put_many(remote, prepare if late else None)
             finally:
                 for _ in range(n):
                     self._q.task_done()
