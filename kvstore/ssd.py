@@ -12,7 +12,8 @@ file, which the checksum catches on read.
 Capacity is enforced per process on the files it knows: those found by a scan
 (at start, and again every `rescan_s` on the write path, so other processes'
 files enter the accounting) plus its own writes and hits. LRU order is by
-access: reads bump the file's mtime so a restart's scan recovers the order.
+access: reads bump the file's mtime (at most once a minute per key) so a
+restart's scan recovers the order.
 A full disk (ENOSPC) evicts a slice of the oldest files, retries once, and
 counts an error; it never raises into the caller.
 """
