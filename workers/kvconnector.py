@@ -4,8 +4,9 @@ The engine keeps one tensor per layer, `[2, num_blocks, block_size, kv_heads,
 head_dim]`; the store keeps one contiguous buffer per block holding that
 block's K and V for every layer, `[layers, 2, block_size, kv_heads,
 head_dim]` (see kvstore.codec). `save` gathers with one `index_select` per
-layer into fresh *framed* buffers (header room + payload) whose ownership
-passes to the store, so no further copy is made on the way to DRAM, SSD or
+layer and chunk, written straight into *framed* buffers (header room +
+payload; no temporary: 2x the throughput of index_select + copy_) whose
+ownership passes to the store, so no further copy is made on the way to DRAM, SSD or
 Redis; `load` has the store fill a staging buffer (`get_into`: SSD reads land
 there directly) and scatters with one `index_copy_` per layer. bf16 has no numpy dtype, so bytes cross as uint8 views of the tensor.
 
@@ -27,6 +28,12 @@ from kvyard.kvstore.codec import HEADER_BYTES
 from kvyard.kvstore.metrics import KVStoreCollector
 
 _GB = 10**9
+# Frames are allocated in chunks below glibc's mmap threshold (32 MiB once a store
+# has tuned malloc, kvstore/malloc.py), so they come from the heap and reuse the
+# warm memory of evicted or sent blocks; one tensor for a whole save (262 MB for
+# 125 8B-class blocks) was a fresh mmap every time, its pages faulted and zeroed
+# during the gather: 1.6 GB/s against 4.6 warm.
+_CHUNK_BYTES = 24 << 20
 
 
 class StoreConnector:
@@ -108,15 +115,22 @@ class StoreConnector:
                  if dram is None or not dram.contains(self.store.namespace.key(h))]
         if not pairs:
             return
-        lay, n = self.layout, len(pairs)
+        lay = self.layout
+        frame = HEADER_BYTES + lay.nbytes
+        per = max(1, _CHUNK_BYTES // frame)
         ids = torch.as_tensor([b for _, b in pairs], dtype=torch.long)
-        # framed rows: header room, then the payload, so the store sends each row as is
-        frames = torch.empty((n, HEADER_BYTES + lay.nbytes), dtype=torch.uint8)
-        blocks = frames[:, HEADER_BYTES:].view(self._caches[0].dtype).view(n, *lay.shape)
-        for layer, kv in enumerate(self._caches):
-            blocks[:, layer].copy_(kv.index_select(1, ids).transpose(0, 1))
-        rows = frames.numpy()
-        self.store.put([h for h, _ in pairs], [rows[i] for i in range(n)])
+        rows: list[np.ndarray] = []
+        for s in range(0, len(pairs), per):
+            part = ids[s:s + per]
+            m = len(part)
+            # framed rows: header room, then the payload, so the store sends each row as is
+            frames = torch.empty((m, frame), dtype=torch.uint8)
+            blocks = frames[:, HEADER_BYTES:].view(self._caches[0].dtype).view(m, *lay.shape)
+            for layer, kv in enumerate(self._caches):  # straight into place, no temporary
+                torch.index_select(kv, 1, part, out=blocks[:, layer].transpose(0, 1))
+            arr = frames.numpy()
+            rows.extend(arr[i] for i in range(m))
+        self.store.put([h for h, _ in pairs], rows)
         self.saved_blocks += len(pairs)
 
     def collector(self) -> KVStoreCollector:
