@@ -31,6 +31,16 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, 32)
 
 
+def packed_linear_swish(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """silu(x @ w.T), the activation fused into the GEMM's epilogue."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "swish", [], "")
+
+
+def packed_linear_then(x: torch.Tensor, w: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
+    """(x @ w.T) <op> other ('add' or 'mul'), fused into the GEMM's epilogue (no bias)."""
+    return torch.ops.mkldnn._linear_pointwise.binary(x, other, w, None, op)
+
+
 @dataclass(slots=True)
 class Int4Weight:
     """A 4-bit weight packed for torch's CPU int4 weight-only matmul (group 32).
@@ -55,12 +65,16 @@ class LayerWeights:
     o: torch.Tensor              # [H, q]
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor      # [H]
-    gate_up: torch.Tensor        # [2 I, H]
+    gate_up: torch.Tensor | None  # [2 I, H]; None once split into gate/up (bf16 fused path)
     down: torch.Tensor           # [H, I]
     int4: tuple[Int4Weight, Int4Weight, Int4Weight, Int4Weight] | None = None  # qkv, o, gate_up, down
+    gate: torch.Tensor | None = None  # packed [I, H], with `up`, when `fused` (see LlamaForCausalLM.pack)
+    up: torch.Tensor | None = None
 
 
 class LlamaForCausalLM(nn.Module):
+    fuse_epilogues = True  # see `pack`; False keeps HF's op order in bf16 too
+
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: torch.Tensor, rope: torch.Tensor,
                  backend: AttentionBackend, int4_max_tokens: int = 8) -> None:
@@ -83,6 +97,7 @@ class LlamaForCausalLM(nn.Module):
                 self.register_buffer(f"layer{i}_int4_{j}_sz", w4.scales_zeros, persistent=False)
         self.layers = layers
         self.linear = F.linear  # packed_linear once `pack` has re-laid the matrices
+        self.fused = False      # bf16 + packed: SiLU, the gate*up product and residual adds run in GEMM epilogues
         # Steps with at most this many tokens use the int4 weights where present
         # (measured: below ~8 rows the int4 kernel wins; above, packed bf16 GEMM does).
         self.int4_max_tokens = int4_max_tokens if all(lw.int4 for lw in layers) else 0
@@ -95,13 +110,27 @@ class LlamaForCausalLM(nn.Module):
 
     def pack(self) -> None:
         """Re-lay the dense matrices in oneDNN's blocked format (see `packed_linear`).
-        A tied head gets its own packed copy; the embedding table stays as is."""
+        A tied head gets its own packed copy; the embedding table stays as is.
+
+        In bf16, gate/up are also split so that silu(gate) and its product with up
+        happen in the GEMM epilogues, as do the residual adds: fewer passes over
+        activations (measured: MLP block 1.19x faster at 1024 rows, 1.10x at 32).
+        It rounds once where HF rounds twice, so only for bf16, where outputs
+        differ from float32 by bf16 rounding anyway; float32 stays op-for-op HF."""
         if self.linear is packed_linear or not torch.backends.mkldnn.is_available():
             return
+        fuse = self.fuse_epilogues and self.dtype == torch.bfloat16
+        inter = self.config.intermediate_size
         for i, lw in enumerate(self.layers):
+            if fuse:
+                lw.gate, lw.up = pack_weight(lw.gate_up[:inter].contiguous()), pack_weight(lw.gate_up[inter:].contiguous())
+                lw.gate_up = None
+                self._parameters.pop(f"layer{i}_gate_up", None)
             for name in ("qkv", "o", "gate_up", "down"):
-                setattr(lw, name, pack_weight(getattr(lw, name)))
+                if getattr(lw, name) is not None:
+                    setattr(lw, name, pack_weight(getattr(lw, name)))
                 self._parameters.pop(f"layer{i}_{name}", None)
+        self.fused = fuse
         head = pack_weight(self.lm_head)
         self._parameters.pop("lm_head", None)
         self.lm_head = head
@@ -129,6 +158,18 @@ class LlamaForCausalLM(nn.Module):
                 x = x + w_down.linear(F.silu(gu[:, :inter]) * gu[:, inter:], None)
             return x
         lin = self.linear
+        if self.fused:
+            then = packed_linear_then
+            for lw, cache in zip(self.layers, kv_caches):
+                h = F.rms_norm(x, hsz, lw.input_norm, eps)
+                qkv = lin(h, lw.qkv, lw.qkv_bias)
+                qk = apply_rope(qkv[:, :qk_size].view(t, nh + nkv, hd), rope_rows)
+                o = attn(qk[:, :nh], qk[:, nh:], qkv[:, qk_size:].view(t, nkv, hd), cache, meta, scale)
+                o = o.reshape(t, -1)
+                x = then(o, lw.o, x, "add") if lw.o_bias is None else x + lin(o, lw.o, lw.o_bias)
+                h = F.rms_norm(x, hsz, lw.post_norm, eps)
+                x = then(then(h, lw.up, packed_linear_swish(h, lw.gate), "mul"), lw.down, x, "add")
+            return x
         for lw, cache in zip(self.layers, kv_caches):
             h = F.rms_norm(x, hsz, lw.input_norm, eps)
             qkv = lin(h, lw.qkv, lw.qkv_bias)
