@@ -27,6 +27,9 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 256 << 20
+# The largest buffer callers should allocate for blocks (the connector's framed
+# chunks): below MMAP_THRESHOLD, so it comes from the heap and reuses warm memory.
+CHUNK_BYTES = 24 << 20
 
 _done = False
 

@@ -25,15 +25,18 @@ import torch
 
 from kvyard.kvstore import KVLayout, KVStore, Namespace, StoreConfig
 from kvyard.kvstore.codec import HEADER_BYTES
+from kvyard.kvstore.malloc import CHUNK_BYTES
 from kvyard.kvstore.metrics import KVStoreCollector
 
 _GB = 10**9
-# Frames are allocated in chunks below glibc's mmap threshold (32 MiB once a store
-# has tuned malloc, kvstore/malloc.py), so they come from the heap and reuse the
-# warm memory of evicted or sent blocks; one tensor for a whole save (262 MB for
-# 125 8B-class blocks) was a fresh mmap every time, its pages faulted and zeroed
-# during the gather: 1.6 GB/s against 4.6 warm.
-_CHUNK_BYTES = 24 << 20
+# Frames are allocated in chunks below glibc's mmap threshold (CHUNK_BYTES, see
+# kvstore/malloc.py), so they come from the heap and reuse the warm memory of
+# evicted or sent blocks; one tensor for a whole save (262 MB for 125 8B-class
+# blocks) was a fresh mmap every time, its pages faulted and zeroed during the
+# gather: 1.6 GB/s against 4.6 warm. numpy allocates them (not torch.empty): it
+# asks for transparent huge pages on buffers >= 4 MiB, fewer TLB misses when
+# the tier later copies blocks out.
+_CHUNK_BYTES = CHUNK_BYTES
 
 
 class StoreConnector:
@@ -124,11 +127,11 @@ class StoreConnector:
             part = ids[s:s + per]
             m = len(part)
             # framed rows: header room, then the payload, so the store sends each row as is
-            frames = torch.empty((m, frame), dtype=torch.uint8)
+            arr = np.empty((m, frame), dtype=np.uint8)
+            frames = torch.from_numpy(arr)
             blocks = frames[:, HEADER_BYTES:].view(self._caches[0].dtype).view(m, *lay.shape)
             for layer, kv in enumerate(self._caches):  # straight into place, no temporary
                 torch.index_select(kv, 1, part, out=blocks[:, layer].transpose(0, 1))
-            arr = frames.numpy()
             rows.extend(arr[i] for i in range(m))
         self.store.put([h for h, _ in pairs], rows)
         self.saved_blocks += len(pairs)

@@ -13,8 +13,8 @@ ratios, the medians of both rates and the ratios' spread (min..max);
 KVYARD_BENCH_DEBUG=1 prints every pair.
 Sources are framed buffers (header room + payload), as the connector makes.
   DRAM  - memcpy into a preallocated buffer (the store's put includes the
-          connector's gather: a copy into fresh buffers whose ownership passes
-          to the store; get is a lookup plus a copy out)
+          connector's gather: a copy into fresh framed chunks, <= CHUNK_BYTES,
+          whose ownership passes to the store; get is a lookup plus a copy out)
   SSD   - plain open/write/close and open/readinto of one file per block (the
           store adds the header, a checksum, an atomic publish, LRU
           bookkeeping, a writer thread). Reads come from the page cache in both,
@@ -98,6 +98,7 @@ def _throughput(report, args, lname, layout, tmp, redis_url, redis_pw) -> None:
     from kvyard.kvstore import KVStore, Namespace
     from kvyard.kvstore.codec import HEADER_BYTES
     from kvyard.kvstore.dram import DramTier
+    from kvyard.kvstore.malloc import CHUNK_BYTES
     from kvyard.kvstore.redis_tier import RedisTier, zero_copy_packer
     from kvyard.kvstore.ssd import SsdTier
 
@@ -125,16 +126,28 @@ def _throughput(report, args, lname, layout, tmp, redis_url, redis_pw) -> None:
 
     tiers = args.tiers.split(",")
     if "dram" in tiers:
-        # Steady state of a full tier: each batch is copied into fresh buffers the
-        # store then owns (as the connector's gather does) while older ones are evicted.
+        # Steady state of a full tier: each batch is gathered into fresh framed chunks
+        # the store then owns, as the connector's save does, while older ones are evicted.
+        per = max(1, CHUNK_BYTES // (HEADER_BYTES + nb))
+
+        def framed_copies(b):
+            out = []
+            for c in range(0, len(b), per):
+                part = b[c:c + per]
+                buf = np.empty((len(part), HEADER_BYTES + nb), dtype=np.uint8)
+                np.copyto(buf[:, HEADER_BYTES:], src[part[0] - 1:part[-1]])
+                out.extend(buf)
+            return out
+
         st = KVStore(Namespace(lname, layout), dram=DramTier(total // 2))
 
         def dram_put():
             for b in batches:
-                st.put(b, [src[j - 1].copy() for j in b])
+                st.put(b, framed_copies(b))
         rows.append(("dram", "put", *_pair(dram_put, memcpy, total, args.repeat)))
-        st = KVStore(Namespace(lname, layout), dram=DramTier(total + nb))
-        st.put(keys, [src[i].copy() for i in range(n)])
+        st = KVStore(Namespace(lname, layout), dram=DramTier(total + n * (HEADER_BYTES + nb)))
+        for b in batches:
+            st.put(b, framed_copies(b))
         rows.append(("dram", "get", *_pair(lambda: get_into(st), memcpy, total, args.repeat)))
     if "ssd" in tiers:
         root = os.path.join(tmp, f"ssd-{lname}")
