@@ -33,6 +33,7 @@ from kvyard.kvstore.ssd import SsdTier
 
 _STOP = object()
 _BATCH = 64  # blocks per writer round: one Redis pipeline, one queue drain
+_FETCH_PART = 16  # blocks per MGET when a get's fetches overlap its checksums
 
 
 def _copy(dst: memoryview, src: memoryview) -> None:
@@ -311,22 +312,37 @@ class KVStore:
                     self.dram.put(keys[i], bytes(dsts[i]))
             todo = [i for i in todo if not filled[i]]
         if self.redis is not None and todo:
-            vals = self.redis.fetch([keys[i] for i in todo])
-
             def verify_copy(iv):  # checksum + copy out, several at once
                 i, v = iv
                 got = self.redis.verify(keys[i], v, self.layout)
                 if got is not None:
                     _copy(dsts[i], got[0])
                 return got
-            for i, got in zip(todo, self._map(verify_copy, list(zip(todo, vals)), big_only=True)):
-                if got is not None:
-                    filled[i] = True
-                    self._promote(keys[i], *got)
+            for part, vals in self._fetches(keys, todo):
+                for i, got in zip(part, self._map(verify_copy, list(zip(part, vals)),
+                                                  big_only=True)):
+                    if got is not None:
+                        filled[i] = True
+                        self._promote(keys[i], *got)
         n = 0
         while n < len(filled) and filled[n]:
             n += 1
         return n
+
+    def _fetches(self, keys: list[bytes], todo: list[int]):
+        """(indices, values) per MGET. With I/O threads a batch is fetched in parts, the
+        next part in flight (its own connection) while the caller verifies and copies
+        out this one, so checksums and copies overlap the network instead of following it."""
+        if self._pool is None or len(todo) < 2 * _FETCH_PART:
+            yield todo, self.redis.fetch([keys[i] for i in todo])
+            return
+        parts = [todo[s:s + _FETCH_PART] for s in range(0, len(todo), _FETCH_PART)]
+        nxt = self._pool.submit(self.redis.fetch, [keys[i] for i in parts[0]])
+        for k, part in enumerate(parts):
+            vals = nxt.result()
+            if k + 1 < len(parts):
+                nxt = self._pool.submit(self.redis.fetch, [keys[i] for i in parts[k + 1]])
+            yield part, vals
 
     # -- async twins (the server's event loop must not block on disk or network) --
     async def aput(self, block_hashes: Sequence[int], blocks: Sequence[object]) -> int:
