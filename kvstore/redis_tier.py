@@ -168,11 +168,19 @@ class RedisTier:
             pool = r.connection_pool
             conn = pool.get_connection()
             try:
-                for i, (rk, v) in enumerate(values):
-                    if prepare is not None:
-                        prepare(i)
-                    conn.send_packed_command(conn.pack_command("SET", rk, v, *ex),
-                                             check_health=False)
+                # packed as redis-py's pipeline packs (small pieces merged, each value a
+                # chunk of its own, uncopied), sent up to and including each value
+                group, i = [], 0
+                for chunk in conn.pack_commands([("SET", rk, v, *ex) for rk, v in values]):
+                    group.append(chunk)
+                    if isinstance(chunk, memoryview):
+                        if prepare is not None:
+                            prepare(i)
+                        i += 1
+                        conn.send_packed_command(group, check_health=False)
+                        group = []
+                if group:
+                    conn.send_packed_command(group, check_health=False)
                 return [conn.read_response() for _ in values]  # an error reply raises
             except BaseException:
                 conn.disconnect()  # replies may be left unread: never reuse it
