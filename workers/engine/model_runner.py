@@ -125,10 +125,15 @@ class ModelRunner:
             num_decodes=sched.num_decodes,
         )
         threads = 1 if len(ids) <= self.single_thread_max_tokens else self.num_threads
-        if torch.get_num_threads() != threads:
+        before = torch.get_num_threads()
+        if before != threads:
             torch.set_num_threads(threads)
-        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
-        if not samplers:
-            return None, samplers
-        last = hidden[sample_rows] if len(sample_rows) < hidden.shape[0] else hidden
-        return self.model.compute_logits(last).float(), samplers
+        try:
+            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+            if not samplers:
+                return None, samplers
+            last = hidden[sample_rows] if len(sample_rows) < hidden.shape[0] else hidden
+            return self.model.compute_logits(last).float(), samplers
+        finally:
+            if before != threads:
+                torch.set_num_threads(before)  # in-process callers (LLM.generate, a bench) keep theirs
