@@ -18,6 +18,7 @@ import threading
 from typing import Sequence
 from urllib.parse import urlsplit, urlunsplit
 
+import numpy as np
 import redis
 from redis._parsers import Encoder
 from redis.backoff import NoBackoff
@@ -25,7 +26,7 @@ from redis.connection import PythonRespSerializer
 from redis.retry import Retry
 
 from kvyard.kvstore.breaker import CircuitBreaker
-from kvyard.kvstore.codec import CorruptBlock, decode
+from kvyard.kvstore.codec import HEADER_BYTES, CorruptBlock, check_header, decode
 from kvyard.kvstore.layout import KVLayout
 from kvyard.kvstore.stats import TierStats
 
@@ -127,6 +128,128 @@ class RedisTier:
             lambda r: r.mget_nonatomic(rkeys) if self.cluster else r.mget(rkeys))
         return vals if ok else [None] * len(keys)
 
+    def fetch_into(self, keys: Sequence[bytes], dsts: Sequence[memoryview], layout: KVLayout
+                   ) -> list[bool]:
+        """One MGET whose values are read from the socket straight into `dsts` (payload)
+        and a small header buffer, then verified there while still in cache: no
+        hiredis bytes object, no second copy. True per verified hit; a miss or a
+        corrupt value is False (counted; corrupt ones deleted, their dst zeroed).
+        Non-cluster only; a value of unexpected length goes through `verify`."""
+        if self.cluster:
+            return [self._verify_copy(k, v, d, layout)
+                    for k, v, d in zip(keys, self.fetch(keys), dsts)]
+        rkeys = [self.rkey(k) for k in keys]
+        ok, res = self._call(lambda r: self._mget_into(r, rkeys, keys, dsts, layout))
+        if not ok:
+            with self._lock:
+                self.stats.misses += len(keys)
+            return [False] * len(keys)
+        out, _ = res
+        corrupt = [rkeys[i] for i, st in enumerate(out) if isinstance(st, CorruptBlock)]
+        hits = misses = bad = 0
+        for i, st in enumerate(out):
+            if st is True:
+                hits += 1
+            elif st is None:
+                misses += 1
+            elif isinstance(st, bytes):  # unexpected length: the general path decides
+                out[i] = self._verify_copy(keys[i], st, dsts[i], layout)
+                continue
+            else:  # corrupt (a CorruptBlock)
+                bad += 1
+                np.frombuffer(dsts[i], dtype=np.uint8)[:] = 0
+            out[i] = st is True
+        with self._lock:
+            self.stats.hits += hits
+            self.stats.misses += misses + bad
+            self.stats.errors += bad
+        if corrupt:
+            self._delete(corrupt)
+        return out
+
+    def _verify_copy(self, key: bytes, value, dst: memoryview, layout: KVLayout) -> bool:
+        got = self.verify(key, value, layout)
+        if got is not None:
+            np.frombuffer(dst, dtype=np.uint8)[:] = np.frombuffer(got[0], dtype=np.uint8)
+        return got is not None
+
+    @staticmethod
+    def _mget_into(r, rkeys, keys, dsts, layout):
+        pool = r.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_command("MGET", *rkeys, check_health=False)
+            reader = getattr(conn._parser, "_reader", None)
+            if reader is None or reader.has_data():  # not hiredis, or bytes buffered there
+                vals = conn.read_response()
+                return [v if v is None or len(v) != HEADER_BYTES + layout.nbytes else
+                        _place(v, k, d, layout) for v, k, d in zip(vals, keys, dsts)], None
+            sock = conn._sock
+            pend = bytearray()
+
+            def line() -> bytes:
+                while (j := pend.find(b"\r\n")) < 0:
+                    got = sock.recv(16)  # small reads: at most a few bytes run ahead
+                    if not got:
+                        raise redis.ConnectionError("connection closed by server")
+                    pend.extend(got)
+                ln = bytes(pend[:j])
+                del pend[:j + 2]
+                return ln
+
+            def read_into(mv: memoryview) -> None:
+                k = min(len(pend), mv.nbytes)
+                if k:
+                    mv[:k] = pend[:k]
+                    del pend[:k]
+                while k < mv.nbytes:
+                    got = sock.recv_into(mv[k:])
+                    if not got:
+                        raise redis.ConnectionError("connection closed by server")
+                    k += got
+
+            head = line()
+            if head[:1] == b"-":
+                raise redis.ResponseError(head[1:].decode(errors="replace"))
+            if head[:1] != b"*" or int(head[1:]) != len(rkeys):
+                raise redis.ConnectionError(f"unexpected MGET reply {head[:32]!r}")
+            want = HEADER_BYTES + layout.nbytes
+            out: list = []
+            hdr = bytearray(HEADER_BYTES)
+            for key, dst in zip(keys, dsts):
+                ln = line()
+                if ln == b"_":  # RESP3 null
+                    out.append(None)
+                    continue
+                if ln[:1] != b"$":
+                    raise redis.ConnectionError(f"unexpected MGET element {ln[:32]!r}")
+                n = int(ln[1:])
+                if n < 0:
+                    out.append(None)
+                    continue
+                if n != want:
+                    buf = bytearray(n)
+                    read_into(memoryview(buf))
+                    out.append(bytes(buf))
+                else:
+                    read_into(memoryview(hdr))
+                    read_into(dst)
+                    try:
+                        check_header(hdr, key, layout, dst)
+                        out.append(True)
+                    except CorruptBlock as e:
+                        out.append(e)
+                if line() != b"":
+                    raise redis.ConnectionError("MGET element not terminated")
+            if pend:
+                raise redis.ConnectionError("unexpected bytes after MGET reply")
+            return out, None
+        except BaseException:
+            conn.disconnect()  # the reply may be half read: never reuse it
+            raise
+        finally:
+            pool.release(conn)
+
     def verify(self, key: bytes, value: bytes | None, layout: KVLayout
                ) -> tuple[memoryview, bytes] | None:
         """A fetched value's payload, counted as hit or miss; corrupt ones are deleted."""
@@ -207,3 +330,13 @@ class RedisTier:
                 self._client.close()
             except Exception:  # noqa: BLE001 - closing a dead connection may raise anything
                 pass
+
+
+def _place(value: bytes, key: bytes, dst: memoryview, layout: KVLayout):
+    """A full-length value read the ordinary way: verified, then copied into dst."""
+    try:
+        payload = decode(value, key, layout)
+    except CorruptBlock as e:
+        return e
+    np.frombuffer(dst, dtype=np.uint8)[:] = np.frombuffer(payload, dtype=np.uint8)
+    return True

@@ -311,14 +311,22 @@ class KVStore:
                 if hit and self.dram is not None:
                     self.dram.put(keys[i], bytes(dsts[i]))
             todo = [i for i in todo if not filled[i]]
-        if self.redis is not None and todo:
+        if self.redis is not None and todo and self.dram is None and self.ssd is None:
+            # nothing to promote into: values are read from the socket straight into
+            # `outs` and verified there (RedisTier.fetch_into), no intermediate copy
+            for part, hits in self._fetches(todo, lambda p: self.redis.fetch_into(
+                    [keys[i] for i in p], [dsts[i] for i in p], self.layout)):
+                for i, hit in zip(part, hits):
+                    filled[i] = hit
+        elif self.redis is not None and todo:
             def verify_copy(iv):  # checksum + copy out, several at once
                 i, v = iv
                 got = self.redis.verify(keys[i], v, self.layout)
                 if got is not None:
                     _copy(dsts[i], got[0])
                 return got
-            for part, vals in self._fetches(keys, todo):
+            for part, vals in self._fetches(todo, lambda p: self.redis.fetch(
+                    [keys[i] for i in p])):
                 for i, got in zip(part, self._map(verify_copy, list(zip(part, vals)),
                                                   big_only=True)):
                     if got is not None:
@@ -329,19 +337,19 @@ class KVStore:
             n += 1
         return n
 
-    def _fetches(self, keys: list[bytes], todo: list[int]):
-        """(indices, values) per MGET. With I/O threads a batch is fetched in parts, the
-        next part in flight (its own connection) while the caller verifies and copies
+    def _fetches(self, todo: list[int], fetch):
+        """(indices, fetch(indices)) per MGET. With I/O threads a batch is fetched in parts,
+        the next part in flight (its own connection) while the caller verifies and copies
         out this one, so checksums and copies overlap the network instead of following it."""
         if self._pool is None or len(todo) < 2 * _FETCH_PART:
-            yield todo, self.redis.fetch([keys[i] for i in todo])
+            yield todo, fetch(todo)
             return
         parts = [todo[s:s + _FETCH_PART] for s in range(0, len(todo), _FETCH_PART)]
-        nxt = self._pool.submit(self.redis.fetch, [keys[i] for i in parts[0]])
+        nxt = self._pool.submit(fetch, parts[0])
         for k, part in enumerate(parts):
             vals = nxt.result()
             if k + 1 < len(parts):
-                nxt = self._pool.submit(self.redis.fetch, [keys[i] for i in parts[k + 1]])
+                nxt = self._pool.submit(fetch, parts[k + 1])
             yield part, vals
 
     # -- async twins (the server's event loop must not block on disk or network) --

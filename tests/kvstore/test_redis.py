@@ -128,3 +128,38 @@ def test_killed_mid_run_then_restarted(ns, layout, make_blocks, tmp_path, wait_u
         wait_until(back, timeout=20, what="redis tier to reconnect after a restart")
         assert red.available
     st.close()
+
+
+def test_get_into_redis_only_reads_into_outs_and_rejects_corrupt(ns, layout, make_blocks,
+                                                                 redis_server):
+    """Redis-only store: values are read from the socket straight into the caller's
+    buffers (in parts, the next in flight); bad checksums, wrong keys and wrong
+    lengths are deleted, counted, zeroed and never reported filled."""
+    red = _tier(redis_server.url, redis_server.password, timeout_s=2.0)
+    st = KVStore(ns, redis=red)
+    n = 40  # more than two MGET parts: exercises the overlapped fetches
+    blocks = make_blocks(n)
+    st.put(list(range(1, n + 1)), blocks)
+    assert st.flush()
+    outs = [bytearray(layout.nbytes) for _ in range(n)]
+    assert st.get_into(list(range(1, n + 1)), outs) == n
+    assert [bytes(o) for o in outs] == blocks
+    raw = redis.Redis(port=redis_server.port, password=redis_server.password)
+    v = bytearray(raw.get(red.rkey(ns.key(5))))
+    v[-1] ^= 0x01
+    raw.set(red.rkey(ns.key(5)), bytes(v))
+    raw.set(red.rkey(ns.key(7)), b"short")
+    raw.set(red.rkey(ns.key(9)), raw.get(red.rkey(ns.key(10))))  # another key's block
+    raw.delete(red.rkey(ns.key(11)))
+    red.stats.hits = red.stats.misses = red.stats.errors = 0
+    outs = [bytearray(layout.nbytes) for _ in range(n)]
+    got = st.get_into(list(range(1, n + 1)), outs)
+    assert got == 4, (got, red.stats.as_dict())
+    assert [bytes(o) for o in outs[:4]] == blocks[:4]
+    assert bytes(outs[4]) == bytes(layout.nbytes)  # the corrupt one was zeroed
+    assert [bytes(outs[i]) for i in range(11, n)] == blocks[11:]
+    assert red.stats.errors == 3 and red.stats.misses == 4 and red.stats.hits == n - 4
+    assert raw.exists(*(red.rkey(ns.key(k)) for k in (5, 7, 9))) == 0
+    assert st.get_into([1, 2], outs[:2]) == 2  # the connection is still in step
+    raw.close()
+    st.close()
