@@ -62,13 +62,14 @@ class Finisher:
     without limit. `settle()` lets the next decision wait (briefly) for
     teaching still in flight: otherwise a follow-up request that shares the
     prefix could be routed before the index knows where the prefix went,
-    which broke stickiness on a loaded machine.
+    which broke stickiness on a loaded machine. The wait is normally a few
+    ms (the rest of one prompt's hashing) and is capped.
     """
 
     pool: EndpointPool
     scheduler: Scheduler
     max_backlog: int = 256
-    settle_timeout_s: float = 0.05
+    settle_timeout_s: float = 0.5
     backlog: int = 0
     skipped: int = 0
     _pending: set = field(default_factory=set)

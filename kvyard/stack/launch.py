@@ -173,10 +173,15 @@ def _ready_check(ready: str) -> Callable[[], bool]:
 
 
 def epp_sees(metrics_url: str, n: int) -> Callable[[], bool]:
-    """Ready once the EPP's /debug/endpoints lists at least `n` freshly scraped endpoints."""
+    """Ready once the EPP's /debug/endpoints lists at least `n` freshly scraped
+    endpoints and its tokenizer has loaded: before that it hashes prompts as
+    bytes, so a prefix routed then would not match the same prefix routed later."""
     def check() -> bool:
         code, body = procs.http_get(metrics_url + "/debug/endpoints")
-        rows = parse_endpoints(json.loads(body)) if code == 200 else []
+        doc = json.loads(body) if code == 200 else {}
+        if isinstance(doc, dict) and doc.get("tokenizer") == "loading":
+            return False
+        rows = parse_endpoints(doc)
         return sum(1 for r in rows if r.get("fresh", True)) >= n
     return check
 
