@@ -73,10 +73,15 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         await self.finisher.settle()
         answers, decision = self._decide(headers or {}, body)
+        if decision is not None:
+            # Registered before Envoy gets the answer (the hashing itself runs
+            # in the finisher's thread): code after the last `yield` only runs
+            # when gRPC resumes this generator, and under load the client's
+            # next request could be decided first, before `settle` knew there
+            # was teaching to wait for — which broke prefix stickiness.
+            self.finisher.submit(decision)
         for r in answers:
             yield r
-        if decision is not None:  # after Envoy has its answer
-            self.finisher.submit(decision)
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
                       context) -> AsyncIterator[ep.ProcessingResponse]:
