@@ -1,10 +1,12 @@
-"""Start and stop a private redis-server: used by the tests and `kvyard bench kvstore`.
+"""Start and stop a private redis-server, or a real Redis Cluster of them: used by
+the tests and `kvyard bench kvstore`.
 
 Binds loopback only, requires a password, persists nothing, and is reaped by
 `stop()`. Readiness is polled with a deadline, never slept for.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -22,10 +24,11 @@ def free_port() -> int:
 
 class RedisServer:
     def __init__(self, port: int | None = None, password: str = "kvyard-test",
-                 maxmemory: str | None = None) -> None:
+                 maxmemory: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self.port = port or free_port()
         self.password = password
         self.maxmemory = maxmemory
+        self.extra_args = extra_args
         self.proc: subprocess.Popen | None = None
         self._dir: str | None = None
 
@@ -42,6 +45,7 @@ class RedisServer:
                 "--protected-mode", "yes"]
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
+        args += list(self.extra_args)
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
                              socket_timeout=0.5, socket_connect_timeout=0.5)
@@ -62,6 +66,10 @@ class RedisServer:
         finally:
             client.close()
 
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
@@ -72,6 +80,97 @@ class RedisServer:
             self._dir = None
 
     def __enter__(self) -> "RedisServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class RedisClusterServers:
+    """A real Redis Cluster of `masters` redis-servers (no replicas) on loopback, each
+    with its own port, bus port, temp dir and nodes.conf, `requirepass` and
+    `masterauth`; formed with `redis-cli --cluster create` and polled until every
+    node reports `cluster_state:ok` with all slots assigned and every peer known.
+
+    `full_coverage=False` (`cluster-require-full-coverage no`) keeps the surviving
+    masters serving their slots when one dies, which is what a cache wants; with
+    Redis's default (yes) the whole cluster answers CLUSTERDOWN until the dead
+    master is back or replaced.
+    """
+
+    def __init__(self, masters: int = 3, password: str = "kvyard-test",
+                 node_timeout_ms: int = 500, full_coverage: bool = False) -> None:
+        self.password = password
+        self.nodes = [RedisServer(password=password, extra_args=(
+            "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+            "--cluster-port", str(free_port()), "--cluster-node-timeout", str(node_timeout_ms),
+            "--cluster-require-full-coverage", "yes" if full_coverage else "no",
+            "--masterauth", password)) for _ in range(masters)]
+
+    @property
+    def url(self) -> str:
+        """`redis+cluster://` URL of the first node (the others are discovered), no password."""
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def client(self, i: int) -> redis.Redis:
+        """A plain (non-cluster) client of node i, for inspecting or tampering with it."""
+        return redis.Redis(host="127.0.0.1", port=self.nodes[i].port, password=self.password,
+                           socket_timeout=2.0, socket_connect_timeout=2.0)
+
+    def start(self, timeout: float = 30.0) -> "RedisClusterServers":
+        deadline = time.monotonic() + timeout
+        try:
+            for node in self.nodes:
+                node.start(timeout)
+            cli = shutil.which("redis-cli") or "/usr/bin/redis-cli"
+            done = subprocess.run(
+                [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                 "--cluster-replicas", "0", "--cluster-yes"],
+                env=dict(os.environ, REDISCLI_AUTH=self.password), capture_output=True,
+                text=True, timeout=max(1.0, deadline - time.monotonic()))
+            if done.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout[-2000:]}"
+                                   f"{done.stderr[-2000:]}")
+            self.wait_state(lambda info: info.get("cluster_state") == "ok"
+                            and info.get("cluster_slots_assigned") == "16384"
+                            and info.get("cluster_known_nodes") == str(len(self.nodes)),
+                            deadline, "cluster_state:ok on every node")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def cluster_info(self, i: int) -> dict[str, str]:
+        c = self.client(i)
+        try:
+            info = c.execute_command("CLUSTER INFO")  # redis-py parses it into a dict
+            return {str(k): str(v) for k, v in info.items()}
+        finally:
+            c.close()
+
+    def wait_state(self, ok, deadline: float, what: str, nodes: list[int] | None = None) -> None:
+        """Poll CLUSTER INFO of `nodes` (default: the running ones) until `ok(info)` holds
+        on each, or raise TimeoutError at `deadline` (a time.monotonic() value)."""
+        idx = nodes if nodes is not None else [i for i, n in enumerate(self.nodes) if n.running]
+        while True:
+            try:
+                if all(ok(self.cluster_info(i)) for i in idx):
+                    return
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"redis cluster: no {what} before the deadline")
+            time.sleep(0.05)
+
+    def kill(self, i: int) -> None:
+        """Kill master i (SIGKILL, as a crash): its slots stay assigned to it."""
+        self.nodes[i].stop()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> "RedisClusterServers":
         return self.start()
 
     def __exit__(self, *exc) -> None:

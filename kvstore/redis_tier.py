@@ -1,8 +1,10 @@
 """The shared remote tier: a real Redis (or Redis Cluster), values = header + payload.
 
-Keys are `<prefix><namespace hex>:<hash hex>`; batches go out as one MGET (or
-`mget_nonatomic` on a cluster, whose keys span slots) and one pipeline of
-SETs with the TTL. Capacity and LRU are Redis's own (`maxmemory` +
+Keys are `<prefix><namespace hex>:<hash hex>`; batches go out as one MGET and
+one pipeline of SETs with the TTL. On a Redis Cluster a batch is split by
+master (redis-py's slot map) and each master gets its own pipeline (GETs:
+an MGET may not span slots) behind its own circuit breaker, so a dead master
+costs only the keys it holds: the others keep being read and written. Capacity and LRU are Redis's own (`maxmemory` +
 `maxmemory-policy allkeys-lru` on the server); `stats.bytes` is what this
 client has written, an upper bound on what it holds there: TTL expiry, server
 eviction and deletes of corrupt values are not observed.
@@ -23,6 +25,7 @@ import redis
 from redis._parsers import Encoder
 from redis.backoff import NoBackoff
 from redis.connection import PythonRespSerializer
+from redis.exceptions import AskError, RedisClusterException
 from redis.retry import Retry
 
 from kvyard.kvstore.breaker import CircuitBreaker
@@ -31,6 +34,9 @@ from kvyard.kvstore.layout import KVLayout
 from kvyard.kvstore.stats import TierStats
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+# what a failed call may raise: RedisClusterException (no reachable node, a slot
+# not covered) is not a RedisError
+FAILURES = (redis.RedisError, RedisClusterException, OSError)
 
 
 def zero_copy_packer() -> PythonRespSerializer:
@@ -58,6 +64,10 @@ class RedisTier:
         self.ttl_s = ttl_s or None
         self.stats = TierStats()
         self.breaker = CircuitBreaker(*backoff_s)
+        self._backoff = backoff_s
+        self._node_breakers: dict[str, CircuitBreaker] = {}  # cluster: one per master
+        self._stale_slots = False  # cluster: refresh the slot map before the next call
+        self._packer = zero_copy_packer()
         self._opts = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                           retry=Retry(NoBackoff(), 0), retry_on_timeout=False)
         if password is None:
@@ -91,7 +101,7 @@ class RedisTier:
             return False, None
         try:
             out = fn(self._redis())
-        except (redis.RedisError, OSError):
+        except FAILURES:
             self.breaker.failure()
             with self._lock:
                 self.stats.errors += 1
@@ -104,13 +114,53 @@ class RedisTier:
         return not self.breaker.is_open
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        def run(r):
-            p = r.pipeline(transaction=False)
-            for k in keys:
-                p.exists(self.rkey(k))
-            return p.execute()
-        ok, res = self._call(run)
+        rkeys = [self.rkey(k) for k in keys]
+        if self.cluster:
+            return [bool(x) for x in self._per_node(rkeys, _pipelined("exists"))]
+        ok, res = self._call(lambda r: _pipelined("exists")(r, rkeys))
         return [bool(x) for x in res] if ok else [False] * len(keys)
+
+    # -- cluster: one pipeline per master, each behind its own breaker ---------------
+    def _per_node(self, rkeys: list[bytes], fn, prepare=None) -> list:
+        """`fn(node client, its rkeys, their indices)` per master holding some of `rkeys`;
+        the results in key order, None for the keys of a master that failed or whose
+        breaker is open (each failure counts one error). redis-py's own cluster calls
+        fail a whole batch when one master is down; this keeps the others' answers."""
+        out: list = [None] * len(rkeys)
+
+        def route(r):
+            if self._stale_slots:  # a MOVED/ASK or a dead master: the map may be old
+                self._stale_slots = False
+                r.nodes_manager.initialize()
+            groups: dict[str, tuple[object, list[int]]] = {}
+            for i, rk in enumerate(rkeys):
+                node = r.get_node_from_key(rk)
+                groups.setdefault(node.name, (node, []))[1].append(i)
+            return r, groups
+        ok, routed = self._call(route)  # the client and the slot map: the tier's breaker
+        if not ok:
+            return out
+        r, groups = routed
+        for name, (node, idx) in groups.items():
+            with self._lock:
+                br = self._node_breakers.get(name)
+                if br is None:
+                    br = self._node_breakers[name] = CircuitBreaker(*self._backoff)
+            if not br.allow():
+                continue
+            try:
+                res = fn(r.get_redis_connection(node), [rkeys[i] for i in idx], idx)
+            except FAILURES as e:
+                br.failure()
+                with self._lock:
+                    self.stats.errors += 1
+                if not isinstance(e, redis.ResponseError) or isinstance(e, AskError):
+                    self._stale_slots = True  # MOVED/ASK, or the master gone (a failover?)
+                continue
+            br.success()
+            for i, v in zip(idx, res):
+                out[i] = v
+        return out
 
     def get_many(self, keys: Sequence[bytes], layout: KVLayout, mapper=map
                  ) -> list[tuple[memoryview, bytes] | None]:
@@ -124,8 +174,9 @@ class RedisTier:
     def fetch(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Raw values in one round trip (MGET); all None while the tier is down."""
         rkeys = [self.rkey(k) for k in keys]
-        ok, vals = self._call(
-            lambda r: r.mget_nonatomic(rkeys) if self.cluster else r.mget(rkeys))
+        if self.cluster:
+            return self._per_node(rkeys, _pipelined("get"))
+        ok, vals = self._call(lambda r: r.mget(rkeys))
         return vals if ok else [None] * len(keys)
 
     def fetch_into(self, keys: Sequence[bytes], dsts: Sequence[memoryview], layout: KVLayout
@@ -277,52 +328,53 @@ class RedisTier:
         the header there): its checksum pass leaves the bytes in cache for the socket
         copy that follows, where a batch checksummed up front is cold again by then
         (measured: 0.96 vs 0.91 of raw pipelined SETs of 360 KiB values)."""
-        values = [(self.rkey(k), memoryview(v).cast("B")) for k, v in items]
-        ex = ("EX", self.ttl_s) if self.ttl_s else ()
-
-        def run(r):
-            if self.cluster:  # keys span nodes: redis-py's cluster pipeline routes them
-                for i in range(len(values) if prepare is not None else 0):
-                    prepare(i)
-                p = r.pipeline(transaction=False)
-                for rk, v in values:
-                    p.set(rk, v, ex=self.ttl_s)
-                return p.execute()
-            pool = r.connection_pool
-            conn = pool.get_connection()
-            try:
-                # packed as redis-py's pipeline packs (small pieces merged, each value a
-                # chunk of its own, uncopied), sent up to and including each value
-                group, i = [], 0
-                for chunk in conn.pack_commands([("SET", rk, v, *ex) for rk, v in values]):
-                    group.append(chunk)
-                    if isinstance(chunk, memoryview):
-                        if prepare is not None:
-                            prepare(i)
-                        i += 1
-                        conn.send_packed_command(group, check_health=False)
-                        group = []
-                if group:
-                    conn.send_packed_command(group, check_health=False)
-                return [conn.read_response() for _ in values]  # an error reply raises
-            except BaseException:
-                conn.disconnect()  # replies may be left unread: never reuse it
-                raise
-            finally:
-                pool.release(conn)
-        ok, _ = self._call(run)
-        if ok:
-            with self._lock:
-                self.stats.bytes += sum(v.nbytes for _, v in values)
+        rkeys = [self.rkey(k) for k, _ in items]
+        values = [memoryview(v).cast("B") for _, v in items]
+        if self.cluster:
+            done = self._per_node(rkeys, lambda c, rks, idx: self._send_sets(
+                c, rks, [values[i] for i in idx], idx, prepare))
+            sent = sum(v.nbytes for v, d in zip(values, done) if d is not None)
+            ok = all(d is not None for d in done)
+        else:
+            ok, _ = self._call(lambda r: self._send_sets(r, rkeys, values, range(len(rkeys)),
+                                                         prepare))
+            sent = sum(v.nbytes for v in values) if ok else 0
+        with self._lock:
+            self.stats.bytes += sent
         return ok
 
+    def _send_sets(self, client, rkeys: list[bytes], values: list[memoryview], idx,
+                   prepare) -> list:
+        """Pipelined SETs on one connection of `client` (a node's, on a cluster): packed
+        by the zero-copy packer (each value a chunk of its own, uncopied; the small
+        pieces around it merged), sent up to and including each value, `prepare(i)`
+        called just before value i goes out; then every reply read (an error raises)."""
+        ex = (b"EX", self.ttl_s) if self.ttl_s else ()
+        pool = client.connection_pool
+        conn = pool.get_connection()
+        try:
+            tail = b""
+            for i, rk, v in zip(idx, rkeys, values):
+                if prepare is not None:
+                    prepare(i)
+                chunks = self._packer.pack(b"SET", rk, v, *ex)  # [head, value, tail]
+                chunks[0] = tail + chunks[0]
+                tail = chunks.pop()
+                conn.send_packed_command(chunks, check_health=False)
+            if tail:
+                conn.send_packed_command([tail], check_health=False)
+            return [conn.read_response() for _ in rkeys]
+        except BaseException:
+            conn.disconnect()  # replies may be left unread: never reuse it
+            raise
+        finally:
+            pool.release(conn)
+
     def _delete(self, rkeys: list[bytes]) -> None:
-        def run(r):
-            p = r.pipeline(transaction=False)
-            for rk in rkeys:
-                p.delete(rk)
-            return p.execute()
-        self._call(run)
+        if self.cluster:
+            self._per_node(rkeys, _pipelined("delete"))
+        else:
+            self._call(lambda r: _pipelined("delete")(r, rkeys))
 
     def close(self) -> None:
         if self._client is not None:
@@ -330,6 +382,17 @@ class RedisTier:
                 self._client.close()
             except Exception:  # noqa: BLE001 - closing a dead connection may raise anything
                 pass
+
+
+def _pipelined(command: str):
+    """`run(client, rkeys, idx=None)`: one command per key in one non-transactional
+    pipeline, the replies in key order (the first error reply raises)."""
+    def run(client, rkeys: list[bytes], idx=None) -> list:
+        p = client.pipeline(transaction=False)
+        for rk in rkeys:
+            getattr(p, command)(rk)
+        return p.execute()
+    return run
 
 
 def _place(value: bytes, key: bytes, dst: memoryview, layout: KVLayout):

@@ -30,3 +30,13 @@ def make_blocks(layout):
 def redis_server():
     with RedisServer(password="s3cret-test") as rs:
         yield rs
+
+
+@pytest.fixture
+def redis_cluster():
+    """A real 3-master Redis Cluster (password, masterauth, no replicas, surviving
+    masters keep serving when one dies), torn down after the test."""
+    from kvyard.kvstore.redis_server import RedisClusterServers
+
+    with RedisClusterServers(masters=3, password="cluster-s3cret") as rc:
+        yield rc
