@@ -26,5 +26,6 @@ for name, folder in ROOTS.items():
 setup(
     packages=packages,
     package_dir=ROOTS,
-    package_data={"": ["*.yaml", "*.json", "*.jinja", "*.proto"]},
+    # csrc/*.c: kernels compiled on the host at first use (workers/attention/cpu_kernel.py)
+    package_data={"": ["*.yaml", "*.json", "*.jinja", "*.proto", "csrc/*.c"]},
 )

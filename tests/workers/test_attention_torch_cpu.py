@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvyard.workers.attention import AttentionMetadata
+from kvyard.workers.attention import AttentionMetadata, cpu_kernel
 from kvyard.workers.attention.reference import SeqStep, build_metadata, dense_attention
 from kvyard.workers.attention.torch_cpu import TorchCPUBackend
 
@@ -12,7 +12,7 @@ BS, NKV, NH, HD = 4, 2, 6, 16
 
 
 def _run(dtype: torch.dtype, seqs: list[SeqStep], num_decodes: int, layers: int = 2,
-         all_heads: bool = True):
+         all_heads: bool = True, kernel: bool = False):
     g = torch.Generator().manual_seed(0)
     num_blocks = 1 + max(b for s in seqs for b in s.block_ids)
     # Garbage everywhere: any read of an unwritten or padded slot shows up in the output.
@@ -30,7 +30,8 @@ def _run(dtype: torch.dtype, seqs: list[SeqStep], num_decodes: int, layers: int 
     q = torch.randn(meta.query_start_loc[-1], NH, HD, generator=g).to(dtype)
     new_k = torch.cat([k[s.num_cached:] for s, k in zip(seqs, ctx_k)])
     new_v = torch.cat([v[s.num_cached:] for s, v in zip(seqs, ctx_v)])
-    backend = TorchCPUBackend(all_heads_max_kv=NKV if all_heads else 0)
+    backend = TorchCPUBackend(all_heads_max_kv=NKV if all_heads else 0, kernel=kernel)
+    assert (backend.kernel is not None) == kernel
     with torch.inference_mode():
         outs = [backend.forward(q, new_k, new_v, cache, meta, HD ** -0.5) for _ in range(layers)]
     return cache, meta, q, ctx_k, ctx_v, outs
@@ -46,10 +47,11 @@ SEQS = [  # 3 decodes, then prefill chunks: after a cached prefix, fresh, and bl
 ]
 
 
-@pytest.mark.parametrize("all_heads", [True, False], ids=["all-heads", "head-major"])
+@pytest.mark.parametrize("path", ["all-heads", "head-major", "c-kernel"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_mixed_batch_matches_dense_reference(dtype: torch.dtype, tol: float, all_heads: bool) -> None:
-    cache, meta, q, ctx_k, ctx_v, outs = _run(dtype, SEQS, num_decodes=3, all_heads=all_heads)
+def test_mixed_batch_matches_dense_reference(dtype: torch.dtype, tol: float, path: str) -> None:
+    cache, meta, q, ctx_k, ctx_v, outs = _run(dtype, SEQS, num_decodes=3, all_heads=path == "all-heads",
+                                              kernel=path == "c-kernel")
     assert len(meta.scratch) == 1, "the step plan is built once and reused by later layers"
     assert torch.equal(outs[0], outs[1])
     qsl = meta.query_start_loc
@@ -63,11 +65,12 @@ def test_mixed_batch_matches_dense_reference(dtype: torch.dtype, tol: float, all
             assert torch.equal(cache[1, b, off], ctx_v[i][pos])
 
 
-def test_decode_only_and_prefill_only_batches() -> None:
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "c-kernel"])
+def test_decode_only_and_prefill_only_batches(kernel: bool) -> None:
     dec = [SeqStep([2, 0], 5, 1), SeqStep([1], 3, 1)]
     pre = [SeqStep([0, 1, 2], 0, 9)]
     for seqs, nd in ((dec, 2), (pre, 0)):
-        _, meta, q, ctx_k, ctx_v, outs = _run(torch.float32, seqs, nd, layers=1)
+        _, meta, q, ctx_k, ctx_v, outs = _run(torch.float32, seqs, nd, layers=1, kernel=kernel)
         qsl = meta.query_start_loc
         for i, s in enumerate(seqs):
             want = dense_attention(q[qsl[i]:qsl[i + 1]], ctx_k[i], ctx_v[i], s.num_cached, HD ** -0.5)
@@ -78,3 +81,37 @@ def test_metadata_rejects_multi_token_decode() -> None:
     with pytest.raises(ValueError):
         build_metadata([SeqStep([0], 0, 2)], BS, num_decodes=1)
     assert isinstance(build_metadata([SeqStep([0], 0, 2)], BS, 0), AttentionMetadata)
+
+
+def test_decode_kernel_builds_here() -> None:
+    """CI installs a C compiler: the fast path must be the one the tests exercise."""
+    k = cpu_kernel.load()
+    assert k is not None and k.supports(torch.bfloat16) and k.supports(torch.float32)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_long_contexts_and_big_heads(dtype: torch.dtype, portable: bool) -> None:
+    """Context lengths off block boundaries, 8 KV heads x group 4, head_dim 128,
+    block tables wider than needed, and a q with a token stride (a view of qkv);
+    both the build for this CPU and the portable (no AVX-512) one."""
+    k = cpu_kernel.load(portable)
+    assert k is not None and (k.isa == "portable") == portable
+    g = torch.Generator().manual_seed(1)
+    nkv, grp, hd, bs, nb = 8, 4, 128, 16, 4 * 36
+    lens = [1, 17, 300, 513]
+    cache = torch.randn(2, nb, bs, nkv, hd, generator=g).to(dtype)
+    perm = torch.randperm(nb, generator=g)
+    tables = torch.stack([perm[i * 36:(i + 1) * 36] for i in range(4)]).to(torch.int64)
+    qkv = torch.randn(len(lens), nkv * grp + 2 * nkv, hd, generator=g).to(dtype)
+    q = qkv[:, :nkv * grp]
+    out = torch.empty(len(lens), nkv * grp, hd, dtype=dtype)
+    k.attend(q, cache, tables, torch.arange(len(lens), dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+             max(lens), hd ** -0.5, out)
+    for i, L in enumerate(lens):
+        slots = (tables[i][:, None] * bs + torch.arange(bs)).reshape(-1)[:L]
+        kk = cache[0].reshape(-1, nkv, hd)[slots]
+        vv = cache[1].reshape(-1, nkv, hd)[slots]
+        want = dense_attention(q[i:i + 1], kk, vv, L - 1, hd ** -0.5)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert (out[i].float() - want[0].float()).abs().max().item() < tol, f"sequence {i}"

@@ -10,6 +10,16 @@ goes as one batched SDPA instead (measured ~2x faster than one call each at
 4 x 256 tokens, bit-identical). Gather indices and masks depend only on the step, so
 the first layer builds them into `meta.scratch` and later layers reuse them.
 
+When the C kernel (cpu_kernel.py) builds on this machine, every query of the
+step (decodes and prefill chunks alike) goes to it in one call instead: it
+reads each sequence's K/V in place through its block table, so the gather
+copies, the padding to the longest sequence, the other heads' wasted columns
+and SDPA's slow small-head path all disappear. Measured on the demo model
+(bf16, 2 cores): decode attention at 32 x 320 tokens ~1.8x faster, and prefill
+attention of 4 x 256 fresh tokens ~4x faster than SDPA. The torch path stays
+as the fallback (no compiler, KVYARD_CPU_KERNELS=0) and as the reference the
+kernel is tested against.
+
 Measured on torch 2.13 CPU, and the reason for the odd-looking choices:
 `index_select` copies integer rows several times faster than float rows of
 the same width, so gathers go through an integer view; and fresh multi-MB
@@ -23,8 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from . import AttentionMetadata
+from . import cpu_kernel
 
 _KEY = "torch_cpu"
+_KKEY = "torch_cpu_kernel"
 _INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -53,6 +65,30 @@ class _StepPlan:
     dec_bias: torch.Tensor | None    # additive mask: -inf past each seq_len (and, all-heads, off-head)
     all_heads: bool
     chunks: list[_Chunk]
+
+
+@dataclass(slots=True)
+class _KernelPlan:
+    """Per query token: its block-table row and how many cached tokens it sees."""
+
+    tables: torch.Tensor   # [B, nb] int64, nb = blocks of the longest context
+    q_rows: torch.Tensor   # [T] int32
+    q_lens: torch.Tensor   # [T] int32
+    max_len: int
+
+
+def _kernel_plan(meta: AttentionMetadata, block_size: int) -> _KernelPlan:
+    qsl, lens = meta.query_start_loc, meta.seq_lens
+    rows: list[int] = []
+    q_lens: list[int] = []
+    for i, ctx in enumerate(lens):
+        n = qsl[i + 1] - qsl[i]
+        rows.extend([i] * n)
+        q_lens.extend(range(ctx - n + 1, ctx + 1))   # causal: token j sees positions <= j
+    max_len = max(lens)
+    tables = meta.block_tables[:, :-(-max_len // block_size)]
+    return _KernelPlan(tables.contiguous().to(torch.int64), torch.tensor(rows, dtype=torch.int32),
+                       torch.tensor(q_lens, dtype=torch.int32), max_len)
 
 
 def _plan(meta: AttentionMetadata, cache_shape: torch.Size, num_heads: int, dtype: torch.dtype,
@@ -103,13 +139,15 @@ class TorchCPUBackend:
     """`AttentionBackend` for CPU tensors (float32 or bfloat16). Not thread-safe:
     one instance per model, layers run one after another and share the workspace."""
 
-    def __init__(self, all_heads_max_kv: int = 4) -> None:
+    def __init__(self, all_heads_max_kv: int = 4, kernel: bool = True) -> None:
         # Up to this many KV heads, decode scores are computed against all heads at
         # once (one bmm on block-gathered K, waste x num_kv_heads) and the mask
         # zeroes other heads' columns; above it, rows are gathered head-major
         # instead (slower gather, no waste).
         self.all_heads_max_kv = all_heads_max_kv
         self._ws: dict[torch.dtype, torch.Tensor] = {}
+        # kernel=False keeps the torch path (tests compare the two).
+        self.kernel = cpu_kernel.load() if kernel else None
 
     def _gather(self, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """src.index_select(0, index) (src 2-D, integer view) into the reused workspace."""
@@ -123,13 +161,19 @@ class TorchCPUBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         _, num_blocks, block_size, nkv, hd = kv_cache.shape
-        plan = meta.scratch.get(_KEY)
-        if plan is None:
-            plan = meta.scratch[_KEY] = _plan(meta, kv_cache.shape, q.shape[1], q.dtype,
-                                                 nkv <= self.all_heads_max_kv)
         slots = kv_cache.view(2, num_blocks * block_size, nkv, hd)
         slots[0].index_copy_(0, meta.slot_mapping, k)
         slots[1].index_copy_(0, meta.slot_mapping, v)
+        if self.kernel is not None and self.kernel.supports(q.dtype):
+            kp = meta.scratch.get(_KKEY)
+            if kp is None:
+                kp = meta.scratch[_KKEY] = _kernel_plan(meta, block_size)
+            out = torch.empty(q.shape, dtype=q.dtype)
+            return self.kernel.attend(q, kv_cache, kp.tables, kp.q_rows, kp.q_lens, kp.max_len, scale, out)
+        plan = meta.scratch.get(_KEY)
+        if plan is None:
+            plan = meta.scratch[_KEY] = _plan(meta, kv_cache.shape, q.shape[1], q.dtype,
+                                              nkv <= self.all_heads_max_kv)
 
         nd = plan.num_decodes
         if nd and not plan.chunks:

@@ -1,0 +1,134 @@
+"""Build and load the C paged-attention kernel (csrc/paged_attention.c).
+
+Why C through ctypes rather than a torch C++ extension: the kernel needs no
+torch headers (it works on raw pointers), so it compiles in about a second
+with the system compiler instead of a minute, and a missing compiler only
+costs speed: `load()` returns None and the backend keeps its torch path.
+
+The library is built once per (source, compiler, CPU flags) into
+`$KVYARD_CACHE_DIR/kernels` (default ~/.cache/kvyard/kernels) with
+`-march=native`, so each machine gets code for its own vector units; several
+workers starting at once build into temp files and rename atomically.
+It links libgomp by soname, which resolves to the copy torch already loaded:
+one OpenMP runtime and one thread pool in the process, not two.
+`KVYARD_CPU_KERNELS=0` turns the kernel off.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SRC = Path(__file__).with_name("csrc") / "paged_attention.c"
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-Wall"]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("KVYARD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvyard")
+    return Path(base) / "kernels"
+
+
+def _build(cc: str, portable: bool) -> Path:
+    src = _SRC.read_bytes()
+    flags = _FLAGS + (["-mno-avx512f"] if portable else [])
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(),
+                                     _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
+    out = _cache_dir() / f"paged_attention-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *flags, str(_SRC), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+class DecodeKernel:
+    """Typed entry points of the built library."""
+
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                    ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        self._fns = {}
+        for dtype, name in ((torch.bfloat16, "paged_attention_bf16"), (torch.float32, "paged_attention_f32")):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+            self._fns[dtype] = fn
+        self.path = path
+        lib.paged_attention_isa.restype = ctypes.c_int
+        isa = lib.paged_attention_isa()
+        self.isa = "+".join(n for bit, n in ((1, "avx512"), (2, "avx512bf16")) if isa & bit) or "portable"
+
+    def supports(self, dtype: torch.dtype) -> bool:
+        return dtype in self._fns
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+               q_rows: torch.Tensor, q_lens: torch.Tensor, max_len: int, scale: float,
+               out: torch.Tensor) -> torch.Tensor:
+        """out[i] = attention of query i (q[i]: [num_heads, head_dim], any token stride) over
+        the first q_lens[i] slots of block_tables[q_rows[i]]. Tables int64 row-major;
+        q_rows, q_lens int32; max_len >= every q_lens[i]."""
+        nq, nh, hd = q.shape
+        _, _, bs, nkv, _ = kv_cache.shape
+        if q.stride(2) != 1 or not kv_cache.is_contiguous() or not out.is_contiguous() \
+                or block_tables.dtype != torch.int64 or block_tables.stride(1) != 1 \
+                or q_rows.dtype != torch.int32 or q_lens.dtype != torch.int32 \
+                or not q_rows.is_contiguous() or not q_lens.is_contiguous() or out.dtype != q.dtype:
+            raise ValueError("attention kernel: unexpected layout")
+        rc = self._fns[q.dtype](
+            q.data_ptr(), q.stride(0), q.stride(1), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+            block_tables.data_ptr(), block_tables.stride(0), q_rows.data_ptr(), q_lens.data_ptr(),
+            out.data_ptr(), nq, nh, nkv, hd, bs, scale, max_len, torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"attention kernel failed ({rc})")
+        return out
+
+
+@functools.cache
+def load(portable: bool = False) -> DecodeKernel | None:
+    """The kernel for this machine, built if needed (once per process); None if
+    disabled or unbuildable. `portable` builds without AVX-512 (tests check
+    that path too)."""
+    kernel = None
+    if os.environ.get("KVYARD_CPU_KERNELS", "1") != "0":
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if cc is None:
+            log.warning("no C compiler found: decode attention uses the slower torch path")
+        else:
+            try:
+                kernel = DecodeKernel(_build(cc, portable))
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                log.warning("decode kernel unavailable, using the torch path: %s", e)
+    return kernel

@@ -1,0 +1,379 @@
+/* Paged attention for CPU, one query token at a time: each query attends to
+ * the first `len` tokens of its sequence's paged K/V, read in place through
+ * the block table (no gather into a padded batch, no padding work). A decode
+ * is one query with len = context length; a prefill chunk is one query per
+ * new token with len = its position + 1 (causality without a mask), whether
+ * or not earlier tokens came from the prefix cache: one kernel for every
+ * step shape. The step's new K/V must already be in the cache.
+ *
+ * Built at first use by workers/attention/cpu_kernel.py with the host's
+ * compiler (-O3 -march=native -fopenmp) and loaded with ctypes. With AVX-512
+ * (most x86 servers) the hot loops use intrinsics, and bf16 dot products use
+ * AVX512-BF16 where the CPU has it; elsewhere a portable C path does the same
+ * arithmetic. No -ffast-math: it would set flush-to-zero process-wide when
+ * the library loads.
+ *
+ * Work item = (sequence, kv head): the `group` query heads sharing a KV head
+ * are scored together, so each K/V row is loaded once. Two passes over
+ * float32 scores in a per-thread buffer: scores + max, then exp, sum and the
+ * weighted V sum. Scores are q.k then * scale (HF's order); accumulation is
+ * float32 whatever the cache dtype; the output is rounded once
+ * (round-to-nearest-even for bf16), as torch's matmuls do.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define MAX_HD 256
+#define MAX_GROUP 16
+
+typedef struct {
+    const void *q;
+    int64_t q_tok_stride, q_head_stride;  /* in elements */
+    const void *k_cache, *v_cache;        /* [num_blocks * block_size, num_kv_heads, head_dim] */
+    const int64_t *block_tables;
+    int64_t bt_stride;
+    const int32_t *q_rows;                /* per query: its sequence's row in block_tables */
+    const int32_t *seq_lens;              /* per query: how many leading cached tokens it attends to */
+    void *out;                            /* [num_seqs, num_heads, head_dim] */
+    int num_heads, num_kv_heads, head_dim, block_size, max_len, group;
+    float scale;
+    int per_seq;                          /* items are whole sequences (all kv heads), see run() */
+} Args;
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)x << 16;
+    return c.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40); /* NaN stays NaN */
+    c.u += 0x7fffu + ((c.u >> 16) & 1u);
+    return (uint16_t)(c.u >> 16);
+}
+
+/* Coefficients of exp(r) on |r| <= ln2/2 (Taylor to degree 7: error < 1 ulp
+ * of float32 there); exp(x) = 2^n * p(x - n ln2). */
+#define EXP_C7 (1.0f / 5040.0f)
+#define EXP_C6 (1.0f / 720.0f)
+#define EXP_C5 (1.0f / 120.0f)
+#define EXP_C4 (1.0f / 24.0f)
+#define EXP_C3 (1.0f / 6.0f)
+#define LN2_HI 0.693145751953125f
+#define LN2_LO 1.42860682030941723212e-6f
+
+static inline float exp_scalar(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = nearbyintf(x * 1.44269504088896341f);
+    float r = x - n * LN2_HI;
+    r = r - n * LN2_LO;
+    float p = EXP_C7;
+    p = p * r + EXP_C6; p = p * r + EXP_C5; p = p * r + EXP_C4;
+    p = p * r + EXP_C3; p = p * r + 0.5f; p = p * r + 1.0f; p = p * r + 1.0f;
+    return ldexpf(p, (int)n);
+}
+
+/* ---------------- portable path ---------------- */
+
+#define DEFINE_ITEM_C(NAME, T, LOAD, STORE)                                                    \
+static void NAME(const Args *a, int s, int h, float *scores) {                                 \
+    const int g = a->group, hd = a->head_dim, bs = a->block_size, ml = a->max_len;            \
+    const int len = a->seq_lens[s] < ml ? a->seq_lens[s] : ml;                                 \
+    const int64_t tok_stride = (int64_t)a->num_kv_heads * hd;                                  \
+    const int64_t *bt = a->block_tables + (int64_t)a->q_rows[s] * a->bt_stride;                           \
+    const T *qs = (const T *)a->q + (int64_t)s * a->q_tok_stride;                              \
+    float qf[MAX_GROUP][MAX_HD], acc[MAX_GROUP][MAX_HD], row[MAX_HD], mx[MAX_GROUP];           \
+    for (int j = 0; j < g; j++) {                                                              \
+        const T *qj = qs + (int64_t)(h * g + j) * a->q_head_stride;                            \
+        for (int d = 0; d < hd; d++) qf[j][d] = LOAD(qj[d]);                                   \
+        mx[j] = -INFINITY;                                                                     \
+    }                                                                                          \
+    for (int t0 = 0, b = 0; t0 < len; t0 += bs, b++) {                                         \
+        const int n = len - t0 < bs ? len - t0 : bs;                                           \
+        const T *kb = (const T *)a->k_cache + bt[b] * bs * tok_stride + (int64_t)h * hd;       \
+        for (int i = 0; i < n; i++) {                                                          \
+            for (int d = 0; d < hd; d++) row[d] = LOAD(kb[i * tok_stride + d]);                \
+            for (int j = 0; j < g; j++) {                                                      \
+                float dot = 0.0f;                                                              \
+                for (int d = 0; d < hd; d++) dot += qf[j][d] * row[d];                         \
+                dot *= a->scale;                                                               \
+                scores[(int64_t)j * ml + t0 + i] = dot;                                        \
+                mx[j] = dot > mx[j] ? dot : mx[j];                                             \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    float inv[MAX_GROUP];                                                                      \
+    for (int j = 0; j < g; j++) {                                                              \
+        float *sj = scores + (int64_t)j * ml, sum = 0.0f;                                      \
+        for (int t = 0; t < len; t++) { sj[t] = exp_scalar(sj[t] - mx[j]); sum += sj[t]; }     \
+        inv[j] = 1.0f / sum;                                                                   \
+        memset(acc[j], 0, sizeof(float) * hd);                                                 \
+    }                                                                                          \
+    for (int t0 = 0, b = 0; t0 < len; t0 += bs, b++) {                                         \
+        const int n = len - t0 < bs ? len - t0 : bs;                                           \
+        const T *vb = (const T *)a->v_cache + bt[b] * bs * tok_stride + (int64_t)h * hd;       \
+        for (int i = 0; i < n; i++) {                                                          \
+            for (int d = 0; d < hd; d++) row[d] = LOAD(vb[i * tok_stride + d]);                \
+            for (int j = 0; j < g; j++) {                                                      \
+                const float p = scores[(int64_t)j * ml + t0 + i];                              \
+                for (int d = 0; d < hd; d++) acc[j][d] += p * row[d];                          \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    for (int j = 0; j < g; j++) {                                                              \
+        T *oj = (T *)a->out + ((int64_t)s * a->num_heads + h * g + j) * hd;                    \
+        for (int d = 0; d < hd; d++) oj[d] = STORE(acc[j][d] * inv[j]);                        \
+    }                                                                                          \
+}
+
+#define F32_ID(x) (x)
+DEFINE_ITEM_C(item_c_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_ITEM_C(item_c_f32, float, F32_ID, F32_ID)
+
+/* ---------------- AVX-512 path (head_dim % 16 == 0) ---------------- */
+#ifdef __AVX512F__
+
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+    __m512 p = _mm512_set1_ps(EXP_C7);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C5));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The next block sits anywhere in the pool, so the hardware prefetcher cannot
+ * guess it: ask for its rows while the current block is being scored
+ * (measured: cold-cache decode was bound by DRAM latency without this). */
+static inline void prefetch_rows(const void *base, int rows, int64_t stride_bytes, int row_bytes) {
+    const char *p = (const char *)base;
+    for (int i = 0; i < rows; i++, p += stride_bytes)
+        for (int o = 0; o < row_bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+}
+
+static inline __m512 load16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline void store16_bf16(uint16_t *p, __m512 v) {
+#ifdef __AVX512BF16__
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
+#else
+    uint32_t tmp[16];
+    _mm512_storeu_si512(tmp, _mm512_castps_si512(v));
+    for (int i = 0; i < 16; i++) { union { uint32_t u; float f; } c = {tmp[i]}; p[i] = f32_to_bf16(c.f); }
+#endif
+}
+
+/* exp, sum and 1/sum of one head's scores, in place. */
+static inline float softmax_exp(float *sj, int len, float mx) {
+    __m512 m = _mm512_set1_ps(mx), sum = _mm512_setzero_ps();
+    int t = 0;
+    for (; t + 16 <= len; t += 16) {
+        __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sj + t), m));
+        _mm512_storeu_ps(sj + t, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    if (t < len) {
+        __mmask16 k = (__mmask16)((1u << (len - t)) - 1);
+        __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sj + t), m));
+        _mm512_mask_storeu_ps(sj + t, k, e);
+        sum = _mm512_mask_add_ps(sum, k, sum, e);
+    }
+    return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+/* LOADV(ptr) -> __m512 of 16 float32; DOT(acc, q-chunk index c, k row) adds q.k over 16 or 32 dims. */
+/* The body is always inlined into wrappers with constant (group, head_dim) for
+ * the common shapes, so loops unroll and q and the accumulators stay in
+ * registers; measured ~2x over the same code with runtime bounds. */
+#define DEFINE_ITEM_512(NAME, T, LOADV, STOREV, QCHUNK, QPREP, DOTK)                            \
+static inline __attribute__((always_inline)) void NAME(const Args *a, int s, int h, float *scores, \
+                                                      const int g, const int hd) {            \
+    const int bs = a->block_size, ml = a->max_len;                                              \
+    const int len = a->seq_lens[s] < ml ? a->seq_lens[s] : ml;                                  \
+    const int nc = hd / 16, nq = hd / QCHUNK;                                                   \
+    const int64_t tok_stride = (int64_t)a->num_kv_heads * hd;                                   \
+    const int64_t *bt = a->block_tables + (int64_t)a->q_rows[s] * a->bt_stride;                            \
+    const T *qs = (const T *)a->q + (int64_t)s * a->q_tok_stride;                               \
+    __m512 qv[MAX_GROUP][MAX_HD / 16], acc[MAX_GROUP][MAX_HD / 16];                             \
+    float mx[MAX_GROUP];                                                                        \
+    const __m512 scale = _mm512_set1_ps(a->scale);                                              \
+    for (int j = 0; j < g; j++) {                                                               \
+        const T *qj = qs + (int64_t)(h * g + j) * a->q_head_stride;                             \
+        for (int c = 0; c < nq; c++) qv[j][c] = QPREP(qj + c * QCHUNK);                         \
+        mx[j] = -INFINITY;                                                                      \
+    }                                                                                           \
+    for (int t0 = 0, b = 0; t0 < len; t0 += bs, b++) {                                          \
+        const int n = len - t0 < bs ? len - t0 : bs;                                            \
+        const T *kb = (const T *)a->k_cache + bt[b] * bs * tok_stride + (int64_t)h * hd;        \
+        if (t0 + bs < len && (h == 0 || !a->per_seq))                                           \
+            prefetch_rows((const T *)a->k_cache + bt[b + 1] * bs * tok_stride                 \
+                          + (a->per_seq ? 0 : (int64_t)h * hd), bs, tok_stride * sizeof(T),       \
+                          (a->per_seq ? tok_stride : hd) * sizeof(T));                            \
+        for (int i = 0; i < n; i++) {                                                           \
+            const T *kr = kb + i * tok_stride;                                                  \
+            for (int j = 0; j < g; j++) {                                                       \
+                __m512 d = _mm512_setzero_ps();                                                 \
+                for (int c = 0; c < nq; c++) d = DOTK(d, qv[j][c], kr + c * QCHUNK);            \
+                float v = _mm512_reduce_add_ps(d) * a->scale;                                   \
+                scores[(int64_t)j * ml + t0 + i] = v;                                           \
+                mx[j] = v > mx[j] ? v : mx[j];                                                  \
+            }                                                                                   \
+        }                                                                                       \
+    }                                                                                           \
+    (void)scale;                                                                                \
+    float inv[MAX_GROUP];                                                                       \
+    for (int j = 0; j < g; j++) {                                                               \
+        inv[j] = softmax_exp(scores + (int64_t)j * ml, len, mx[j]);                             \
+        for (int c = 0; c < nc; c++) acc[j][c] = _mm512_setzero_ps();                           \
+    }                                                                                           \
+    for (int t0 = 0, b = 0; t0 < len; t0 += bs, b++) {                                          \
+        const int n = len - t0 < bs ? len - t0 : bs;                                            \
+        const T *vb = (const T *)a->v_cache + bt[b] * bs * tok_stride + (int64_t)h * hd;        \
+        if (t0 + bs < len && (h == 0 || !a->per_seq))                                           \
+            prefetch_rows((const T *)a->v_cache + bt[b + 1] * bs * tok_stride                 \
+                          + (a->per_seq ? 0 : (int64_t)h * hd), bs, tok_stride * sizeof(T),       \
+                          (a->per_seq ? tok_stride : hd) * sizeof(T));                            \
+        for (int i = 0; i < n; i++) {                                                           \
+            const T *vr = vb + i * tok_stride;                                                  \
+            __m512 row[MAX_HD / 16];                                                            \
+            for (int c = 0; c < nc; c++) row[c] = LOADV(vr + c * 16);                           \
+            for (int j = 0; j < g; j++) {                                                       \
+                const __m512 p = _mm512_set1_ps(scores[(int64_t)j * ml + t0 + i]);              \
+                for (int c = 0; c < nc; c++) acc[j][c] = _mm512_fmadd_ps(p, row[c], acc[j][c]); \
+            }                                                                                   \
+        }                                                                                       \
+    }                                                                                           \
+    for (int j = 0; j < g; j++) {                                                               \
+        T *oj = (T *)a->out + ((int64_t)s * a->num_heads + h * g + j) * hd;                     \
+        const __m512 w = _mm512_set1_ps(inv[j]);                                                \
+        for (int c = 0; c < nc; c++) STOREV(oj + c * 16, _mm512_mul_ps(acc[j][c], w));          \
+    }                                                                                           \
+}
+
+static inline __m512 f32_prep(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 f32_dot(__m512 acc, __m512 q, const float *k) { return _mm512_fmadd_ps(q, _mm512_loadu_ps(k), acc); }
+DEFINE_ITEM_512(body_512_f32, float, _mm512_loadu_ps, _mm512_storeu_ps, 16, f32_prep, f32_dot)
+
+#ifdef __AVX512BF16__
+/* 32 bf16 of q as 16 bf16 pairs; vdpbf16ps multiplies pairs exactly and adds in float32. */
+static inline __m512 bf16_prep(const uint16_t *p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
+static inline __m512 bf16_dot(__m512 acc, __m512 q, const uint16_t *k) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)q, (__m512bh)_mm512_loadu_si512(k));
+}
+#define BF16_QCHUNK 32
+#else
+static inline __m512 bf16_prep(const uint16_t *p) { return load16_bf16(p); }
+static inline __m512 bf16_dot(__m512 acc, __m512 q, const uint16_t *k) { return _mm512_fmadd_ps(q, load16_bf16(k), acc); }
+#define BF16_QCHUNK 16
+#endif
+DEFINE_ITEM_512(body_512_bf16, uint16_t, load16_bf16, store16_bf16, BF16_QCHUNK, bf16_prep, bf16_dot)
+
+#define SPECIALIZE(DT, G, HD) \
+static void item_512_##DT##_##G##_##HD(const Args *a, int s, int h, float *sc) { body_512_##DT(a, s, h, sc, G, HD); }
+#define SPECIALIZE_G(DT, HD) SPECIALIZE(DT, 1, HD) SPECIALIZE(DT, 2, HD) SPECIALIZE(DT, 3, HD) \
+    SPECIALIZE(DT, 4, HD) SPECIALIZE(DT, 5, HD) SPECIALIZE(DT, 6, HD) SPECIALIZE(DT, 7, HD) SPECIALIZE(DT, 8, HD)
+SPECIALIZE_G(bf16, 64) SPECIALIZE_G(bf16, 128) SPECIALIZE_G(f32, 64) SPECIALIZE_G(f32, 128)
+static void item_512_bf16_any(const Args *a, int s, int h, float *sc) { body_512_bf16(a, s, h, sc, a->group, a->head_dim); }
+static void item_512_f32_any(const Args *a, int s, int h, float *sc) { body_512_f32(a, s, h, sc, a->group, a->head_dim); }
+
+#define TABLE_ROW(DT, HD) {item_512_##DT##_1_##HD, item_512_##DT##_2_##HD, item_512_##DT##_3_##HD, \
+    item_512_##DT##_4_##HD, item_512_##DT##_5_##HD, item_512_##DT##_6_##HD, item_512_##DT##_7_##HD, item_512_##DT##_8_##HD}
+typedef void (*item_fn)(const Args *, int, int, float *);
+static const item_fn TABLE_BF16[2][8] = {TABLE_ROW(bf16, 64), TABLE_ROW(bf16, 128)};
+static const item_fn TABLE_F32[2][8] = {TABLE_ROW(f32, 64), TABLE_ROW(f32, 128)};
+
+static item_fn pick_512(const item_fn table[2][8], item_fn any, const Args *a) {
+    if (a->head_dim % 32) return NULL;
+    int row = a->head_dim == 64 ? 0 : a->head_dim == 128 ? 1 : -1;
+    if (row >= 0 && a->group >= 1 && a->group <= 8) return table[row][a->group - 1];
+    return any;
+}
+#endif /* __AVX512F__ */
+
+#ifndef __AVX512F__
+typedef void (*item_fn)(const Args *, int, int, float *);
+#endif
+
+/* With enough sequences to keep every thread busy, an item is a whole
+ * sequence: its first head's pass prefetches whole token rows (all heads), so
+ * the other heads' passes read L2, and DRAM sees each line once. With few
+ * sequences, items are (sequence, kv head) so all threads work. */
+static int run(Args *a, int num_seqs, int num_threads, item_fn fn) {
+    a->per_seq = num_seqs >= 2 * num_threads;
+    const int nkv = a->per_seq ? 1 : a->num_kv_heads, items = num_seqs * nkv;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)a->group * (size_t)(a->max_len > 0 ? a->max_len : 1));
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < items; item++) {
+            if (!scores) continue;
+            if (a->per_seq)
+                for (int h = 0; h < a->num_kv_heads; h++) fn(a, item, h, scores);
+            else
+                fn(a, item / nkv, item % nkv, scores);
+        }
+        free(scores);
+    }
+    return failed ? -2 : 0;
+}
+
+static int check(const Args *a) {
+    if (a->head_dim <= 0 || a->head_dim > MAX_HD || a->num_kv_heads <= 0 || a->block_size <= 0) return -1;
+    if (a->group > MAX_GROUP || a->group * a->num_kv_heads != a->num_heads) return -1;
+    return 0;
+}
+
+#define DEFINE_ENTRY(NAME, PICK, SLOW)                                                           \
+int NAME(const void *q, int64_t q_tok_stride, int64_t q_head_stride,                             \
+         const void *k_cache, const void *v_cache, const int64_t *block_tables, int64_t bt_stride, \
+         const int32_t *q_rows, const int32_t *seq_lens, void *out, int num_seqs, int num_heads,  \
+         int num_kv_heads, int head_dim, int block_size, float scale, int max_len, int num_threads) { \
+    Args a = {q, q_tok_stride, q_head_stride, k_cache, v_cache, block_tables, bt_stride,          \
+              q_rows, seq_lens, out, num_heads, num_kv_heads, head_dim, block_size, max_len,              \
+              num_kv_heads > 0 ? num_heads / num_kv_heads : 0, scale, 0};                         \
+    if (check(&a)) return -1;                                                                     \
+    item_fn fast = PICK;                                                                          \
+    return run(&a, num_seqs, num_threads, fast ? fast : SLOW);                                    \
+}
+
+#ifdef __AVX512F__
+DEFINE_ENTRY(paged_attention_bf16, pick_512(TABLE_BF16, item_512_bf16_any, &a), item_c_bf16)
+DEFINE_ENTRY(paged_attention_f32, pick_512(TABLE_F32, item_512_f32_any, &a), item_c_f32)
+#else
+DEFINE_ENTRY(paged_attention_bf16, NULL, item_c_bf16)
+DEFINE_ENTRY(paged_attention_f32, NULL, item_c_f32)
+#endif
+
+/* Which paths this build has, for tests and logs: bit 0 AVX-512, bit 1 AVX512-BF16. */
+int paged_attention_isa(void) {
+    int isa = 0;
+#ifdef __AVX512F__
+    isa |= 1;
+#endif
+#ifdef __AVX512BF16__
+    isa |= 2;
+#endif
+    return isa;
+}
