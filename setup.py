@@ -26,6 +26,6 @@ for name, folder in ROOTS.items():
 setup(
     packages=packages,
     package_dir=ROOTS,
-    # csrc/*.c: kernels compiled on the host at first use (workers/attention/cpu_kernel.py)
-    package_data={"": ["*.yaml", "*.json", "*.jinja", "*.proto", "csrc/*.c"]},
+    # *.c: kernels compiled on the host at first use (workers/cpu_ops)
+    package_data={"": ["*.yaml", "*.json", "*.jinja", "*.proto", "*.c"]},
 )

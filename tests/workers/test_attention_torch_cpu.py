@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvyard.workers.attention import AttentionMetadata, cpu_kernel
+from kvyard.workers import cpu_ops as cpu_kernel
+from kvyard.workers.attention import AttentionMetadata
 from kvyard.workers.attention.reference import SeqStep, build_metadata, dense_attention
 from kvyard.workers.attention.torch_cpu import TorchCPUBackend
 

@@ -10,7 +10,7 @@ goes as one batched SDPA instead (measured ~2x faster than one call each at
 4 x 256 tokens, bit-identical). Gather indices and masks depend only on the step, so
 the first layer builds them into `meta.scratch` and later layers reuse them.
 
-When the C kernel (cpu_kernel.py) builds on this machine, every query of the
+When the C kernel (workers/cpu_ops) builds on this machine, every query of the
 step (decodes and prefill chunks alike) goes to it in one call instead: it
 reads each sequence's K/V in place through its block table, so the gather
 copies, the padding to the longest sequence, the other heads' wasted columns
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import AttentionMetadata
-from . import cpu_kernel
+from .. import cpu_ops
 
 _KEY = "torch_cpu"
 _KKEY = "torch_cpu_kernel"
@@ -147,7 +147,7 @@ class TorchCPUBackend:
         self.all_heads_max_kv = all_heads_max_kv
         self._ws: dict[torch.dtype, torch.Tensor] = {}
         # kernel=False keeps the torch path (tests compare the two).
-        self.kernel = cpu_kernel.load() if kernel else None
+        self.kernel = cpu_ops.load() if kernel else None
 
     def _gather(self, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """src.index_select(0, index) (src 2-D, integer view) into the reused workspace."""

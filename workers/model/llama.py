@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import cpu_ops
 from ..attention import AttentionBackend, AttentionMetadata
 from .config import ModelConfig
 from .rope import apply_rope
@@ -103,6 +104,18 @@ class LlamaForCausalLM(nn.Module):
         self.int4_max_tokens = int4_max_tokens if all(lw.int4 for lw in layers) else 0
         self.backend = backend
         self.scale = cfg.head_dim ** -0.5
+        # bf16 RMSNorm and RoPE in one pass each (workers/cpu_ops); float32 keeps torch's ops (HF-exact).
+        self.ops = None
+
+    def use_cpu_ops(self, enable: bool = True) -> None:
+        self.ops = cpu_ops.load() if enable and self.dtype == torch.bfloat16 and self.config.head_dim <= 256 else None
+
+    def _norm_rope(self):
+        """(norm(x, w), rope(qkv) -> (q, k)) for this step: the C ops in bf16 when built, else torch."""
+        hsz, eps, ops = (self.config.hidden_size,), self.config.rms_norm_eps, self.ops
+        if ops is None:
+            return (lambda x, w: F.rms_norm(x, hsz, w, eps)), None
+        return (lambda x, w: ops.rms_norm(x, w, eps)), ops
 
     @property
     def dtype(self) -> torch.dtype:
@@ -144,39 +157,49 @@ class LlamaForCausalLM(nn.Module):
         inter = cfg.intermediate_size
         eps, scale, attn = cfg.rms_norm_eps, self.scale, self.backend.forward
         t = input_ids.shape[0]
-        rope_rows = self.rope.index_select(0, positions).unsqueeze(1)  # [T, 1, 2, 2, hd/2]
+        norm, ops = self._norm_rope()
+        if ops is None:
+            rope_rows = self.rope.index_select(0, positions).unsqueeze(1)  # [T, 1, 2, 2, hd/2]
+
+            def rope(qkv: torch.Tensor) -> torch.Tensor:
+                return apply_rope(qkv[:, :qk_size].view(t, nh + nkv, hd), rope_rows)
+        else:
+            positions = positions.to(torch.int64).contiguous()
+
+            def rope(qkv: torch.Tensor) -> torch.Tensor:  # in place: qkv is this layer's own
+                return ops.rope_(qkv[:, :qk_size].view(t, nh + nkv, hd), positions, self.rope)
         x = F.embedding(input_ids, self.embed)
         if t <= self.int4_max_tokens:
             for lw, cache in zip(self.layers, kv_caches):
                 w_qkv, w_o, w_gu, w_down = lw.int4  # type: ignore[misc]
-                h = F.rms_norm(x, hsz, lw.input_norm, eps)
+                h = norm(x, lw.input_norm)
                 qkv = w_qkv.linear(h, lw.qkv_bias)
-                qk = apply_rope(qkv[:, :qk_size].view(t, nh + nkv, hd), rope_rows)
+                qk = rope(qkv)
                 o = attn(qk[:, :nh], qk[:, nh:], qkv[:, qk_size:].view(t, nkv, hd), cache, meta, scale)
                 x = x + w_o.linear(o.reshape(t, -1), lw.o_bias)
-                gu = w_gu.linear(F.rms_norm(x, hsz, lw.post_norm, eps), None)
+                gu = w_gu.linear(norm(x, lw.post_norm), None)
                 x = x + w_down.linear(F.silu(gu[:, :inter]) * gu[:, inter:], None)
             return x
         lin = self.linear
         if self.fused:
             then = packed_linear_then
             for lw, cache in zip(self.layers, kv_caches):
-                h = F.rms_norm(x, hsz, lw.input_norm, eps)
+                h = norm(x, lw.input_norm)
                 qkv = lin(h, lw.qkv, lw.qkv_bias)
-                qk = apply_rope(qkv[:, :qk_size].view(t, nh + nkv, hd), rope_rows)
+                qk = rope(qkv)
                 o = attn(qk[:, :nh], qk[:, nh:], qkv[:, qk_size:].view(t, nkv, hd), cache, meta, scale)
                 o = o.reshape(t, -1)
                 x = then(o, lw.o, x, "add") if lw.o_bias is None else x + lin(o, lw.o, lw.o_bias)
-                h = F.rms_norm(x, hsz, lw.post_norm, eps)
+                h = norm(x, lw.post_norm)
                 x = then(then(h, lw.up, packed_linear_swish(h, lw.gate), "mul"), lw.down, x, "add")
             return x
         for lw, cache in zip(self.layers, kv_caches):
-            h = F.rms_norm(x, hsz, lw.input_norm, eps)
+            h = norm(x, lw.input_norm)
             qkv = lin(h, lw.qkv, lw.qkv_bias)
-            qk = apply_rope(qkv[:, :qk_size].view(t, nh + nkv, hd), rope_rows)
+            qk = rope(qkv)
             o = attn(qk[:, :nh], qk[:, nh:], qkv[:, qk_size:].view(t, nkv, hd), cache, meta, scale)
             x = x + lin(o.reshape(t, -1), lw.o, lw.o_bias)
-            gu = lin(F.rms_norm(x, hsz, lw.post_norm, eps), lw.gate_up, None)
+            gu = lin(norm(x, lw.post_norm), lw.gate_up, None)
             x = x + lin(F.silu(gu[:, :inter]) * gu[:, inter:], lw.down, None)
         return x
 

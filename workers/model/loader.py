@@ -166,6 +166,7 @@ def build(cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, max_len: int 
                              int4_max_tokens)
     model.eval().requires_grad_(False)
     model.pack()
+    model.use_cpu_ops()
     return model
 
 

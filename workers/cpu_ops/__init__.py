@@ -1,9 +1,10 @@
-"""Build and load the C paged-attention kernel (csrc/paged_attention.c).
+"""The workers' CPU kernels in C: paged attention (paged_attention.c), bf16
+RMSNorm and RoPE (norm_rope.c). This module builds and loads them.
 
-Why C through ctypes rather than a torch C++ extension: the kernel needs no
+Why C through ctypes rather than a torch C++ extension: the kernels need no
 torch headers (it works on raw pointers), so it compiles in about a second
 with the system compiler instead of a minute, and a missing compiler only
-costs speed: `load()` returns None and the backend keeps its torch path.
+costs speed: `load()` returns None and callers keep their torch paths.
 
 The library is built once per (source, compiler, CPU flags) into
 `$KVYARD_CACHE_DIR/kernels` (default ~/.cache/kvyard/kernels) with
@@ -11,7 +12,7 @@ The library is built once per (source, compiler, CPU flags) into
 workers starting at once build into temp files and rename atomically.
 It links libgomp by soname, which resolves to the copy torch already loaded:
 one OpenMP runtime and one thread pool in the process, not two.
-`KVYARD_CPU_KERNELS=0` turns the kernel off.
+`KVYARD_CPU_KERNELS=0` turns them all off.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SRC = Path(__file__).with_name("csrc") / "paged_attention.c"
+_SRCS = [Path(__file__).with_name(n) for n in ("paged_attention.c", "norm_rope.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-Wall"]
 
 
@@ -50,19 +51,19 @@ def _cache_dir() -> Path:
 
 
 def _build(cc: str, portable: bool) -> Path:
-    src = _SRC.read_bytes()
+    src = b"\0".join(p.read_bytes() for p in _SRCS)
     flags = _FLAGS + (["-mno-avx512f"] if portable else [])
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(),
                                      _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
-    out = _cache_dir() / f"paged_attention-{key}.so"
+    out = _cache_dir() / f"cpu_ops-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        r = subprocess.run([cc, *flags, str(_SRC), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([cc, *flags, *map(str, _SRCS), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
             raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
         os.replace(tmp, out)
@@ -72,7 +73,7 @@ def _build(cc: str, portable: bool) -> Path:
     return out
 
 
-class DecodeKernel:
+class CpuOps:
     """Typed entry points of the built library."""
 
     def __init__(self, path: Path) -> None:
@@ -90,6 +91,34 @@ class DecodeKernel:
         lib.paged_attention_isa.restype = ctypes.c_int
         isa = lib.paged_attention_isa()
         self.isa = "+".join(n for bit, n in ((1, "avx512"), (2, "avx512bf16")) if isa & bit) or "portable"
+        lib.rms_norm_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+        lib.rms_norm_bf16.restype = None
+        lib.rope_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        lib.rope_bf16.restype = None
+        self._lib = lib
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """HF's LlamaRMSNorm of bf16 rows x ([T, H], unit inner stride) in one pass."""
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or not weight.is_contiguous():
+            raise ValueError("rms_norm: bf16 [T, H] rows expected")
+        out = torch.empty(x.shape, dtype=x.dtype)
+        self._lib.rms_norm_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
+                                x.shape[0], x.shape[1], eps, torch.get_num_threads())
+        return out
+
+    def rope_(self, qk: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """Rotate bf16 qk ([T, heads, head_dim], heads contiguous in a row) in place by the
+        rows of `table` (workers/model/rope.py's layout) at `positions` (int64)."""
+        t, h, d = qk.shape
+        if qk.dtype != torch.bfloat16 or table.dtype != torch.bfloat16 or qk.stride(2) != 1 \
+                or qk.stride(1) != d or d > 256 or d % 2 or positions.dtype != torch.int64 \
+                or not positions.is_contiguous() or not table.is_contiguous():
+            raise ValueError("rope_: unexpected layout")
+        self._lib.rope_bf16(qk.data_ptr(), qk.stride(0), t, h, d, positions.data_ptr(), table.data_ptr(),
+                            torch.get_num_threads())
+        return qk
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._fns
@@ -117,7 +146,7 @@ class DecodeKernel:
 
 
 @functools.cache
-def load(portable: bool = False) -> DecodeKernel | None:
+def load(portable: bool = False) -> CpuOps | None:
     """The kernel for this machine, built if needed (once per process); None if
     disabled or unbuildable. `portable` builds without AVX-512 (tests check
     that path too)."""
@@ -128,7 +157,7 @@ def load(portable: bool = False) -> DecodeKernel | None:
             log.warning("no C compiler found: decode attention uses the slower torch path")
         else:
             try:
-                kernel = DecodeKernel(_build(cc, portable))
+                kernel = CpuOps(_build(cc, portable))
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 log.warning("decode kernel unavailable, using the torch path: %s", e)
     return kernel
