@@ -6,10 +6,13 @@ Eviction only drops a reference: a reader still holding a view keeps its bytes
 alive, so a concurrent eviction can never tear a block under a reader (a slab
 arena with reused slots could).
 
-On GPU machines this is where pinned host memory belongs: the connector would
-gather blocks into buffers carved from one cudaHostAlloc'd arena, so that
-loads are async DMA (H2D) instead of pageable copies. This CPU build uses the
-ordinary heap.
+The tier holds whatever memory the caller's buffers live in. With KV caches
+on a CUDA device the connector (kvyard.workers.kvconnector) hands it frames
+carved from pinned (page-locked) slabs of its `PinnedArena`, so save's D2H is
+a full-speed DMA; a slab is reused only once no view of any frame in it is
+left, so the eviction-drops-a-reference rule above holds for pinned memory
+too (no reused slot under a live view). With CPU caches the frames are heap
+memory. This module never imports torch: pinning is the worker side's job.
 """
 from __future__ import annotations
 
