@@ -13,6 +13,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#define PARALLEL_MIN (256 * 1024)  /* elements; below, one thread is faster than waking others */
+
 static inline float bf(uint16_t x) {
     union { uint32_t u; float f; } c;
     c.u = (uint32_t)x << 16;
@@ -30,7 +32,9 @@ static inline uint16_t to_bf(float f) {
 /* out[r] = rmsnorm(x[r]) * w; rows may be strided (views of wider tensors). */
 void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out,
                    int64_t out_stride, int rows, int dim, float eps, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 16)
+    /* A parallel region costs a thread wake-up (tens of us with OMP_WAIT_POLICY=PASSIVE):
+     * more than normalizing a decode batch, so small inputs stay on this thread. */
+#pragma omp parallel for num_threads(num_threads) schedule(static) if ((int64_t)rows * dim >= PARALLEL_MIN)
     for (int r = 0; r < rows; r++) {
         const uint16_t *xr = x + (int64_t)r * x_stride;
         uint16_t *o = out + (int64_t)r * out_stride;
@@ -50,7 +54,7 @@ void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint1
 void rope_bf16(uint16_t *qk, int64_t tok_stride, int tokens, int heads, int head_dim,
                const int64_t *positions, const uint16_t *table, int num_threads) {
     const int half = head_dim / 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens >= 16)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if ((int64_t)tokens * heads * head_dim >= PARALLEL_MIN)
     for (int t = 0; t < tokens; t++) {
         const uint16_t *row = table + positions[t] * 4 * half;
         const uint16_t *cs = row, *sn = row + 3 * half;
