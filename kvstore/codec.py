@@ -35,7 +35,16 @@ class CorruptBlock(ValueError):
     """A stored block failed verification; the caller deletes it and counts a miss."""
 
 
+_GIL_FREE_BYTES = 64 << 10
+
+
 def checksum(payload) -> int:
+    """xxh3-64 of the payload. Blocks of 64 KiB and up go through python-xxhash's
+    streaming object, whose update() releases the GIL around the hash loop (the
+    one-shot `xxh3_64_intdigest` holds it): the same value, but a checksum in one
+    thread no longer stalls the sender's or the I/O pool's other threads."""
+    if memoryview(payload).nbytes >= _GIL_FREE_BYTES:
+        return xxhash.xxh3_64(payload).intdigest()
     return xxhash.xxh3_64_intdigest(payload)
 
 

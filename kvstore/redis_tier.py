@@ -347,8 +347,9 @@ class RedisTier:
                    prepare) -> list:
         """Pipelined SETs on one connection of `client` (a node's, on a cluster): packed
         by the zero-copy packer (each value a chunk of its own, uncopied; the small
-        pieces around it merged), sent up to and including each value, `prepare(i)`
-        called just before value i goes out; then every reply read (an error raises)."""
+        pieces around it merged), sent up to and including each value with one
+        sendmsg (`_send_all`), `prepare(i)` called just before value i goes out;
+        then every reply read (an error raises)."""
         ex = (b"EX", self.ttl_s) if self.ttl_s else ()
         pool = client.connection_pool
         conn = pool.get_connection()
@@ -360,7 +361,9 @@ class RedisTier:
                 chunks = self._packer.pack(b"SET", rk, v, *ex)  # [head, value, tail]
                 chunks[0] = tail + chunks[0]
                 tail = chunks.pop()
-                conn.send_packed_command(chunks, check_health=False)
+                if conn._sock is None:
+                    conn.connect()
+                _send_all(conn._sock, chunks)
             if tail:
                 conn.send_packed_command([tail], check_health=False)
             return [conn.read_response() for _ in rkeys]
@@ -382,6 +385,22 @@ class RedisTier:
                 self._client.close()
             except Exception:  # noqa: BLE001 - closing a dead connection may raise anything
                 pass
+
+
+def _send_all(sock, bufs: list) -> None:
+    """Every byte of `bufs`, in order, through sendmsg: a SET's head (the previous
+    command's tail, `*3 $3 SET $len key $len`) and its value go out in one syscall,
+    uncopied, where redis-py's `send_packed_command` does a `sendall` per chunk,
+    so with TCP_NODELAY every head left as a tiny segment of its own and woke the
+    server once more per value. A partial send resumes where it stopped."""
+    views = [memoryview(b).cast("B") for b in bufs]
+    while views:
+        n = sock.sendmsg(views)
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
 
 
 def _pipelined(command: str):

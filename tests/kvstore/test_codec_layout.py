@@ -1,6 +1,8 @@
 """The block format rejects anything that is not exactly the block asked for."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvyard.kvstore import KVLayout, Namespace
@@ -57,3 +59,19 @@ def test_namespace_digest_separates_models_and_layouts(layout):
                       head_dim=layout.head_dim) | change
         assert Namespace("m@1", KVLayout(**fields)).key(5) != a.key(5), change
     assert layout.nbytes == 3 * 2 * 4 * 2 * 8 * 2
+
+
+def test_checksum_is_xxh3_64_at_every_size():
+    """Big payloads hash through the GIL-releasing streaming object, small ones one-shot:
+    both must give the stored format's xxh3-64, or old blocks would read as corrupt."""
+    import xxhash
+
+    from kvyard.kvstore.codec import checksum
+
+    for n in (0, 1, 240, 64 << 10, (64 << 10) - 1, 360 << 10, (2 << 20) + 3):
+        b = os.urandom(n)
+        assert checksum(b) == checksum(memoryview(b)) == xxhash.xxh3_64_intdigest(b), n
+    flipped = bytearray(os.urandom(360 << 10))
+    before = checksum(flipped)
+    flipped[12345] ^= 0x10
+    assert checksum(flipped) != before
