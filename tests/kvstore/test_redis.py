@@ -163,3 +163,28 @@ def test_get_into_redis_only_reads_into_outs_and_rejects_corrupt(ns, layout, mak
     assert st.get_into([1, 2], outs[:2]) == 2  # the connection is still in step
     raw.close()
     st.close()
+
+
+def test_big_blocks_get_their_headers_one_value_ahead(redis_server):
+    """Values of AHEAD_BYTES and more are checksummed on a helper thread one value
+    ahead of the send: every header must still be right (read back verified)."""
+    import os
+
+    from kvyard.kvstore import KVLayout, Namespace
+    from kvyard.kvstore.codec import HEADER_BYTES
+    from kvyard.kvstore.redis_tier import AHEAD_BYTES
+
+    big = KVLayout("bfloat16", 16, 32, 8, 128)  # 2 MiB blocks
+    assert big.nbytes >= AHEAD_BYTES
+    ns = Namespace("model-big@0123", big)
+    red = _tier(redis_server.url, redis_server.password, timeout_s=5.0)
+    st = KVStore(ns, redis=red)
+    frames = [bytearray(HEADER_BYTES) + os.urandom(big.nbytes) for _ in range(5)]
+    assert st.put([1, 2, 3, 4, 5], frames) == 5
+    assert st.flush()
+    assert red._ahead is not None  # the helper thread did the checksums
+    outs = [bytearray(big.nbytes) for _ in range(5)]
+    assert st.get_into([1, 2, 3, 4, 5], outs) == 5
+    assert [bytes(o) for o in outs] == [bytes(f[HEADER_BYTES:]) for f in frames]
+    assert red.stats.errors == 0 and red.stats.hits == 5
+    st.close()
