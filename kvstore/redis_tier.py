@@ -136,9 +136,13 @@ class RedisTier:
                 self._stale_slots = False
                 r.nodes_manager.initialize()
             groups: dict[str, tuple[object, list[int]]] = {}
-            for i, rk in enumerate(rkeys):
-                node = r.get_node_from_key(rk)
-                groups.setdefault(node.name, (node, []))[1].append(i)
+            try:
+                for i, rk in enumerate(rkeys):
+                    node = r.get_node_from_key(rk)
+                    groups.setdefault(node.name, (node, []))[1].append(i)
+            except RedisClusterException:  # a slot without a master in the map: re-read it
+                self._stale_slots = True
+                raise
             return r, groups
         ok, routed = self._call(route)  # the client and the slot map: the tier's breaker
         if not ok:
