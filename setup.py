@@ -26,6 +26,6 @@ for name, folder in ROOTS.items():
 setup(
     packages=packages,
     package_dir=ROOTS,
-    # *.c: kernels compiled on the host at first use (workers/cpu_ops)
-    package_data={"": ["*.yaml", "*.json", "*.jinja", "*.proto", "*.c"]},
+    # *.c, *.h: kernels compiled on the host at first use (workers/cpu_ops)
+    package_data={"": ["*.yaml", "*.json", "*.jinja", "*.proto", "*.c", "*.h"]},
 )

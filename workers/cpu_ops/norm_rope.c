@@ -13,21 +13,10 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "bf16.h"
+
 #define PARALLEL_MIN (256 * 1024)  /* elements; below, one thread is faster than waking others */
 
-static inline float bf(uint16_t x) {
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)x << 16;
-    return c.f;
-}
-
-static inline uint16_t to_bf(float f) {
-    union { uint32_t u; float f; } c;
-    c.f = f;
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40);
-    c.u += 0x7fffu + ((c.u >> 16) & 1u);
-    return (uint16_t)(c.u >> 16);
-}
 
 /* out[r] = rmsnorm(x[r]) * w; rows may be strided (views of wider tensors). */
 void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out,
@@ -40,10 +29,10 @@ void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint1
         uint16_t *o = out + (int64_t)r * out_stride;
         float ss = 0.0f;
 #pragma omp simd reduction(+:ss)
-        for (int d = 0; d < dim; d++) { float v = bf(xr[d]); ss += v * v; }
+        for (int d = 0; d < dim; d++) { float v = bf16_to_f32(xr[d]); ss += v * v; }
         const float rstd = 1.0f / sqrtf(ss / (float)dim + eps);
 #pragma omp simd
-        for (int d = 0; d < dim; d++) o[d] = to_bf(bf(to_bf(bf(xr[d]) * rstd)) * bf(w[d]));
+        for (int d = 0; d < dim; d++) o[d] = f32_to_bf16(bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[d]) * rstd)) * bf16_to_f32(w[d]));
     }
 }
 
@@ -59,14 +48,14 @@ void rope_bf16(uint16_t *qk, int64_t tok_stride, int tokens, int heads, int head
         const uint16_t *row = table + positions[t] * 4 * half;
         const uint16_t *cs = row, *sn = row + 3 * half;
         float c[128], s[128];
-        for (int i = 0; i < half; i++) { c[i] = bf(cs[i]); s[i] = bf(sn[i]); }
+        for (int i = 0; i < half; i++) { c[i] = bf16_to_f32(cs[i]); s[i] = bf16_to_f32(sn[i]); }
         for (int h = 0; h < heads; h++) {
             uint16_t *x = qk + (int64_t)t * tok_stride + (int64_t)h * head_dim;
 #pragma omp simd
             for (int i = 0; i < half; i++) {
-                const float x1 = bf(x[i]), x2 = bf(x[i + half]);
-                x[i] = to_bf(x1 * c[i] - x2 * s[i]);
-                x[i + half] = to_bf(x2 * c[i] + x1 * s[i]);
+                const float x1 = bf16_to_f32(x[i]), x2 = bf16_to_f32(x[i + half]);
+                x[i] = f32_to_bf16(x1 * c[i] - x2 * s[i]);
+                x[i + half] = f32_to_bf16(x2 * c[i] + x1 * s[i]);
             }
         }
     }

@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "bf16.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -45,20 +46,6 @@ typedef struct {
     float scale;
     int per_seq;                          /* items are whole sequences (all kv heads), see run() */
 } Args;
-
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)x << 16;
-    return c.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } c;
-    c.f = f;
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40); /* NaN stays NaN */
-    c.u += 0x7fffu + ((c.u >> 16) & 1u);
-    return (uint16_t)(c.u >> 16);
-}
 
 /* Coefficients of exp(r) on |r| <= ln2/2 (Taylor to degree 7: error < 1 ulp
  * of float32 there); exp(x) = 2^n * p(x - n ln2). */
