@@ -23,15 +23,14 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 import redis
-from redis._parsers import Encoder
 from redis.backoff import NoBackoff
-from redis.connection import PythonRespSerializer
 from redis.exceptions import AskError, RedisClusterException
 from redis.retry import Retry
 
 from kvyard.kvstore.breaker import CircuitBreaker
-from kvyard.kvstore.codec import HEADER_BYTES, CorruptBlock, check_header, decode
+from kvyard.kvstore.codec import CorruptBlock, decode
 from kvyard.kvstore.layout import KVLayout
+from kvyard.kvstore.redis_wire import mget_into, send_sets, zero_copy_packer
 from kvyard.kvstore.stats import TierStats
 
 AHEAD_BYTES = 1 << 20  # values this big get their header computed one value ahead
@@ -39,15 +38,6 @@ CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 # what a failed call may raise: RedisClusterException (no reachable node, a slot
 # not covered) is not a RedisError
 FAILURES = (redis.RedisError, RedisClusterException, OSError)
-
-
-def zero_copy_packer() -> PythonRespSerializer:
-    """redis-py's pure-Python RESP packer, which sends a memoryview argument as a
-    chunk of its own, uncopied. Once hiredis is installed redis-py packs with
-    hiredis instead, which copies every value twice (`bytes()`, then
-    `pack_command`): measured 4x slower pipelined SETs of 360 KiB values.
-    Replies still parse with hiredis (2x faster MGETs than the Python parser)."""
-    return PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
 
 
 class RedisTier:
@@ -197,12 +187,11 @@ class RedisTier:
             return [self._verify_copy(k, v, d, layout)
                     for k, v, d in zip(keys, self.fetch(keys), dsts)]
         rkeys = [self.rkey(k) for k in keys]
-        ok, res = self._call(lambda r: self._mget_into(r, rkeys, keys, dsts, layout))
+        ok, out = self._call(lambda r: mget_into(r, rkeys, keys, dsts, layout))
         if not ok:
             with self._lock:
                 self.stats.misses += len(keys)
             return [False] * len(keys)
-        out, _ = res
         corrupt = [rkeys[i] for i, st in enumerate(out) if isinstance(st, CorruptBlock)]
         hits = misses = bad = 0
         for i, st in enumerate(out):
@@ -230,83 +219,6 @@ class RedisTier:
         if got is not None:
             np.frombuffer(dst, dtype=np.uint8)[:] = np.frombuffer(got[0], dtype=np.uint8)
         return got is not None
-
-    @staticmethod
-    def _mget_into(r, rkeys, keys, dsts, layout):
-        pool = r.connection_pool
-        conn = pool.get_connection()
-        try:
-            conn.send_command("MGET", *rkeys, check_health=False)
-            reader = getattr(conn._parser, "_reader", None)
-            if reader is None or reader.has_data():  # not hiredis, or bytes buffered there
-                vals = conn.read_response()
-                return [v if v is None or len(v) != HEADER_BYTES + layout.nbytes else
-                        _place(v, k, d, layout) for v, k, d in zip(vals, keys, dsts)], None
-            sock = conn._sock
-            pend = bytearray()
-
-            def line() -> bytes:
-                while (j := pend.find(b"\r\n")) < 0:
-                    got = sock.recv(16)  # small reads: at most a few bytes run ahead
-                    if not got:
-                        raise redis.ConnectionError("connection closed by server")
-                    pend.extend(got)
-                ln = bytes(pend[:j])
-                del pend[:j + 2]
-                return ln
-
-            def read_into(mv: memoryview) -> None:
-                k = min(len(pend), mv.nbytes)
-                if k:
-                    mv[:k] = pend[:k]
-                    del pend[:k]
-                while k < mv.nbytes:
-                    got = sock.recv_into(mv[k:])
-                    if not got:
-                        raise redis.ConnectionError("connection closed by server")
-                    k += got
-
-            head = line()
-            if head[:1] == b"-":
-                raise redis.ResponseError(head[1:].decode(errors="replace"))
-            if head[:1] != b"*" or int(head[1:]) != len(rkeys):
-                raise redis.ConnectionError(f"unexpected MGET reply {head[:32]!r}")
-            want = HEADER_BYTES + layout.nbytes
-            out: list = []
-            hdr = bytearray(HEADER_BYTES)
-            for key, dst in zip(keys, dsts):
-                ln = line()
-                if ln == b"_":  # RESP3 null
-                    out.append(None)
-                    continue
-                if ln[:1] != b"$":
-                    raise redis.ConnectionError(f"unexpected MGET element {ln[:32]!r}")
-                n = int(ln[1:])
-                if n < 0:
-                    out.append(None)
-                    continue
-                if n != want:
-                    buf = bytearray(n)
-                    read_into(memoryview(buf))
-                    out.append(bytes(buf))
-                else:
-                    read_into(memoryview(hdr))
-                    read_into(dst)
-                    try:
-                        check_header(hdr, key, layout, dst)
-                        out.append(True)
-                    except CorruptBlock as e:
-                        out.append(e)
-                if line() != b"":
-                    raise redis.ConnectionError("MGET element not terminated")
-            if pend:
-                raise redis.ConnectionError("unexpected bytes after MGET reply")
-            return out, None
-        except BaseException:
-            conn.disconnect()  # the reply may be half read: never reuse it
-            raise
-        finally:
-            pool.release(conn)
 
     def verify(self, key: bytes, value: bytes | None, layout: KVLayout
                ) -> tuple[memoryview, bytes] | None:
@@ -338,45 +250,17 @@ class RedisTier:
         rkeys = [self.rkey(k) for k, _ in items]
         values = [memoryview(v).cast("B") for _, v in items]
         if self.cluster:
-            done = self._per_node(rkeys, lambda c, rks, idx: self._send_sets(
-                c, rks, [values[i] for i in idx], idx, prepare))
+            done = self._per_node(rkeys, lambda c, rks, idx: send_sets(
+                c, self._packer, rks, self._prepared(idx, [values[i] for i in idx], prepare), self.ttl_s))
             sent = sum(v.nbytes for v, d in zip(values, done) if d is not None)
             ok = all(d is not None for d in done)
         else:
-            ok, _ = self._call(lambda r: self._send_sets(r, rkeys, values, range(len(rkeys)),
-                                                         prepare))
+            ok, _ = self._call(lambda r: send_sets(
+                r, self._packer, rkeys, self._prepared(list(range(len(rkeys))), values, prepare), self.ttl_s))
             sent = sum(v.nbytes for v in values) if ok else 0
         with self._lock:
             self.stats.bytes += sent
         return ok
-
-    def _send_sets(self, client, rkeys: list[bytes], values: list[memoryview], idx,
-                   prepare) -> list:
-        """Pipelined SETs on one connection of `client` (a node's, on a cluster): packed
-        by the zero-copy packer (each value a chunk of its own, uncopied; the small
-        pieces around it merged), sent up to and including each value with one
-        sendmsg (`_send_all`), `prepare(i)` called just before value i goes out;
-        then every reply read (an error raises)."""
-        ex = (b"EX", self.ttl_s) if self.ttl_s else ()
-        pool = client.connection_pool
-        conn = pool.get_connection()
-        try:
-            tail = b""
-            for i, rk, v in zip(idx, rkeys, self._prepared(list(idx), values, prepare)):
-                chunks = self._packer.pack(b"SET", rk, v, *ex)  # [head, value, tail]
-                chunks[0] = tail + chunks[0]
-                tail = chunks.pop()
-                if conn._sock is None:
-                    conn.connect()
-                _send_all(conn._sock, chunks)
-            if tail:
-                conn.send_packed_command([tail], check_health=False)
-            return [conn.read_response() for _ in rkeys]
-        except BaseException:
-            conn.disconnect()  # replies may be left unread: never reuse it
-            raise
-        finally:
-            pool.release(conn)
 
     def _prepared(self, idx: list[int], values: list[memoryview], prepare):
         """`values` in order, each yielded once `prepare(i)` has run for it. Values of
@@ -425,22 +309,6 @@ class RedisTier:
                 pass
 
 
-def _send_all(sock, bufs: list) -> None:
-    """Every byte of `bufs`, in order, through sendmsg: a SET's head (the previous
-    command's tail, `*3 $3 SET $len key $len`) and its value go out in one syscall,
-    uncopied, where redis-py's `send_packed_command` does a `sendall` per chunk,
-    so with TCP_NODELAY every head left as a tiny segment of its own and woke the
-    server once more per value. A partial send resumes where it stopped."""
-    views = [memoryview(b).cast("B") for b in bufs]
-    while views:
-        n = sock.sendmsg(views)
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-
-
 def _pipelined(command: str):
     """`run(client, rkeys, idx=None)`: one command per key in one non-transactional
     pipeline, the replies in key order (the first error reply raises)."""
@@ -452,11 +320,3 @@ def _pipelined(command: str):
     return run
 
 
-def _place(value: bytes, key: bytes, dst: memoryview, layout: KVLayout):
-    """A full-length value read the ordinary way: verified, then copied into dst."""
-    try:
-        payload = decode(value, key, layout)
-    except CorruptBlock as e:
-        return e
-    np.frombuffer(dst, dtype=np.uint8)[:] = np.frombuffer(payload, dtype=np.uint8)
-    return True

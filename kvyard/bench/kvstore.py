@@ -99,7 +99,8 @@ def _throughput(report, args, lname, layout, tmp, redis_url, redis_pw) -> None:
     from kvyard.kvstore.codec import HEADER_BYTES
     from kvyard.kvstore.dram import DramTier
     from kvyard.kvstore.malloc import CHUNK_BYTES
-    from kvyard.kvstore.redis_tier import RedisTier, zero_copy_packer
+    from kvyard.kvstore.redis_tier import RedisTier
+    from kvyard.kvstore.redis_wire import zero_copy_packer
     from kvyard.kvstore.ssd import SsdTier
 
     nb = layout.nbytes
