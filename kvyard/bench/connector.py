@@ -28,10 +28,7 @@ import os
 import statistics
 import time
 
-LAYOUTS = {  # name -> (layers, kv heads, head dim); bf16, 16-token blocks
-    "demo": (30, 3, 64),
-    "8b": (32, 8, 128),
-}
+from kvyard.bench.kvstore import LAYOUTS  # the same two block layouts as the kvstore bench
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

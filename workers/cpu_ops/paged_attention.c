@@ -478,8 +478,7 @@ static void item_c_f32_range(const Args *a, int s, int h0, int h1, float *buf) {
 static int run(Args *a, int num_seqs, int num_threads, item_fn fn) {
     a->per_seq = num_seqs >= 2 * num_threads;
     const int nkv = a->per_seq ? 1 : a->num_kv_heads, items = num_seqs * nkv;
-    const size_t floats = scratch_floats(a) > (size_t)a->group * (size_t)(a->max_len > 0 ? a->max_len : 1)
-        ? scratch_floats(a) : (size_t)a->group * (size_t)(a->max_len > 0 ? a->max_len : 1);
+    const size_t floats = scratch_floats(a);  /* covers the portable path's [group][max_len] too */
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
