@@ -51,7 +51,8 @@ def _cache_dir() -> Path:
 
 
 def _build(cc: str, portable: bool) -> Path:
-    src = b"\0".join(p.read_bytes() for p in (*_SRCS, _SRCS[0].with_name("bf16.h")))
+    headers = sorted(_SRCS[0].parent.glob("*.h"))
+    src = b"\0".join(p.read_bytes() for p in (*_SRCS, *headers))
     flags = _FLAGS + (["-mno-avx512f"] if portable else [])
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(),
