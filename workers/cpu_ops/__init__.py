@@ -1,5 +1,6 @@
 """The workers' CPU kernels in C: paged attention (paged_attention.c), bf16
-RMSNorm and RoPE (norm_rope.c). This module builds and loads them.
+RMSNorm and RoPE (norm_rope.c), and the linear layers' GEMM (gemm.c). This
+module builds and loads them.
 
 Why C through ctypes rather than a torch C++ extension: the kernels need no
 torch headers (it works on raw pointers), so it compiles in about a second
@@ -25,13 +26,42 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
 
-_SRCS = [Path(__file__).with_name(n) for n in ("paged_attention.c", "norm_rope.c")]
+_SRCS = [Path(__file__).with_name(n) for n in ("paged_attention.c", "norm_rope.c", "gemm.c")]
+
+# gemm.c's epilogues, applied to the float32 result before it is stored.
+EPI_NONE, EPI_ADD, EPI_MUL, EPI_SILU = 0, 1, 2, 3
+_GEMM_TILE = 64
+
+
+@dataclass(slots=True)
+class GemmWeight:
+    """A [N, K] matrix in gemm.c's tile layout: N padded to whole 64-column tiles;
+    bf16 as [N/64][K/2][64][2] (k pairs, the vdpbf16ps operand), float32 as [N/64][K][64]."""
+
+    packed: torch.Tensor
+    n: int
+    k: int
+
+    @classmethod
+    def pack(cls, w: torch.Tensor) -> "GemmWeight":
+        n, k = w.shape
+        n_pad = -(-n // _GEMM_TILE) * _GEMM_TILE
+        wp = torch.zeros(n_pad, k, dtype=w.dtype)
+        wp[:n] = w
+        if w.dtype == torch.bfloat16:
+            if k % 2:
+                raise ValueError("bf16 GEMM weights need an even K")
+            packed = wp.view(n_pad // _GEMM_TILE, _GEMM_TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        else:
+            packed = wp.view(n_pad // _GEMM_TILE, _GEMM_TILE, k).permute(0, 2, 1).contiguous()
+        return cls(packed, n, k)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-Wall"]
 
 
@@ -98,7 +128,42 @@ class CpuOps:
         lib.rope_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         lib.rope_bf16.restype = None
+        gemm_args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                     ctypes.c_int, ctypes.c_int]
+        self._gemm = {}
+        for dtype, name, need in ((torch.bfloat16, "gemm_bf16", 3), (torch.float32, "gemm_f32", 1)):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = gemm_args, ctypes.c_int
+            if isa & need == need:
+                self._gemm[dtype] = fn
         self._lib = lib
+
+    def has_gemm(self, dtype: torch.dtype) -> bool:
+        """Whether gemm.c has a fast path for `dtype` here (AVX-512; bf16 also needs AVX512-BF16)."""
+        return dtype in self._gemm
+
+    def gemm(self, x: torch.Tensor, w: GemmWeight, bias: torch.Tensor | None = None,
+             other: torch.Tensor | None = None, epi: int = EPI_NONE) -> torch.Tensor:
+        """epi(x @ W^T + bias) for rows x [M, K] (unit inner stride), with `other` [M, N]
+        the operand of EPI_ADD / EPI_MUL; x's dtype throughout, float32 accumulation."""
+        m, k = x.shape
+        if k != w.k or x.stride(1) != 1 or x.dtype != w.packed.dtype \
+                or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous())) \
+                or ((other is None) != (epi in (EPI_NONE, EPI_SILU))) \
+                or (other is not None and (other.dtype != x.dtype or other.stride(1) != 1
+                                           or tuple(other.shape) != (m, w.n))):
+            raise ValueError("gemm: unexpected operands")
+        out = torch.empty(m, w.n, dtype=x.dtype)
+        if m == 0:
+            return out
+        rc = self._gemm[x.dtype](x.data_ptr(), x.stride(0), w.packed.data_ptr(), out.data_ptr(), out.stride(0),
+                                 None if bias is None else bias.data_ptr(),
+                                 None if other is None else other.data_ptr(),
+                                 0 if other is None else other.stride(0), m, w.n, k, epi, torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"gemm kernel failed ({rc})")
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """HF's LlamaRMSNorm of bf16 rows x ([T, H], unit inner stride) in one pass."""

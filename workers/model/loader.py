@@ -18,6 +18,7 @@ from kvyard.common.models import ModelSource
 
 from ..attention.torch_cpu import TorchCPUBackend
 from .config import ModelConfig, config_from_gguf, config_from_hf
+from .. import cpu_ops
 from .gguf_file import GGUFFile, int4_parts
 from .llama import Int4Weight, LayerWeights, LlamaForCausalLM
 from .rope import rope_table
@@ -122,7 +123,7 @@ def _int4(src: WeightSource, names: list[str], dtype: torch.dtype) -> Int4Weight
 
 def build(cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, max_len: int | None = None,
           freq_factors: torch.Tensor | None = None, progress: bool = False,
-          int4_max_tokens: int = 8) -> LlamaForCausalLM:
+          int4_max_tokens: int = 8, cpu_kernels: bool = True) -> LlamaForCausalLM:
     def w(name: str) -> torch.Tensor:
         return src.get(name).to(dtype)
 
@@ -136,6 +137,9 @@ def build(cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, max_len: int 
             row += p.shape[0]
         return out
 
+    ops = cpu_ops.load() if cpu_kernels else None
+    if ops is not None and ops.has_gemm(dtype):
+        int4_max_tokens = 0  # gemm.c serves every step size, faster than torch's int4 kernel here
     layers = []
     for i in tqdm(range(cfg.num_layers), desc="loading layers", unit="layer", disable=not progress):
         p = f"model.layers.{i}."
@@ -165,21 +169,23 @@ def build(cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, max_len: int 
     model = LlamaForCausalLM(cfg, embed, layers, w("model.norm.weight"), lm_head, rope, TorchCPUBackend(),
                              int4_max_tokens)
     model.eval().requires_grad_(False)
+    model.use_cpu_ops(cpu_kernels)
     model.pack()
-    model.use_cpu_ops()
     return model
 
 
 def load_model(src: ModelSource, dtype: torch.dtype, max_len: int | None = None,
                on_progress: Callable[[str], None] | None = None,
-               int4_max_tokens: int = 8) -> tuple[LlamaForCausalLM, ModelConfig]:
+               int4_max_tokens: int = 8, cpu_kernels: bool = True) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load `src` (from `kvyard.common.models.resolve_model`) in `dtype` (float32 or bfloat16).
 
     `max_len` bounds the RoPE table (defaults to the model's max positions).
     `int4_max_tokens`: for 4-bit GGUF layers, steps of at most this many tokens
     run on the packed int4 weights (exact for Q4_0/Q4_1, ~4x fewer bytes read);
     bfloat16 only (torch's float32 int4 kernel is slower than dense float32);
-    0 keeps every step on the dense weights.
+    0 keeps every step on the dense weights. Where workers/cpu_ops/gemm.c runs
+    (AVX-512; AVX512-BF16 for bf16) it serves every step and int4 is not built.
+    `cpu_kernels=False` keeps the model on torch's ops (tests compare the two).
     """
     t0 = time.perf_counter()
     if src.kind == "gguf":
@@ -195,7 +201,7 @@ def load_model(src: ModelSource, dtype: torch.dtype, max_len: int | None = None,
         raise ValueError(f"unknown model source kind {src.kind!r}")
     with torch.inference_mode():
         model = build(cfg, weights, dtype, max_len, factors, progress=weights.nbytes >= _PROGRESS_MIN_BYTES,
-                      int4_max_tokens=int4_max_tokens)
+                      int4_max_tokens=int4_max_tokens, cpu_kernels=cpu_kernels)
     if on_progress:
         on_progress(f"loaded {src.served_name} in {time.perf_counter() - t0:.1f}s")
     return model, cfg
