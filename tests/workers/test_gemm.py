@@ -88,3 +88,41 @@ def test_model_on_gemm_matches_torch_path(dtype) -> None:
     assert diff < (1e-3 if dtype == torch.float32 else 2.0), diff
     agree = (outs[0].argmax(-1) == outs[1].argmax(-1)).float().mean().item()
     assert agree >= (1.0 if dtype == torch.float32 else 0.9), agree
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_tiles_hold_the_dequantized_weights_exactly(dtype) -> None:
+    """GGUF-block tiles (Q4_0, Q4_1, Q8_0) expand to exactly the loader's dense weights:
+    x = I makes y = W^T, element for element (float32 bit-identical; bf16 the same RNE)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quantize
+
+    from kvyard.workers.model.gguf_file import dequantize, quant_parts
+
+    ops = _need(dtype)
+    n, k = 100, 96  # N not a multiple of the tile; 3 blocks of 32 along K
+    w = np.random.default_rng(1).standard_normal((n, k)).astype(np.float32)
+    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+        raw = torch.from_numpy(np.ascontiguousarray(quantize(w, qtype)).view(np.uint8).reshape(-1))
+        dense = dequantize(raw, qtype, (n, k)).to(dtype)
+        codes, d, m, bits, off = quant_parts(raw, qtype, (n, k))
+        tiles = cpu_ops.GemmWeight.pack_quant(codes, d, m, bits, off, dtype)
+        got = ops.gemm(torch.eye(k, dtype=dtype), tiles)
+        assert torch.equal(got.t(), dense), qtype
+        # and a real product, rows in several register blocks, with an epilogue
+        x = torch.randn(13, k).to(dtype)
+        other = torch.randn(13, n).to(dtype)
+        want = _ref(x, dense, None, other, cpu_ops.EPI_ADD)
+        got = ops.gemm(x, tiles, None, other, cpu_ops.EPI_ADD).double()
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+        assert (got - want).abs().max().item() < tol * (want.abs().max().item() + 1)
+
+
+def test_demo_model_uses_quantized_tiles() -> None:
+    """The demo GGUF (Q4_1 layers, Q8_0 embeddings) loads straight into quantized tiles."""
+    _need(torch.float32)
+    model, _ = load_model(resolve_model("demo"), torch.float32)
+    lw = model.layers[0]
+    assert all(isinstance(t, cpu_ops.GemmWeight) and t.bits == 4 for t in (lw.qkv, lw.o, lw.gate, lw.up, lw.down))
+    assert isinstance(model.lm_head, cpu_ops.GemmWeight) and model.lm_head.bits == 8

@@ -43,11 +43,34 @@ _GEMM_TILE = 64
 @dataclass(slots=True)
 class GemmWeight:
     """A [N, K] matrix in gemm.c's tile layout: N padded to whole 64-column tiles;
-    bf16 as [N/64][K/2][64][2] (k pairs, the vdpbf16ps operand), float32 as [N/64][K][64]."""
+    bf16 as [N/64][K/2][64][2] (k pairs, the vdpbf16ps operand), float32 as [N/64][K][64];
+    or (bits 4/8) GGUF 32-blocks per tile, expanded on the fly (gemm_quant.h)."""
 
     packed: torch.Tensor
     n: int
     k: int
+    dtype: torch.dtype | None = None  # the activations' dtype; None: packed's own
+    bits: int = 0
+    offset: float = 0.0
+
+    @classmethod
+    def pack_quant(cls, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, offset: float,
+                   dtype: torch.dtype) -> "GemmWeight":
+        """From `kvyard.workers.model.gguf_file.quant_parts` (rows may be fused or permuted first)."""
+        n, k = codes.shape
+        kb, t = k // 32, -(-n // _GEMM_TILE)
+        pad = t * _GEMM_TILE - n
+
+        def tiles(a: torch.Tensor) -> torch.Tensor:  # [N, X] -> [T, 64, X], zero rows as padding
+            return torch.cat((a, a.new_zeros(pad, a.shape[1]))).view(t, _GEMM_TILE, a.shape[1])
+
+        scale = tiles(d.to(torch.float16)).permute(0, 2, 1).contiguous().view(torch.uint8)  # [T, KB, 128]
+        mins = tiles(m.to(torch.float16)).permute(0, 2, 1).contiguous().view(torch.uint8)
+        c = tiles(codes.view(torch.uint8)).view(t, _GEMM_TILE, kb, 32).permute(0, 2, 3, 1)  # [T, KB, 32 k, 64 cols]
+        if bits == 4:
+            c = c[..., :32] | (c[..., 32:] << 4)
+        packed = torch.cat((scale, mins, c.reshape(t, kb, -1)), dim=2).contiguous()
+        return cls(packed, n, k, dtype, bits, offset)
 
     @classmethod
     def pack(cls, w: torch.Tensor) -> "GemmWeight":
@@ -122,15 +145,19 @@ class CpuOps:
         lib.paged_attention_isa.restype = ctypes.c_int
         isa = lib.paged_attention_isa()
         self.isa = "+".join(n for bit, n in ((1, "avx512"), (2, "avx512bf16")) if isa & bit) or "portable"
-        lib.rms_norm_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                      ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
-        lib.rms_norm_bf16.restype = None
-        lib.rope_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-        lib.rope_bf16.restype = None
+        norm_args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                     ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+        rope_args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        self._norm, self._rope = {}, {}
+        for dtype, sfx in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
+            for table, name, args in ((self._norm, "rms_norm_", norm_args), (self._rope, "rope_", rope_args)):
+                fn = getattr(lib, name + sfx)
+                fn.argtypes, fn.restype = args, None
+                table[dtype] = fn
         gemm_args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                     ctypes.c_int, ctypes.c_int]
+                     ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
         self._gemm = {}
         for dtype, name, need in ((torch.bfloat16, "gemm_bf16", 3), (torch.float32, "gemm_f32", 1)):
             fn = getattr(lib, name)
@@ -148,7 +175,7 @@ class CpuOps:
         """epi(x @ W^T + bias) for rows x [M, K] (unit inner stride), with `other` [M, N]
         the operand of EPI_ADD / EPI_MUL; x's dtype throughout, float32 accumulation."""
         m, k = x.shape
-        if k != w.k or x.stride(1) != 1 or x.dtype != w.packed.dtype \
+        if k != w.k or x.stride(1) != 1 or x.dtype != (w.dtype or w.packed.dtype) \
                 or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous())) \
                 or ((other is None) != (epi in (EPI_NONE, EPI_SILU))) \
                 or (other is not None and (other.dtype != x.dtype or other.stride(1) != 1
@@ -160,29 +187,31 @@ class CpuOps:
         rc = self._gemm[x.dtype](x.data_ptr(), x.stride(0), w.packed.data_ptr(), out.data_ptr(), out.stride(0),
                                  None if bias is None else bias.data_ptr(),
                                  None if other is None else other.data_ptr(),
-                                 0 if other is None else other.stride(0), m, w.n, k, epi, torch.get_num_threads())
+                                 0 if other is None else other.stride(0), m, w.n, k, epi, w.bits, w.offset,
+                                 torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"gemm kernel failed ({rc})")
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """HF's LlamaRMSNorm of bf16 rows x ([T, H], unit inner stride) in one pass."""
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or not weight.is_contiguous():
-            raise ValueError("rms_norm: bf16 [T, H] rows expected")
+        """HF's LlamaRMSNorm of bf16 or float32 rows x ([T, H], unit inner stride) in one pass."""
+        if x.dtype not in self._norm or x.dim() != 2 or x.stride(1) != 1 or not weight.is_contiguous() \
+                or weight.dtype != x.dtype:
+            raise ValueError("rms_norm: bf16 or float32 [T, H] rows expected")
         out = torch.empty(x.shape, dtype=x.dtype)
-        self._lib.rms_norm_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
+        self._norm[x.dtype](x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
                                 x.shape[0], x.shape[1], eps, torch.get_num_threads())
         return out
 
     def rope_(self, qk: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        """Rotate bf16 qk ([T, heads, head_dim], heads contiguous in a row) in place by the
-        rows of `table` (workers/model/rope.py's layout) at `positions` (int64)."""
+        """Rotate qk ([T, heads, head_dim], bf16 or float32, heads contiguous in a row) in place
+        by the rows of `table` (workers/model/rope.py's layout) at `positions` (int64)."""
         t, h, d = qk.shape
-        if qk.dtype != torch.bfloat16 or table.dtype != torch.bfloat16 or qk.stride(2) != 1 \
+        if qk.dtype not in self._rope or table.dtype != qk.dtype or qk.stride(2) != 1 \
                 or qk.stride(1) != d or d > 256 or d % 2 or positions.dtype != torch.int64 \
                 or not positions.is_contiguous() or not table.is_contiguous():
             raise ValueError("rope_: unexpected layout")
-        self._lib.rope_bf16(qk.data_ptr(), qk.stride(0), t, h, d, positions.data_ptr(), table.data_ptr(),
+        self._rope[qk.dtype](qk.data_ptr(), qk.stride(0), t, h, d, positions.data_ptr(), table.data_ptr(),
                             torch.get_num_threads())
         return qk
 

@@ -20,6 +20,7 @@
  */
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -41,6 +42,8 @@ typedef struct {
     const void *bias;
     const void *other; int64_t os;
     int M, N, K, epi;
+    int qbits;    /* 0: w is dense tiles; 4 or 8: w is quantized tiles (gemm_quant.h) */
+    float qoff;   /* added to every 4-bit code (-8 for Q4_0) */
 } Gemm;
 
 static inline __m512 silu16(__m512 v) {
@@ -87,15 +90,15 @@ static inline void prefetch_part(const char *p, int64_t bytes, int i, int parts)
 
 /* One register block: rows [m0, m0 + mr) of tile t over all of K.
  * DT = 1: bf16 (k in pairs), 0: float32. */
-static inline __attribute__((always_inline)) void block(const Gemm *g, int t, int m0, const int mr, const int is_bf16,
-                                                        const char *next, int64_t next_bytes) {
+static inline __attribute__((always_inline)) void block(const Gemm *g, const void *wtile, int t, int m0, const int mr,
+                                                        const int is_bf16, const char *next, int64_t next_bytes) {
     __m512 acc[MR][NB];
     for (int r = 0; r < mr; r++)
         for (int c = 0; c < NB; c++) acc[r][c] = _mm512_setzero_ps();
     const int K = g->K;
 #ifdef __AVX512BF16__
     if (is_bf16) {
-        const uint16_t *wt = (const uint16_t *)g->w + (int64_t)t * K * TILE;
+        const uint16_t *wt = (const uint16_t *)wtile;
         const uint16_t *xr[MR];
         for (int r = 0; r < mr; r++) xr[r] = (const uint16_t *)g->x + (int64_t)(m0 + r) * g->xs;
         const int steps = K / 2;
@@ -114,7 +117,7 @@ static inline __attribute__((always_inline)) void block(const Gemm *g, int t, in
     } else
 #endif
     {
-        const float *wt = (const float *)g->w + (int64_t)t * K * TILE;
+        const float *wt = (const float *)wtile;
         const float *xr[MR];
         for (int r = 0; r < mr; r++) xr[r] = (const float *)g->x + (int64_t)(m0 + r) * g->xs;
         for (int k = 0; k < K; k++) {
@@ -147,16 +150,18 @@ static inline __attribute__((always_inline)) void block(const Gemm *g, int t, in
     }
 }
 
+#include "gemm_quant.h"
+
 #define BLOCK_CASES(BF)                                                     \
     switch (mr) {                                                           \
-        case 8: block(g, t, m0, 8 < MR ? 8 : MR, BF, nx, nb); break;          \
-        case 7: block(g, t, m0, 7 < MR ? 7 : MR, BF, nx, nb); break;          \
-        case 6: block(g, t, m0, 6, BF, nx, nb); break;                      \
-        case 5: block(g, t, m0, 5, BF, nx, nb); break;                      \
-        case 4: block(g, t, m0, 4, BF, nx, nb); break;                      \
-        case 3: block(g, t, m0, 3, BF, nx, nb); break;                      \
-        case 2: block(g, t, m0, 2, BF, nx, nb); break;                      \
-        default: block(g, t, m0, 1, BF, nx, nb); break;                     \
+        case 8: block(g, wt, t, m0, 8 < MR ? 8 : MR, BF, nx, nb); break;          \
+        case 7: block(g, wt, t, m0, 7 < MR ? 7 : MR, BF, nx, nb); break;          \
+        case 6: block(g, wt, t, m0, 6, BF, nx, nb); break;                      \
+        case 5: block(g, wt, t, m0, 5, BF, nx, nb); break;                      \
+        case 4: block(g, wt, t, m0, 4, BF, nx, nb); break;                      \
+        case 3: block(g, wt, t, m0, 3, BF, nx, nb); break;                      \
+        case 2: block(g, wt, t, m0, 2, BF, nx, nb); break;                      \
+        default: block(g, wt, t, m0, 1, BF, nx, nb); break;                     \
     }
 
 /* Work items are (tile, row chunk), tile-major; a thread takes a contiguous
@@ -164,12 +169,19 @@ static inline __attribute__((always_inline)) void block(const Gemm *g, int t, in
  * needed to balance threads on narrow matrices (9 tiles on 2 threads would
  * leave one idle a tenth of the time); the first block of an item prefetches
  * the next item's tile when that differs. */
-static void run_items(const Gemm *g, int i0, int i1, int nchunks, int chunk, int is_bf16) {
-    const int64_t tile_bytes = (int64_t)g->K * TILE * (is_bf16 ? 2 : 4);
+static void run_items(const Gemm *g, int i0, int i1, int nchunks, int chunk, int is_bf16, void *scratch) {
+    const int64_t tile_bytes = g->qbits ? quant_tile_bytes(g) : (int64_t)g->K * TILE * (is_bf16 ? 2 : 4);
+    int have = -1;  /* the tile now dequantized in scratch */
     for (int i = i0; i < i1; i++) {
         const int t = i / nchunks, r0 = (i % nchunks) * chunk;
         const int r1 = r0 + chunk < g->M ? r0 + chunk : g->M;
         const int tn = (i + 1) / nchunks;
+        const void *wt = (const char *)g->w + t * tile_bytes;
+        if (g->qbits) {
+            if (have != t) dequant_tile(g, t, scratch, is_bf16);
+            have = t;
+            wt = scratch;
+        }
         for (int m0 = r0; m0 < r1; m0 += MR) {
             const int mr = r1 - m0 < MR ? r1 - m0 : MR;
             const char *nx = m0 == r0 && i + 1 < i1 && tn != t ? (const char *)g->w + tn * tile_bytes : NULL;
@@ -179,8 +191,25 @@ static void run_items(const Gemm *g, int i0, int i1, int nchunks, int chunk, int
     }
 }
 
+/* A per-thread tile buffer kept across calls: a fresh one per call cost a page
+ * fault per 4 KiB on every call (allocations this size are mmap'ed), which
+ * measured slower than the DRAM reads the quantized tiles save. */
+static void *thread_scratch(size_t bytes) {
+    static __thread void *buf;
+    static __thread size_t cap;
+    if (bytes > cap) {
+        free(buf);
+        cap = 0;
+        buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (buf) cap = bytes;
+    }
+    return buf;
+}
+
 static int gemm(Gemm *g, int is_bf16, int num_threads) {
     if (g->M <= 0 || g->N <= 0 || g->K <= 0 || (is_bf16 && g->K % 2)) return -1;
+    if (g->qbits && (g->K % 32 || (g->qbits != 4 && g->qbits != 8))) return -1;
+    const size_t scratch_bytes = g->qbits ? (size_t)g->K * TILE * (is_bf16 ? 2 : 4) : 0;
     const int tiles = (g->N + TILE - 1) / TILE;
     /* chunks: enough items for ~8 per thread, but never below 4 register blocks of rows */
     int nchunks = num_threads > 1 ? (8 * num_threads + tiles - 1) / tiles : 1;
@@ -192,42 +221,46 @@ static int gemm(Gemm *g, int is_bf16, int num_threads) {
     nchunks = (g->M + chunk - 1) / chunk;
     const int items = tiles * nchunks;
     if (num_threads > items) num_threads = items;
-    if (num_threads <= 1) {
-        run_items(g, 0, items, nchunks, chunk, is_bf16);
-        return 0;
-    }
-#pragma omp parallel num_threads(num_threads)
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-        run_items(g, (int)((int64_t)items * id / nt), (int)((int64_t)items * (id + 1) / nt), nchunks, chunk, is_bf16);
+        void *scratch = scratch_bytes ? thread_scratch(scratch_bytes) : NULL;
+        if (scratch_bytes && !scratch) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            run_items(g, (int)((int64_t)items * id / nt), (int)((int64_t)items * (id + 1) / nt), nchunks, chunk,
+                      is_bf16, scratch);
+        }
     }
-    return 0;
+    return failed ? -3 : 0;
 }
 #endif
 
 #define GEMM_ARGS const void *x, int64_t xs, const void *w, void *y, int64_t ys, const void *bias, \
-                  const void *other, int64_t os, int M, int N, int K, int epi, int num_threads
+                  const void *other, int64_t os, int M, int N, int K, int epi, int qbits, float qoff, int num_threads
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 int gemm_bf16(GEMM_ARGS) {
-    Gemm g = {x, xs, w, y, ys, bias, other, os, M, N, K, epi};
+    Gemm g = {x, xs, w, y, ys, bias, other, os, M, N, K, epi, qbits, qoff};
     return gemm(&g, 1, num_threads);
 }
 #else
 int gemm_bf16(GEMM_ARGS) {
     (void)x; (void)xs; (void)w; (void)y; (void)ys; (void)bias; (void)other; (void)os;
-    (void)M; (void)N; (void)K; (void)epi; (void)num_threads;
+    (void)M; (void)N; (void)K; (void)epi; (void)qbits; (void)qoff; (void)num_threads;
     return -2;  /* not built here: callers keep oneDNN */
 }
 #endif
 #ifdef __AVX512F__
 int gemm_f32(GEMM_ARGS) {
-    Gemm g = {x, xs, w, y, ys, bias, other, os, M, N, K, epi};
+    Gemm g = {x, xs, w, y, ys, bias, other, os, M, N, K, epi, qbits, qoff};
     return gemm(&g, 0, num_threads);
 }
 #else
 int gemm_f32(GEMM_ARGS) {
     (void)x; (void)xs; (void)w; (void)y; (void)ys; (void)bias; (void)other; (void)os;
-    (void)M; (void)N; (void)K; (void)epi; (void)num_threads;
+    (void)M; (void)N; (void)K; (void)epi; (void)qbits; (void)qoff; (void)num_threads;
     return -2;
 }
 #endif

@@ -158,15 +158,30 @@ def int4_parts(raw: torch.Tensor, qtype: GGMLQuantizationType,
     """Q4_0/Q4_1 as (codes 0..15 int32 [N, K], scale [N, K/32], zero [N, K/32]) float32,
     with weight = (code - 8) * scale + zero: torch's int4 weight-only matmul convention,
     which holds both formats exactly. None for any other type."""
+    parts = quant_parts(raw, qtype, shape) if qtype != GGMLQuantizationType.Q8_0 else None
+    if parts is None:
+        return None
+    codes, d, m, _, off = parts  # (code + off) * d + m == (code - 8) * d + (m + (8 + off) d)
+    return codes.to(torch.int32), d, m + (8 + off) * d
+
+
+def quant_parts(raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, float] | None:
+    """Q4_0/Q4_1/Q8_0 as (codes [N, K] uint8 (4-bit) or int8, d [N, K/32], m [N, K/32]
+    float32, bits, offset): weight = (code + offset) * d + m exactly as `dequantize`
+    computes it, for workers/cpu_ops/gemm_quant.h. None for any other type."""
     Q = GGMLQuantizationType
-    if qtype not in (Q.Q4_0, Q.Q4_1) or len(shape) != 2:
+    if qtype not in (Q.Q4_0, Q.Q4_1, Q.Q8_0) or len(shape) != 2 or shape[1] % 32:
         return None
     _, type_size = GGML_QUANT_SIZES[qtype]
     b = raw.view(-1, type_size)
     n, k = shape
     d = _f16(b, 0)
-    if qtype == Q.Q4_0:
-        codes, zero = _nibbles(b[:, 2:]), torch.zeros_like(d)
-    else:  # q * d + m == (q - 8) * d + (m + 8 d)
-        codes, zero = _nibbles(b[:, 4:]), _f16(b, 2) + 8 * d
-    return codes.to(torch.int32).view(n, k), d.view(n, k // 32), zero.view(n, k // 32)
+    if qtype == Q.Q8_0:
+        codes, m, bits, off = b[:, 2:].contiguous().view(torch.int8), torch.zeros_like(d), 8, 0.0
+    else:
+        lo = 2 if qtype == Q.Q4_0 else 4
+        codes = _nibbles(b[:, lo:]).to(torch.uint8)
+        m = torch.zeros_like(d) if qtype == Q.Q4_0 else _f16(b, 2)
+        bits, off = 4, (-8.0 if qtype == Q.Q4_0 else 0.0)
+    return codes.reshape(n, k), d.view(n, k // 32), m.view(n, k // 32), bits, off

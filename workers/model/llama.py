@@ -104,14 +104,14 @@ class LlamaForCausalLM(nn.Module):
         self.int4_max_tokens = int4_max_tokens if all(lw.int4 for lw in layers) else 0
         self.backend = backend
         self.scale = cfg.head_dim ** -0.5
-        # bf16 RMSNorm and RoPE in one pass each (workers/cpu_ops); float32 keeps torch's ops (HF-exact).
+        # RMSNorm and RoPE in one pass each (workers/cpu_ops), else torch's ops.
         self.ops = None
         self.gemm = None  # workers/cpu_ops/gemm.c for every linear layer, once `pack` has tiled the weights
 
     def use_cpu_ops(self, enable: bool = True) -> None:
         """Pick the C kernels; call before `pack`, which lays the weights out for the GEMM it finds."""
         ops = cpu_ops.load() if enable else None
-        self.ops = ops if ops is not None and self.dtype == torch.bfloat16 and self.config.head_dim <= 256 else None
+        self.ops = ops if ops is not None and self.config.head_dim <= 256 else None
         if self.linear is F.linear:  # weights not packed yet
             self.gemm = ops if ops is not None and ops.has_gemm(self.dtype) else None
 
@@ -164,10 +164,14 @@ class LlamaForCausalLM(nn.Module):
         step size: measured faster from 1 to 1024 rows, see gemm.c); gate/up split so
         that silu and the product run in its epilogues, as do the residual adds."""
         inter = self.config.intermediate_size
-        pack = cpu_ops.GemmWeight.pack
+
+        def pack(w):  # the loader may have built quantized tiles already
+            return w if isinstance(w, cpu_ops.GemmWeight) else cpu_ops.GemmWeight.pack(w)
+
         for i, lw in enumerate(self.layers):
             lw.qkv, lw.o, lw.down = pack(lw.qkv), pack(lw.o), pack(lw.down)
-            lw.gate, lw.up = pack(lw.gate_up[:inter]), pack(lw.gate_up[inter:])
+            if lw.gate_up is not None:
+                lw.gate, lw.up = pack(lw.gate_up[:inter]), pack(lw.gate_up[inter:])
             lw.gate_up, lw.int4 = None, None
             for name in ("qkv", "o", "gate_up", "down"):
                 self._parameters.pop(f"layer{i}_{name}", None)
