@@ -126,3 +126,41 @@ def test_demo_model_uses_quantized_tiles() -> None:
     lw = model.layers[0]
     assert all(isinstance(t, cpu_ops.GemmWeight) and t.bits == 4 for t in (lw.qkv, lw.o, lw.gate, lw.up, lw.down))
     assert isinstance(model.lm_head, cpu_ops.GemmWeight) and model.lm_head.bits == 8
+
+
+def test_thread_team_survives_concurrent_callers_and_fork() -> None:
+    """pool.c: a second caller while the team is busy runs on its own thread, and a
+    forked child (its helpers gone) still computes, instead of waiting forever."""
+    import multiprocessing
+    import threading
+
+    ops = _need(torch.float32)
+    w = torch.randn(640, 256)
+    gw = cpu_ops.GemmWeight.pack(w)
+    xs = [torch.randn(32, 256) for _ in range(4)]
+    want = [x @ w.t() for x in xs]
+    got: dict[int, list[torch.Tensor]] = {}
+
+    def work(i: int) -> None:
+        got[i] = [ops.gemm(xs[i], gw) for _ in range(50)]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    for i in range(4):
+        assert all((g - want[i]).abs().max().item() < 1e-3 for g in got[i])
+
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        res = pool.apply_async(_child_gemm, (xs[0], gw, want[0]))
+        assert res.get(timeout=120) < 1e-3
+
+
+def _child_gemm(x: torch.Tensor, gw: cpu_ops.GemmWeight, want: torch.Tensor) -> float:
+    # only our kernel and small torch ops here: torch's own OpenMP pool hangs after fork
+    ops = cpu_ops.load()
+    assert ops is not None
+    return (ops.gemm(x, gw) - want).abs().max().item()

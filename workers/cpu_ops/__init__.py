@@ -11,8 +11,9 @@ The library is built once per (source, compiler, CPU flags) into
 `$KVYARD_CACHE_DIR/kernels` (default ~/.cache/kvyard/kernels) with
 `-march=native`, so each machine gets code for its own vector units; several
 workers starting at once build into temp files and rename atomically.
-It links libgomp by soname, which resolves to the copy torch already loaded:
-one OpenMP runtime and one thread pool in the process, not two.
+Threads come from pool.c's own team (helpers that poll briefly between
+calls, then sleep), not OpenMP: see pool.c for the measured reason. Callers
+pass torch.get_num_threads(), so one setting governs torch and the kernels.
 `KVYARD_CPU_KERNELS=0` turns them all off.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SRCS = [Path(__file__).with_name(n) for n in ("paged_attention.c", "norm_rope.c", "gemm.c")]
+_SRCS = [Path(__file__).with_name(n) for n in ("paged_attention.c", "norm_rope.c", "gemm.c", "pool.c")]
 
 # gemm.c's epilogues, applied to the float32 result before it is stored.
 EPI_NONE, EPI_ADD, EPI_MUL, EPI_SILU = 0, 1, 2, 3
@@ -85,7 +86,7 @@ class GemmWeight:
         else:
             packed = wp.view(n_pad // _GEMM_TILE, _GEMM_TILE, k).permute(0, 2, 1).contiguous()
         return cls(packed, n, k)
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-Wall"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-fPIC", "-shared", "-std=gnu11", "-Wall"]
 
 
 def _cpu_flags() -> str:

@@ -18,9 +18,10 @@
  * Work splits over column tiles; rows go MR at a time against a tile that
  * stays in L2 once its first row block has pulled it in.
  */
-#include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include "pool.h"
 #include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -191,19 +192,22 @@ static void run_items(const Gemm *g, int i0, int i1, int nchunks, int chunk, int
     }
 }
 
-/* A per-thread tile buffer kept across calls: a fresh one per call cost a page
- * fault per 4 KiB on every call (allocations this size are mmap'ed), which
- * measured slower than the DRAM reads the quantized tiles save. */
-static void *thread_scratch(size_t bytes) {
-    static __thread void *buf;
-    static __thread size_t cap;
-    if (bytes > cap) {
-        free(buf);
-        cap = 0;
-        buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        if (buf) cap = bytes;
+typedef struct {
+    const Gemm *g;
+    int items, nchunks, chunk, is_bf16;
+    size_t scratch_bytes;
+    atomic_int failed;
+} Job;
+
+static void job_run(void *arg, int id, int nt) {
+    Job *j = (Job *)arg;
+    void *scratch = j->scratch_bytes ? kv_scratch(j->scratch_bytes) : NULL;
+    if (j->scratch_bytes && !scratch) {
+        atomic_store(&j->failed, 1);
+        return;
     }
-    return buf;
+    run_items(j->g, (int)((int64_t)j->items * id / nt), (int)((int64_t)j->items * (id + 1) / nt), j->nchunks,
+              j->chunk, j->is_bf16, scratch);
 }
 
 static int gemm(Gemm *g, int is_bf16, int num_threads) {
@@ -221,20 +225,9 @@ static int gemm(Gemm *g, int is_bf16, int num_threads) {
     nchunks = (g->M + chunk - 1) / chunk;
     const int items = tiles * nchunks;
     if (num_threads > items) num_threads = items;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
-    {
-        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-        void *scratch = scratch_bytes ? thread_scratch(scratch_bytes) : NULL;
-        if (scratch_bytes && !scratch) {
-#pragma omp atomic write
-            failed = 1;
-        } else {
-            run_items(g, (int)((int64_t)items * id / nt), (int)((int64_t)items * (id + 1) / nt), nchunks, chunk,
-                      is_bf16, scratch);
-        }
-    }
-    return failed ? -3 : 0;
+    Job job = {g, items, nchunks, chunk, is_bf16, scratch_bytes, 0};
+    kv_parallel(job_run, &job, num_threads);
+    return atomic_load(&job.failed) ? -3 : 0;
 }
 #endif
 

@@ -7,7 +7,7 @@
  * step shape. The step's new K/V must already be in the cache.
  *
  * Built at first use by workers/attention/cpu_kernel.py with the host's
- * compiler (-O3 -march=native -fopenmp) and loaded with ctypes. With AVX-512
+ * compiler (-O3 -march=native) and loaded with ctypes; threads come from pool.c. With AVX-512
  * (most x86 servers) the hot loops use intrinsics, and bf16 dot products use
  * AVX512-BF16 where the CPU has it; elsewhere a portable C path does the same
  * arithmetic. No -ffast-math: it would set flush-to-zero process-wide when
@@ -24,7 +24,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdatomic.h>
 #include "bf16.h"
+#include "pool.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -145,29 +147,37 @@ static void item_c_f32_range(const Args *a, int s, int h0, int h1, float *buf) {
 /* With enough queries to keep every thread busy, an item is a whole query
  * (all kv heads: each K/V row is read once); with few (small-batch decode),
  * items are (query, kv head) so that every thread works. */
+typedef struct {
+    const Args *a;
+    item_fn fn;
+    int items, nkv;
+    size_t floats;
+    atomic_int next, failed;
+} Job;
+
+/* Items are claimed one at a time (sequences differ in length). */
+static void job_run(void *arg, int tid, int nt) {
+    (void)tid; (void)nt;
+    Job *j = (Job *)arg;
+    float *buf = kv_scratch(sizeof(float) * j->floats);
+    if (!buf) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    for (int item; (item = atomic_fetch_add(&j->next, 1)) < j->items;) {
+        if (j->a->per_seq)
+            j->fn(j->a, item, 0, j->a->num_kv_heads, buf);
+        else
+            j->fn(j->a, item / j->nkv, item % j->nkv, item % j->nkv + 1, buf);
+    }
+}
+
 static int run(Args *a, int num_seqs, int num_threads, item_fn fn) {
     a->per_seq = num_seqs >= 2 * num_threads;
-    const int nkv = a->per_seq ? 1 : a->num_kv_heads, items = num_seqs * nkv;
-    const size_t floats = scratch_floats(a);  /* covers the portable path's [group][max_len] too */
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        float *buf = malloc(sizeof(float) * floats);
-        if (!buf) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int item = 0; item < items; item++) {
-            if (!buf) continue;
-            if (a->per_seq)
-                fn(a, item, 0, a->num_kv_heads, buf);
-            else
-                fn(a, item / nkv, item % nkv, item % nkv + 1, buf);
-        }
-        free(buf);
-    }
-    return failed ? -2 : 0;
+    const int nkv = a->per_seq ? 1 : a->num_kv_heads;
+    Job j = {a, fn, num_seqs * nkv, nkv, scratch_floats(a), 0, 0};  /* covers the portable path too */
+    kv_parallel(job_run, &j, num_threads < j.items ? num_threads : j.items);
+    return atomic_load(&j.failed) ? -2 : 0;
 }
 
 static int check(const Args *a) {

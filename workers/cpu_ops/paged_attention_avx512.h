@@ -27,8 +27,17 @@ static inline __m512 exp512(__m512 x) {
 static inline void prefetch_rows(const void *base, int rows, int64_t stride_bytes, int row_bytes) {
     const char *p = (const char *)base;
     for (int i = 0; i < rows; i++, p += stride_bytes)
-        for (int o = 0; o < row_bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+        for (int o = 0; o < row_bytes; o += 64) {
+#if PF_MODE == 1
+            _mm_prefetch(p + o, _MM_HINT_T1);
+#elif PF_MODE == 0
+            _mm_prefetch(p + o, _MM_HINT_T0);
+#endif
+        }
 }
+#ifndef PF_MODE
+#define PF_MODE 0
+#endif
 
 static inline __m512 load16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
