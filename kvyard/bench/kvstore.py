@@ -23,6 +23,10 @@ Sources are framed buffers (header room + payload), as the connector makes.
           batches, values copied into the caller's buffer, with the store's
           client settings (memoryviews sent uncopied, hiredis replies); the
           store adds header, checksum, and a writer thread
+  Redis Cluster (`--redis-cluster N`: N real masters started here) - raw
+          redis-py RedisCluster pipelined SETs and `mget_nonatomic`, the
+          store's cluster client settings; the store adds the same, and
+          routes each batch per master behind a breaker of its own
 Part 2 (`--ttft`) prefills a long prompt cold, then on fresh engines whose own
 prefix cache is empty but whose store has the prompt's blocks in one tier.
 """
@@ -36,7 +40,7 @@ import tempfile
 import time
 from typing import Callable
 
-TARGETS = {"dram": 0.70, "ssd": 0.70, "redis": 0.90}
+TARGETS = {"dram": 0.70, "ssd": 0.70, "redis": 0.90, "redis-cluster": 0.90}
 LAYOUTS = {  # name -> (layers, kv heads, head dim); bf16, 16-token blocks
     "demo": (30, 3, 64),
     "8b": (32, 8, 128),
@@ -54,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None,
                    help="an existing Redis (default: start a private redis-server)")
     p.add_argument("--redis-password", default=None)
+    p.add_argument("--redis-cluster", type=int, default=0, metavar="N",
+                   help="also measure a Redis Cluster of N masters started here (0: skip)")
     p.add_argument("--ttft", action=argparse.BooleanOptionalAction, default=True,
                    help="part 2: TTFT on the demo model, cold vs a hit from each tier")
     p.add_argument("--prompt-tokens", type=int, default=2000)
@@ -91,7 +97,7 @@ def _pair(store_fn, ref_fn, nbytes: int, repeat: int, store_setup=None, ref_setu
             statistics.median(ratios), min(ratios), max(ratios))
 
 
-def _throughput(report, args, lname, layout, tmp, redis_url, redis_pw) -> None:
+def _throughput(report, args, lname, layout, tmp, redis_url, redis_pw, cluster=None) -> None:
     import numpy as np
     import redis
 
@@ -220,6 +226,38 @@ def _throughput(report, args, lname, layout, tmp, redis_url, redis_pw) -> None:
             raw.delete(k)
         raw.close()
         st.close()
+    if cluster is not None:
+        from redis.cluster import RedisCluster
+
+        cluster_url, cluster_pw = cluster.url, cluster.password
+        prefix = f"kvyard-bench-cluster:{os.getpid()}:"
+        red = RedisTier(cluster_url, password=cluster_pw, prefix=prefix, timeout_s=10.0)
+        st = KVStore(Namespace(lname, layout), redis=red, queue_blocks=n + 1)
+        raw = RedisCluster.from_url(cluster_url.replace("redis+cluster://", "redis://"), password=cluster_pw,
+                                    socket_timeout=10)
+        rkeys = [f"{prefix}raw:{i}".encode() for i in range(n)]
+
+        def cluster_put():
+            st.put(keys, list(frames))
+            st.flush(600)
+
+        def cluster_raw_set():
+            for b in batches:
+                p = raw.pipeline(transaction=False)
+                for j in b:
+                    p.set(rkeys[j - 1], memoryview(frames[j - 1]))
+                p.execute()
+
+        def cluster_raw_get():
+            for b in batches:
+                for j, v in zip(b, raw.mget_nonatomic([rkeys[j - 1] for j in b])):
+                    np.copyto(dst[j - 1], np.frombuffer(v, np.uint8, offset=HEADER_BYTES))
+        rows.append(("redis-cluster", "put", *_pair(cluster_put, cluster_raw_set, total, args.repeat)))
+        rows.append(("redis-cluster", "get", *_pair(lambda: get_into(st), cluster_raw_get, total, args.repeat)))
+        if red.stats.errors:
+            report.notes.append(f"redis-cluster errors during {lname}: {red.stats.errors}")
+        st.close()
+        raw.close()
     for tier, op, s, r, ratio, lo, hi in rows:
         report.add(layout=lname, block_kib=nb // 1024, tier=tier, op=op, store_gbps=s,
                    ref_gbps=r, ratio=ratio, spread=f"{lo:.2f}..{hi:.2f}", target=TARGETS[tier],
@@ -301,14 +339,14 @@ def run(args: argparse.Namespace) -> int:
 
     from kvyard.bench.report import Report
     from kvyard.kvstore import KVLayout
-    from kvyard.kvstore.redis_server import RedisServer
+    from kvyard.kvstore.redis_server import RedisClusterServers, RedisServer
 
     report = Report("kvstore: tier throughput vs physical reference (same run, "
                     f"{args.repeat} interleaved pairs per row)",
                     ["layout", "block_kib", "tier", "op", "store_gbps", "ref_gbps", "ratio",
                      "spread", "target", "ok"])
     tmp = tempfile.mkdtemp(prefix="kvyard-bench-kvstore-", dir=args.ssd_dir)
-    server = None
+    server = cluster = None
     redis_url, redis_pw = args.redis_url, args.redis_password
     needs_redis = "redis" in args.tiers.split(",") or args.ttft
     ttft = None
@@ -316,10 +354,12 @@ def run(args: argparse.Namespace) -> int:
         if needs_redis and not redis_url:
             server = RedisServer(password="kvyard-bench").start()
             redis_url, redis_pw = server.url, server.password
+        if args.redis_cluster:
+            cluster = RedisClusterServers(args.redis_cluster, password="kvyard-bench").start()
         for lname in [x for x in args.layouts.split(",") if x]:
             layers, heads, dim = LAYOUTS[lname]
             _throughput(report, args, lname, KVLayout("bfloat16", 16, layers, heads, dim), tmp,
-                        redis_url, redis_pw)
+                        redis_url, redis_pw, cluster)
         report.meta.update(mb=args.mb, batch=args.batch, cpus=os.cpu_count(),
                            load=os.getloadavg()[0])
         report.notes.append("ratio = median over interleaved pairs of store rate / reference rate "
@@ -332,6 +372,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             server.stop()
+        if cluster is not None:
+            cluster.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     if args.json:
         print(json.dumps({"throughput": report.to_json(),

@@ -110,13 +110,16 @@ def test_quantized_tiles_hold_the_dequantized_weights_exactly(dtype) -> None:
         tiles = cpu_ops.GemmWeight.pack_quant(codes, d, m, bits, off, dtype)
         got = ops.gemm(torch.eye(k, dtype=dtype), tiles)
         assert torch.equal(got.t(), dense), qtype
+        for j in (0, 37, k - 1):  # one row: float32 expands in registers instead (another path)
+            assert torch.equal(ops.gemm(torch.eye(k, dtype=dtype)[j:j + 1], tiles)[0], dense[:, j]), (qtype, j)
         # and a real product, rows in several register blocks, with an epilogue
-        x = torch.randn(13, k).to(dtype)
-        other = torch.randn(13, n).to(dtype)
-        want = _ref(x, dense, None, other, cpu_ops.EPI_ADD)
-        got = ops.gemm(x, tiles, None, other, cpu_ops.EPI_ADD).double()
-        tol = 1e-5 if dtype == torch.float32 else 2 ** -7
-        assert (got - want).abs().max().item() < tol * (want.abs().max().item() + 1)
+        for rows in (13, 5):
+            x = torch.randn(rows, k).to(dtype)
+            other = torch.randn(rows, n).to(dtype)
+            want = _ref(x, dense, None, other, cpu_ops.EPI_ADD)
+            got = ops.gemm(x, tiles, None, other, cpu_ops.EPI_ADD).double()
+            tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+            assert (got - want).abs().max().item() < tol * (want.abs().max().item() + 1)
 
 
 def test_demo_model_uses_quantized_tiles() -> None:

@@ -89,8 +89,12 @@ static inline void prefetch_part(const char *p, int64_t bytes, int i, int parts)
     for (int64_t l = a; l < b; l++) _mm_prefetch(p + l * 64, _MM_HINT_T1);
 }
 
+#include "gemm_quant.h"
+
 /* One register block: rows [m0, m0 + mr) of tile t over all of K.
- * DT = 1: bf16 (k in pairs), 0: float32. */
+ * DT = 1: bf16 (k in pairs), 0: float32. float32 with wtile NULL reads the
+ * quantized tile t itself, expanding each k row in registers (few rows: no
+ * scratch round trip; measured ~1.3x faster at 1 row). */
 static inline __attribute__((always_inline)) void block(const Gemm *g, const void *wtile, int t, int m0, const int mr,
                                                         const int is_bf16, const char *next, int64_t next_bytes) {
     __m512 acc[MR][NB];
@@ -117,7 +121,30 @@ static inline __attribute__((always_inline)) void block(const Gemm *g, const voi
         }
     } else
 #endif
-    {
+    if (!wtile) {
+        const float *xr[MR];
+        for (int r = 0; r < mr; r++) xr[r] = (const float *)g->x + (int64_t)(m0 + r) * g->xs;
+        const int64_t bb = quant_block_bytes(g->qbits), row = g->qbits == 4 ? 32 : 64;
+        const uint8_t *base = (const uint8_t *)g->w + t * quant_tile_bytes(g);
+        const int nkb = K / 32;
+        for (int kb = 0; kb < nkb; kb++) {
+            if (next) prefetch_part(next, next_bytes, kb, nkb);
+            const uint8_t *blk = base + kb * bb;
+            __m512 d[4], m[4];
+            for (int c = 0; c < 4; c++) {
+                d[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32 * c)));
+                m[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c)));
+            }
+            for (int k = 0; k < 32; k++) {
+                __m512 w[4];
+                dequant_row(g, blk + 256 + k * row, d, m, w);
+                for (int r = 0; r < mr; r++) {
+                    const __m512 xb = _mm512_set1_ps(xr[r][kb * 32 + k]);
+                    for (int c = 0; c < NB; c++) acc[r][c] = _mm512_fmadd_ps(xb, w[c], acc[r][c]);
+                }
+            }
+        }
+    } else {
         const float *wt = (const float *)wtile;
         const float *xr[MR];
         for (int r = 0; r < mr; r++) xr[r] = (const float *)g->x + (int64_t)(m0 + r) * g->xs;
@@ -151,8 +178,6 @@ static inline __attribute__((always_inline)) void block(const Gemm *g, const voi
     }
 }
 
-#include "gemm_quant.h"
-
 #define BLOCK_CASES(BF)                                                     \
     switch (mr) {                                                           \
         case 8: block(g, wt, t, m0, 8 < MR ? 8 : MR, BF, nx, nb); break;          \
@@ -178,7 +203,9 @@ static void run_items(const Gemm *g, int i0, int i1, int nchunks, int chunk, int
         const int r1 = r0 + chunk < g->M ? r0 + chunk : g->M;
         const int tn = (i + 1) / nchunks;
         const void *wt = (const char *)g->w + t * tile_bytes;
-        if (g->qbits) {
+        if (g->qbits && !is_bf16 && r1 - r0 <= MR) {
+            wt = NULL;  /* one register block: expand in registers (see block) */
+        } else if (g->qbits) {
             if (have != t) dequant_tile(g, t, scratch, is_bf16);
             have = t;
             wt = scratch;
