@@ -193,17 +193,15 @@ def _throughput(report, args, lname, layout, tmp, redis_url, redis_pw, cluster=N
         st.close()
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(ref_dir, ignore_errors=True)
-    if "redis" in tiers:
-        prefix = f"kvyard-bench:{os.getpid()}:"
-        red = RedisTier(redis_url, password=redis_pw, prefix=prefix, timeout_s=10.0)
+    def redis_rows(tier: str, url: str, pw: str | None, raw, mget) -> None:
+        """put/get rows for the store on `url` against `raw` (a redis-py client with the
+        store's settings) doing pipelined SETs and `mget` in the same batches."""
+        prefix = f"kvyard-bench-{tier}:{os.getpid()}:"
+        red = RedisTier(url, password=pw, prefix=prefix, timeout_s=10.0)
         st = KVStore(Namespace(lname, layout), redis=red, queue_blocks=n + 1)
-        # the same redis-py client settings as the store's (values sent as memoryviews,
-        # replies parsed by hiredis when installed): the ratio is what the store adds
-        raw = redis.Redis.from_url(redis_url, password=redis_pw, socket_timeout=10,
-                                   command_packer=zero_copy_packer())
         rkeys = [f"{prefix}raw:{i}".encode() for i in range(n)]
 
-        def redis_put():
+        def put():
             st.put(keys, list(frames))
             st.flush(600)
 
@@ -216,48 +214,29 @@ def _throughput(report, args, lname, layout, tmp, redis_url, redis_pw, cluster=N
 
         def raw_get():  # the value's bytes land in the caller's buffer, as with get_into
             for b in batches:
-                for j, v in zip(b, raw.mget([rkeys[j - 1] for j in b])):
+                for j, v in zip(b, mget([rkeys[j - 1] for j in b])):
                     np.copyto(dst[j - 1], np.frombuffer(v, np.uint8, offset=HEADER_BYTES))
-        rows.append(("redis", "put", *_pair(redis_put, raw_set, total, args.repeat)))
-        rows.append(("redis", "get", *_pair(lambda: get_into(st), raw_get, total, args.repeat)))
+        rows.append((tier, "put", *_pair(put, raw_set, total, args.repeat)))
+        rows.append((tier, "get", *_pair(lambda: get_into(st), raw_get, total, args.repeat)))
         if red.stats.errors:
-            report.notes.append(f"redis errors during {lname}: {red.stats.errors}")
-        for k in raw.scan_iter(f"{prefix}*", count=1000):
+            report.notes.append(f"{tier} errors during {lname}: {red.stats.errors}")
+        for k in raw.scan_iter(f"{prefix}*", count=1000):  # the store's keys and the raw ones
             raw.delete(k)
-        raw.close()
         st.close()
-    if cluster is not None:
+        raw.close()
+
+    if "redis" in tiers:
+        # the same redis-py client settings as the store's (values sent as memoryviews,
+        # replies parsed by hiredis when installed): the ratio is what the store adds
+        raw = redis.Redis.from_url(redis_url, password=redis_pw, socket_timeout=10,
+                                   command_packer=zero_copy_packer())
+        redis_rows("redis", redis_url, redis_pw, raw, raw.mget)
+    if cluster is not None:  # the store's cluster client is RedisCluster with its default packer
         from redis.cluster import RedisCluster
 
-        cluster_url, cluster_pw = cluster.url, cluster.password
-        prefix = f"kvyard-bench-cluster:{os.getpid()}:"
-        red = RedisTier(cluster_url, password=cluster_pw, prefix=prefix, timeout_s=10.0)
-        st = KVStore(Namespace(lname, layout), redis=red, queue_blocks=n + 1)
-        raw = RedisCluster.from_url(cluster_url.replace("redis+cluster://", "redis://"), password=cluster_pw,
-                                    socket_timeout=10)
-        rkeys = [f"{prefix}raw:{i}".encode() for i in range(n)]
-
-        def cluster_put():
-            st.put(keys, list(frames))
-            st.flush(600)
-
-        def cluster_raw_set():
-            for b in batches:
-                p = raw.pipeline(transaction=False)
-                for j in b:
-                    p.set(rkeys[j - 1], memoryview(frames[j - 1]))
-                p.execute()
-
-        def cluster_raw_get():
-            for b in batches:
-                for j, v in zip(b, raw.mget_nonatomic([rkeys[j - 1] for j in b])):
-                    np.copyto(dst[j - 1], np.frombuffer(v, np.uint8, offset=HEADER_BYTES))
-        rows.append(("redis-cluster", "put", *_pair(cluster_put, cluster_raw_set, total, args.repeat)))
-        rows.append(("redis-cluster", "get", *_pair(lambda: get_into(st), cluster_raw_get, total, args.repeat)))
-        if red.stats.errors:
-            report.notes.append(f"redis-cluster errors during {lname}: {red.stats.errors}")
-        st.close()
-        raw.close()
+        raw = RedisCluster.from_url(cluster.url.replace("redis+cluster://", "redis://"),
+                                    password=cluster.password, socket_timeout=10)
+        redis_rows("redis-cluster", cluster.url, cluster.password, raw, raw.mget_nonatomic)
     for tier, op, s, r, ratio, lo, hi in rows:
         report.add(layout=lname, block_kib=nb // 1024, tier=tier, op=op, store_gbps=s,
                    ref_gbps=r, ratio=ratio, spread=f"{lo:.2f}..{hi:.2f}", target=TARGETS[tier],
