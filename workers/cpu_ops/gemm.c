@@ -22,16 +22,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include "pool.h"
+#include "vexp.h"
 #include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 
-#ifndef NB
 #define NB 4   /* 16-column vectors per tile */
-#endif
-#ifndef MR
-#define MR 6   /* rows per register block: MR x NB accumulators */
-#endif
+#define MR 6   /* rows per register block: MR x NB accumulators (BLOCK_CASES lists 1..MR) */
 #define TILE (NB * 16)
 
 enum { EPI_NONE = 0, EPI_ADD = 1, EPI_MUL = 2, EPI_SILU = 3 };
@@ -47,23 +44,9 @@ typedef struct {
     float qoff;   /* added to every 4-bit code (-8 for Q4_0) */
 } Gemm;
 
-static inline __m512 silu16(__m512 v) {
-    /* v / (1 + exp(-v)), exp as 2^n * p(r) (see paged_attention.c) */
-    __m512 x = _mm512_max_ps(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), v), _mm512_set1_ps(88.0f)),
-                             _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_scalef_ps(p, n)));
+static inline __m512 silu16(__m512 v) {  /* v / (1 + exp(-v)) */
+    const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), v), _mm512_set1_ps(88.0f)));
+    return _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
 static inline __m512 ld_bf16(const uint16_t *p, __mmask16 k) {
@@ -131,10 +114,7 @@ static inline __attribute__((always_inline)) void block(const Gemm *g, const voi
             if (next) prefetch_part(next, next_bytes, kb, nkb);
             const uint8_t *blk = base + kb * bb;
             __m512 d[4], m[4];
-            for (int c = 0; c < 4; c++) {
-                d[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32 * c)));
-                m[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c)));
-            }
+            load_scales(blk, d, m);
             for (int k = 0; k < 32; k++) {
                 __m512 w[4];
                 dequant_row(g, blk + 256 + k * row, d, m, w);
@@ -180,8 +160,6 @@ static inline __attribute__((always_inline)) void block(const Gemm *g, const voi
 
 #define BLOCK_CASES(BF)                                                     \
     switch (mr) {                                                           \
-        case 8: block(g, wt, t, m0, 8 < MR ? 8 : MR, BF, nx, nb); break;          \
-        case 7: block(g, wt, t, m0, 7 < MR ? 7 : MR, BF, nx, nb); break;          \
         case 6: block(g, wt, t, m0, 6, BF, nx, nb); break;                      \
         case 5: block(g, wt, t, m0, 5, BF, nx, nb); break;                      \
         case 4: block(g, wt, t, m0, 4, BF, nx, nb); break;                      \

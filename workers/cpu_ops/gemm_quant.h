@@ -22,6 +22,14 @@ static inline int64_t quant_block_bytes(int qbits) { return 256 + 32 * (qbits ==
 
 static int64_t quant_tile_bytes(const Gemm *g) { return (int64_t)(g->K / 32) * quant_block_bytes(g->qbits); }
 
+/* A block's 64 scales and mins (float16) as float32, 16 columns a vector. */
+static inline void load_scales(const uint8_t *blk, __m512 d[4], __m512 m[4]) {
+    for (int c = 0; c < 4; c++) {
+        d[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32 * c)));
+        m[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c)));
+    }
+}
+
 /* 64 float32 weights of one k row into w[0..3] (16 columns each). */
 static inline void dequant_row(const Gemm *g, const uint8_t *codes, const __m512 d[4], const __m512 m[4], __m512 w[4]) {
     __m512i q[4];
@@ -47,10 +55,7 @@ static void dequant_tile(const Gemm *g, int t, void *dst, int is_bf16) {
     for (int kb = 0; kb < g->K / 32; kb++) {
         const uint8_t *blk = base + kb * bb;
         __m512 d[4], m[4];
-        for (int c = 0; c < 4; c++) {
-            d[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32 * c)));
-            m[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c)));
-        }
+        load_scales(blk, d, m);
         const uint8_t *codes = blk + 256;
         if (!is_bf16) {
             float *out = (float *)dst + (int64_t)kb * 32 * TILE;

@@ -27,6 +27,7 @@
 #include <stdatomic.h>
 #include "bf16.h"
 #include "pool.h"
+#include "vexp.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -48,27 +49,6 @@ typedef struct {
     float scale;
     int per_seq;                          /* items are whole sequences (all kv heads), see run() */
 } Args;
-
-/* Coefficients of exp(r) on |r| <= ln2/2 (Taylor to degree 7: error < 1 ulp
- * of float32 there); exp(x) = 2^n * p(x - n ln2). */
-#define EXP_C7 (1.0f / 5040.0f)
-#define EXP_C6 (1.0f / 720.0f)
-#define EXP_C5 (1.0f / 120.0f)
-#define EXP_C4 (1.0f / 24.0f)
-#define EXP_C3 (1.0f / 6.0f)
-#define LN2_HI 0.693145751953125f
-#define LN2_LO 1.42860682030941723212e-6f
-
-static inline float exp_scalar(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = nearbyintf(x * 1.44269504088896341f);
-    float r = x - n * LN2_HI;
-    r = r - n * LN2_LO;
-    float p = EXP_C7;
-    p = p * r + EXP_C6; p = p * r + EXP_C5; p = p * r + EXP_C4;
-    p = p * r + EXP_C3; p = p * r + 0.5f; p = p * r + 1.0f; p = p * r + 1.0f;
-    return ldexpf(p, (int)n);
-}
 
 /* ---------------- portable path ---------------- */
 

@@ -1,25 +1,8 @@
 /* The AVX-512 (and AVX512-BF16) path of paged_attention.c, which includes it
  * after the portable path so each file holds one path. Not a standalone
- * header: it uses paged_attention.c's Args, MAX_* limits and exp constants. */
+ * header: it uses paged_attention.c's Args and MAX_* limits (exp512: vexp.h). */
 /* ---------------- AVX-512 path (head_dim % 16 == 0) ---------------- */
 #ifdef __AVX512F__
-
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
-    __m512 p = _mm512_set1_ps(EXP_C7);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C5));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C4));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C3));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* The next block sits anywhere in the pool, so the hardware prefetcher cannot
  * guess it: ask for its rows while the current block is being scored
