@@ -37,11 +37,15 @@ class DramTier:
     def contains(self, key: bytes) -> bool:
         return key in self._lru
 
-    def get(self, key: bytes) -> memoryview | None:
+    def get(self, key: bytes, accept=None) -> memoryview | None:
+        """The payload view, or None. With `accept`, a held view it rejects is None
+        too, and counts neither as hit nor miss: the caller reads that block
+        another way (KVStore.dram_views)."""
         with self._lock:
             mv = self._lru.get(key)
-            if mv is None:
-                self.stats.misses += 1
+            if mv is None or (accept is not None and not accept(mv)):
+                if accept is None:
+                    self.stats.misses += 1
                 return None
             self._lru.move_to_end(key)
             self.stats.hits += 1

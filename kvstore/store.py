@@ -289,6 +289,22 @@ class KVStore:
                     self._promote(keys[i], *v)
         return out
 
+    def dram_views(self, block_hashes: Sequence[int], accept=None) -> list[memoryview]:
+        """The leading run of blocks the DRAM tier holds (and `accept(view)` takes): their
+        payload views, uncopied, each counted a DRAM hit; empty without a DRAM tier.
+        For callers that can read the tier's memory in place: the CUDA connector
+        copies pinned frames straight to the GPU. The views keep the bytes alive,
+        whatever the tier evicts meanwhile."""
+        out: list[memoryview] = []
+        if self.dram is None:
+            return out
+        for k in self.namespace.keys(block_hashes):
+            mv = self.dram.get(k, accept)
+            if mv is None:
+                break
+            out.append(mv)
+        return out
+
     def get_into(self, block_hashes: Sequence[int], outs: Sequence[object]) -> int:
         """Fill `outs[i]` (writable, `layout.nbytes` each) with the leading blocks, in
         order, up to the first block no tier has; returns how many were filled.

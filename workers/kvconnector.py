@@ -21,36 +21,36 @@ driver's bounce copy through its own pinned buffer:
   tensor laid out as frames: header room + payload; the header bytes travel
   as garbage the store overwrites), then one `non_blocking` D2H copy per run
   of frames into pinned memory, one stream sync, then `put`.
-- Frames come from a `PinnedArena`: 32 MiB pinned slabs filled by a bump
-  pointer, so consecutive saves share a slab and a save is one copy per slab
-  it spans. Each run's frames hang off one small ctypes object (their numpy
-  base); its `__del__` marks the run gone, and a slab is reused only once
-  every run carved from it is gone. The DRAM tier, the writer queue and any
-  reader's view keep a run alive, so the store never sees memory overwritten
-  while it holds it. Why an arena: a fresh 32 MiB pinned allocation took
-  12-13 ms on an H200 host, 20x the 0.6 ms its D2H copy takes (a save would
-  run at ~2.5 GB/s, below pageable staging); reusing a slab takes 0.02 ms.
-  torch's own pinned cache reuses as fast but rounds each request up to a
-  power of two (a one-block 8B-class save, 2 MiB + 80 B, would pin 4 MiB),
-  so the arena asks it only for whole 32 MiB slabs. Pinned footprint: the
-  most the store ever held at once, i.e. the DRAM tier's contents (+4-7% in
-  slab tails, measured) plus one save's frames, allocated before its put
-  evicts older blocks (and frames queued for SSD/Redis): 1.31-1.38 GB for a
-  full 1 GB tier taking 256 MB saves. Slabs are kept for reuse, never
-  returned. If pinning fails (the OS refused), the arena falls back to
-  pageable slabs (`pinned_fallbacks` counts them).
-- `load` has the store fill one of two pinned staging buffers (32 MiB each,
-  reused: the store copies into them and keeps nothing), one `non_blocking`
-  H2D copy into a device tensor, one `index_copy_` per layer on the GPU; the
-  store fills the other buffer while that copy runs (an event guards reuse),
-  and a stream sync ends the call, so the blocks are in the cache on return.
+- Frames come from a `PinnedArena` (workers/pinned_arena.py): 32 MiB pinned
+  slabs filled by a bump pointer, so consecutive saves share a slab and a save
+  is one copy per slab it spans; a slab is reused only once no view of its
+  frames is left (the DRAM tier, the writer queue and readers keep them), so
+  the store never sees memory overwritten while it holds it. Pinned
+  footprint: the most the store ever held at once, i.e. the DRAM tier's
+  contents (+4-7% in slab tails, measured) plus one save's frames (and
+  frames queued for SSD/Redis): 1.31-1.38 GB for a full 1 GB tier taking
+  256 MB saves. Decision: no separate pinned cap; `--kv-dram-gb` bounds it.
+  If pinning fails (the OS refused), the arena falls back to pageable slabs
+  (`pinned_fallbacks` counts them).
+- `load`: DRAM hits whose frames lie in this connector's arena (its own
+  saves: the common case, a prefix this worker computed before) are copied
+  to the GPU where they lie, one `non_blocking` H2D per run of adjacent
+  frames into one device buffer, then `index_copy_` per layer: no host copy
+  at all. Other blocks (SSD, Redis, DRAM copies promoted from those, blocks
+  of another connector sharing the store) have the store fill one of two
+  pinned staging buffers (32 MiB each, reused), one H2D copy, `index_copy_`
+  per layer; the store fills the other buffer while that copy runs (an
+  event guards reuse). A stream sync ends the call, so the blocks are in
+  the cache on return, and the DRAM views are held until then, whatever the
+  tier evicts meanwhile.
 - Measured (`kvyard bench connector`, H200, bf16, 256 MB per call, DRAM hits,
-  2026-11-30): save 21-26 GB/s pinned vs 7.7-9.6 pageable (2.6-2.8x), load
-  4.3-5.2 vs 2.5-3.0 (1.7x); a raw pinned copy of the same bytes runs at
-  55 GB/s. Not yet profiled: load reaches about half of a plain host memcpy
-  (9.4 GB/s there), though its H2D copies overlap the store's fill of the
-  other buffer; save about 0.45 of the raw D2H (the per-run gather kernels
-  sit between the copies on one stream: a suspect, not a measurement).
+  2026-11-30, one run): load in place 36.7 / 43.8 GB/s (demo / 8B-class
+  blocks) against 4.5 / 4.7 through pinned staging and 2.8 / 2.9 through
+  pageable: the staging copy, a host memcpy at 8-10 GB/s there, was the
+  bound. Raw pinned H2D of the same bytes in one piece: 55 GB/s. Save 23.6
+  / 24.5 GB/s pinned vs 8.4 pageable, about 0.44 of a raw D2H; not profiled
+  further (suspects: the per-layer gathers between the copies on one
+  stream, and the per-block Python work of `put`).
 - CPU caches keep the path above (numpy frames, no staging copy);
   `pin_memory=False` runs the staged path through pageable slabs and
   buffers, the benchmark's baseline.
@@ -58,10 +58,8 @@ driver's bounce copy through its own pinned buffer:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import threading
-from collections import deque
 from typing import Any, Sequence
 
 import numpy as np
@@ -71,6 +69,9 @@ from kvyard.kvstore import KVLayout, KVStore, Namespace, StoreConfig
 from kvyard.kvstore.codec import HEADER_BYTES
 from kvyard.kvstore.malloc import CHUNK_BYTES
 from kvyard.kvstore.metrics import KVStoreCollector
+from kvyard.workers.pinned_arena import SLAB_BYTES, PinnedArena
+
+__all__ = ["PinnedArena", "StoreConnector", "add_kv_arguments", "build_connector", "store_config"]
 
 _GB = 10**9
 # Frames are allocated in chunks below glibc's mmap threshold (CHUNK_BYTES, see
@@ -83,102 +84,9 @@ _GB = 10**9
 _CHUNK_BYTES = CHUNK_BYTES
 # Staging for CUDA caches: pinned slabs and load buffers of this size (a power of
 # two, see the module docstring); one D2H/H2D copy moves at most this much.
-_SLAB_BYTES = 32 << 20
-
-
-class PinnedArena:
-    """Host frames for CUDA saves, carved from pinned slabs, recycled by reference.
-
-    `carve(frame, n)` returns the next run of up to `n` frames that fits in the
-    current slab: a uint8 tensor over it (the D2H copy's target) and an
-    `(m, frame)` numpy array over the same bytes (its rows go to the store).
-    The numpy array's base is a per-run ctypes object; when the last view of
-    the run dies, its `__del__` queues the slab index (a deque append: safe
-    from any thread, no lock, so a collection inside `carve` cannot deadlock),
-    and `carve` drains that queue. A slab with no live run, other than the one
-    being filled, goes back on the free list. `pin=False` uses pageable slabs
-    (the benchmark's baseline; tests on machines without CUDA).
-    """
-
-    def __init__(self, slab_bytes: int = _SLAB_BYTES, pin: bool = True) -> None:
-        self.slab_bytes = int(slab_bytes)
-        self.pin = pin
-        self.pinned_fallbacks = 0
-        self._slabs: list[torch.Tensor] = []
-        self._live: list[int] = []
-        self._free: list[int] = []
-        self._cur = -1
-        self._off = 0
-        self._released: deque[int] = deque()
-        self._types: dict[int, type] = {}
-        self._lock = threading.Lock()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of slabs allocated (pinned unless `pinned_fallbacks`)."""
-        return sum(t.numel() for t in self._slabs)
-
-    @property
-    def live_slabs(self) -> int:
-        self._drain()
-        return sum(1 for n in self._live if n > 0)
-
-    def _drain(self) -> None:
-        while self._released:
-            i = self._released.popleft()
-            self._live[i] -= 1
-            if self._live[i] == 0 and i != self._cur:
-                self._free.append(i)
-
-    def _new_slab(self, nbytes: int) -> torch.Tensor:
-        if self.pin:
-            try:
-                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            except RuntimeError:  # the OS would not lock more: keep going, pageable
-                self.pinned_fallbacks += 1
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def _run_type(self, nbytes: int) -> type:
-        t = self._types.get(nbytes)
-        if t is None:
-            released = self._released
-
-            def __del__(run, _released=released) -> None:
-                try:
-                    _released.append(run._slab)
-                except Exception:  # noqa: BLE001 - interpreter shutdown
-                    pass
-            t = type("_Run", (ctypes.c_ubyte * nbytes,), {"__del__": __del__})
-            self._types[nbytes] = t
-        return t
-
-    def carve(self, frame: int, n: int) -> tuple[torch.Tensor, np.ndarray]:
-        with self._lock:
-            self._drain()
-            fit = (self._slabs[self._cur].numel() - self._off) // frame \
-                if self._cur >= 0 else 0
-            if fit <= 0:  # (the alignment may step past the end)
-                if self._cur >= 0 and self._live[self._cur] == 0:
-                    self._free.append(self._cur)
-                if self._free:
-                    self._cur = self._free.pop()
-                else:
-                    size = max(self.slab_bytes, 1 << (frame - 1).bit_length())
-                    self._slabs.append(self._new_slab(size))
-                    self._live.append(0)
-                    self._cur = len(self._slabs) - 1
-                self._off = 0
-                fit = max(1, self._slabs[self._cur].numel() // frame)
-            m = min(n, fit)
-            slab = self._slabs[self._cur]
-            nbytes = m * frame
-            run = self._run_type(nbytes).from_address(slab.data_ptr() + self._off)
-            run._slab = self._cur
-            run._keep = slab  # the slab outlives the arena while the store holds frames
-            view = slab[self._off:self._off + nbytes]
-            self._live[self._cur] += 1
-            self._off += (nbytes + 511) & ~511  # keep runs 512-byte aligned
-        return view, np.frombuffer(run, dtype=np.uint8).reshape(m, frame)
+_SLAB_BYTES = SLAB_BYTES
+# DRAM hits copied to the GPU in place: at most this much per device buffer
+_DIRECT_BYTES = 4 * SLAB_BYTES
 
 
 class StoreConnector:
@@ -189,12 +97,15 @@ class StoreConnector:
 
     def __init__(self, config: StoreConfig, model_identity: str,
                  layout: KVLayout | None = None, store: KVStore | None = None,
-                 pin_memory: bool = True) -> None:
+                 pin_memory: bool = True, direct_loads: bool = True) -> None:
         """`store`: an existing store to share (e.g. one DRAM tier for several engines in
         one process); its namespace must match what `bind` finds. `pin_memory`: stage
-        CUDA caches through pinned host memory (False: pageable, the benchmark's baseline)."""
+        CUDA caches through pinned host memory (False: pageable, the benchmark's baseline).
+        `direct_loads`: copy DRAM hits from this connector's own pinned frames to the
+        device in place (False: through the staging buffers, as other hits)."""
         self.config = config
         self.pin_memory = pin_memory
+        self.direct_loads = direct_loads
         self._staged = False
         self._device: torch.device | None = None
         self._arena: PinnedArena | None = None
@@ -208,6 +119,7 @@ class StoreConnector:
         self.store: KVStore | None = None
         self._caches: list[torch.Tensor] = []
         self.loaded_blocks = 0
+        self.direct_blocks = 0  # of loaded_blocks: copied to the device from the DRAM tier in place
         self.saved_blocks = 0
 
     def bind(self, kv_caches: Sequence[Any], block_size: int) -> None:
@@ -312,7 +224,9 @@ class StoreConnector:
         self.saved_blocks += len(pairs)
 
     def _load_staged(self, hashes: list[int], block_ids: Sequence[int], want: int) -> int:
-        """Device caches: store -> pinned buffer -> one H2D copy -> index_copy_ per layer,
+        """Device caches. DRAM hits whose frames lie in this connector's pinned arena
+        (its own saves) go to the GPU from where they lie (`_load_direct`). Other
+        blocks: store -> pinned buffer -> one H2D copy -> index_copy_ per layer,
         32 MiB at a time, the store filling one buffer while the other is copied."""
         lay = self.layout
         nb = lay.nbytes
@@ -320,11 +234,17 @@ class StoreConnector:
         dev = self._device
         cuda = dev.type == "cuda"
         per = max(1, _SLAB_BYTES // nb)
+        per_direct = max(1, _DIRECT_BYTES // (HEADER_BYTES + nb))
         ids = torch.as_tensor(list(block_ids[:want]), dtype=torch.long).to(dev)
+        keep: list[list[memoryview]] = []  # views under in-flight copies: alive until the sync
         n = k = 0
         with self._load_lock:  # the staging buffers are this connector's, one load at a time
             while n < want:
-                m = min(per, want - n)
+                got = self._load_direct(hashes[n:n + min(per_direct, want - n)], ids[n:], keep)
+                if got:
+                    n += got
+                    continue
+                m = self._staged_run(hashes, n, min(per, want - n))
                 host, arr = self._load_host[k]
                 ev = self._load_events[k]
                 if ev is not None:
@@ -347,7 +267,63 @@ class StoreConnector:
                     break
             self._sync()
         self.loaded_blocks += n
+        self.direct_blocks += sum(len(v) for v in keep)
         return n
+
+    def _direct_ok(self) -> bool:
+        a = self._arena
+        return self.direct_loads and a is not None and (a.pin or self._force_staging)
+
+    def _staged_run(self, hashes: list[int], n: int, m: int) -> int:
+        """How many blocks from n the staged path takes: up to m, ending before the next
+        block DRAM holds, which the next round tries to copy in place."""
+        dram = self.store.dram
+        if dram is None or not self._direct_ok():
+            return m
+        for j, key in enumerate(self.store.namespace.keys(hashes[n + 1:n + m]), 1):
+            if dram.contains(key):
+                return j
+        return m
+
+    def _load_direct(self, hashes: list[int], ids: torch.Tensor, keep: list) -> int:
+        """The leading DRAM hits whose frames sit in a pinned slab of the arena: one
+        non_blocking H2D copy per run of adjacent frames (a save's frames lie
+        back to back) into one device buffer, then index_copy_ per layer. No
+        host copy: measured on an H200, a host memcpy into the staging buffer
+        held DRAM loads to about half of a memcpy's rate. Returns how many."""
+        arena = self._arena
+        if not self._direct_ok():
+            return 0
+        lay = self.layout
+        frame = HEADER_BYTES + lay.nbytes
+        locs: list[tuple[torch.Tensor, int]] = []
+
+        def pinned(mv: memoryview) -> bool:
+            addr = np.frombuffer(mv, dtype=np.uint8).ctypes.data - HEADER_BYTES
+            loc = arena.locate(addr, frame)
+            if loc is None or not (loc[2] or self._force_staging):  # pageable: the staged path
+                return False
+            locs.append(loc[:2])
+            return True
+        views = self.store.dram_views(hashes, pinned)
+        r = len(views)
+        if not r:
+            return 0
+        keep.append(views)
+        staged = torch.empty((r, frame), dtype=torch.uint8, device=self._device)
+        i = 0
+        while i < r:
+            slab, off = locs[i]
+            j = i + 1
+            while j < r and locs[j][0] is slab and locs[j][1] == off + (j - i) * frame:
+                j += 1
+            staged[i:j].copy_(slab[off:off + (j - i) * frame].view(j - i, frame), non_blocking=True)
+            i = j
+        src = staged[:, HEADER_BYTES:].view(self._caches[0].dtype).view(r, *lay.shape)
+        part = ids[:r]
+        for layer, kv in enumerate(self._caches):
+            kv.index_copy_(1, part, src[:, layer].transpose(0, 1))
+        return r
 
     def _save_staged(self, pairs: list[tuple[int, int]]) -> None:
         """Device caches: gather on the device into frames, one D2H copy per run of

@@ -1,24 +1,28 @@
-"""`kvyard bench connector`: the worker-side KV connector with CUDA caches,
-staging through pinned host memory against the same path through pageable
+"""`kvyard bench connector`: the worker-side KV connector with CUDA caches, as it
+runs (pinned host memory, DRAM hits loaded in place), against the same
+connector with every load staged, and against staging through pageable
 memory, in the same run.
 
 For a demo-model layout and an 8B-class layout (bf16, 16-token blocks), each
 measurement moves `--mb` of blocks through `StoreConnector` and a DRAM-only
 store: `save` = gather on the GPU + D2H into host frames + the store taking
-them (until `save` returns: it synchronizes), `load` = DRAM hits copied into
-host staging + H2D + scatter into the cache (until `load` returns, blocks in
-the cache). Both connectors run the identical staged path; only the host
-memory differs (`pin_memory=True`: frames from the PinnedArena, pinned
-staging buffers; False: the same arena and buffers, pageable). Every save
-takes fresh hashes, so the DRAM tier (`--dram-gb`, each connector its own)
-is in steady state: full, evicting one save's worth per save, which is when
-the arena must recycle slabs rather than allocate. Pairs are interleaved,
-order alternating; a row reports the medians, the median of per-pair
-pinned/pageable ratios and their spread. Beside them, the raw copies of the
-same bytes in one piece (torch `copy_`, pinned and pageable, and a host
-memcpy, the floor of a DRAM load's fill) say how close the connector comes
-to the bus. Also measured: what pinning costs (fresh `cudaHostAlloc`-backed
-slabs vs the arena handing out a recycled one).
+them (until `save` returns: it synchronizes), `load` = the blocks of the last
+save, all DRAM hits, into the cache (until `load` returns). Three
+connectors, each with its own DRAM tier:
+  pinned        - frames from the PinnedArena; a load copies the hits' frames
+                  to the GPU where they lie (one H2D per run of adjacent frames)
+  pinned-staged - the same, but loads go store -> pinned staging buffer (a
+                  host memcpy) -> H2D, as blocks from SSD or Redis do
+  pageable      - the staged path through pageable slabs and buffers
+Every save takes fresh hashes, so each DRAM tier (`--dram-gb`) is in steady
+state: full, evicting one save's worth per save, which is when the arena must
+recycle slabs rather than allocate. Runs are interleaved, order alternating;
+a row reports the medians, the median of per-pair pinned/pageable ratios and
+their spread. Beside them, the raw copies of the same bytes in one piece
+(torch `copy_`, pinned and pageable, and a host memcpy, the floor of a
+staged load's fill) say how close the connector comes to the bus. Also
+measured: what pinning costs (fresh `cudaHostAlloc`-backed slabs vs the arena
+handing out a recycled one).
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ import statistics
 import time
 
 from kvyard.bench.kvstore import LAYOUTS  # the same two block layouts as the kvstore bench
+
+MODES = ("pinned", "pinned-staged", "pageable")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -125,9 +131,9 @@ def _layout(report, args, torch, np, lname: str) -> None:
               for _ in range(layers)]
     src_ids, dst_ids = list(range(n)), list(range(n, 2 * n))
     conns = {}
-    for mode in ("pinned", "pageable"):
+    for mode in MODES:
         c = StoreConnector(StoreConfig(dram_bytes=int(args.dram_gb * 1e9)), f"bench-{mode}@1",
-                           pin_memory=mode == "pinned")
+                           pin_memory=mode != "pageable", direct_loads=mode == "pinned")
         c.bind(caches, bs)
         conns[mode] = c
     nxt = {m: 1 for m in conns}
@@ -160,7 +166,7 @@ def _layout(report, args, torch, np, lname: str) -> None:
             kv[:, n:].zero_()
     times = {(m, op): [] for m in conns for op in ("save", "load")}
     for i in range(max(1, args.repeat)):
-        for mode in (("pinned", "pageable") if i % 2 == 0 else ("pageable", "pinned")):
+        for mode in (MODES if i % 2 == 0 else MODES[::-1]):
             times[mode, "save"].append(save(mode))
             times[mode, "load"].append(load(mode))
     raw = _raw_copies(torch, np, dev, total, max(3, args.repeat))
@@ -168,7 +174,8 @@ def _layout(report, args, torch, np, lname: str) -> None:
         ratios = [b / a for a, b in zip(times["pinned", op], times["pageable", op])]
         pin = _median_rate(total, times["pinned", op])
         report.add(layout=lname, block_kib=round(nb / 1024, 1), op=op, blocks=n,
-                   pinned_gbps=pin, pageable_gbps=_median_rate(total, times["pageable", op]),
+                   pinned_gbps=pin, staged_gbps=_median_rate(total, times["pinned-staged", op]),
+                   pageable_gbps=_median_rate(total, times["pageable", op]),
                    ratio=statistics.median(ratios),
                    spread=f"{min(ratios):.2f}..{max(ratios):.2f}",
                    raw_pinned_gbps=raw[f"{ref}_pinned"], raw_pageable_gbps=raw[f"{ref}_pageable"],
@@ -197,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     report = Report(f"connector with {args.device} caches: pinned vs pageable staging "
                     f"(same path, same run, {args.repeat} interleaved pairs, "
                     f"{args.mb} MB per op, DRAM tier {args.dram_gb} GB)",
-                    ["layout", "block_kib", "op", "blocks", "pinned_gbps", "pageable_gbps",
+                    ["layout", "block_kib", "op", "blocks", "pinned_gbps", "staged_gbps", "pageable_gbps",
                      "ratio", "spread", "raw_pinned_gbps", "raw_pageable_gbps", "of_raw",
                      "memcpy_gbps"])
     alloc = _alloc_costs(torch, np)
@@ -206,6 +213,9 @@ def run(args: argparse.Namespace) -> int:
     report.meta.update(alloc=alloc, device=torch.cuda.get_device_name(args.device),
                        torch=torch.__version__, cpus=os.cpu_count())
     report.notes.append(
+        "pinned = the connector as it runs (a load's DRAM hits copied to the GPU from its own "
+        "pinned frames in place); staged = pinned, every load through the staging buffers "
+        "(direct_loads=False); pageable = staged through pageable memory. "
         "ratio = median over pairs of pinned rate / pageable rate; raw_* = one torch copy_ of "
         "the same bytes (save: D2H, load: H2D); of_raw = pinned connector / raw pinned copy; "
         "memcpy = host memcpy of the same bytes (a DRAM hit's copy into staging)")

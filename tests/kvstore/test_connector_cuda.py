@@ -101,6 +101,32 @@ def test_cuda_round_trip_through_dram_and_ssd(tmp_path, slabs, dtype):
     b.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_own_dram_hits_load_in_place(tmp_path, slabs, dtype):
+    """A connector loading its own saves: the DRAM hits' pinned frames go to the GPU
+    where they lie (no staging copy); after the head left DRAM, the head comes
+    through staging from SSD and the rest in place again; bytes identical."""
+    cfg = StoreConfig(dram_bytes=1 << 30, ssd_dir=str(tmp_path), ssd_bytes=1 << 30)
+    src = _caches(dtype)
+    a = StoreConnector(cfg, "m@1")
+    a.bind(src, BS)
+    hashes, src_ids = list(range(500, 516)), [9, 8, 7, 6, 5, 4, 3, 2, 33, 34, 35, 36, 50, 51, 52, 1]
+    a.save(hashes[:5], src_ids[:5])
+    a.save(hashes[5:], src_ids[5:])
+    assert a.store.flush()
+    dst = _caches(dtype, fill=False)
+    a._caches = dst  # same connector, same arena, a fresh cache
+    assert a.load(hashes, list(range(16))) == 16 and a.direct_blocks == 16
+    _check(src, dst, src_ids, list(range(16)))
+    for k in a.store.namespace.keys(hashes[:3]):
+        a.store.dram.discard(k)
+    before = a.store.stats()["ssd"]["hits"]
+    assert a.load(hashes, list(range(20, 36))) == 16 and a.direct_blocks == 16 + 13
+    assert a.store.stats()["ssd"]["hits"] - before == 3
+    _check(src, dst, src_ids + src_ids, list(range(16)) + list(range(20, 36)))
+    a.close()
+
+
 def test_cuda_frames_survive_eviction_churn(monkeypatch):
     """A small DRAM tier evicting while saves keep coming: arena slabs (3 frames
     each here) are reused, and what the tier still holds is never overwritten."""

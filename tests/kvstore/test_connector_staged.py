@@ -140,3 +140,39 @@ def test_staged_frames_survive_eviction_churn(small_slabs):
     assert b.load([10_000 + 29 * 8 + i for i in range(8)], list(range(8))) == 8
     for s, d in zip(src, dst):
         assert torch.equal(s[:, [(29 * 8 + i) % 40 for i in range(8)]], d[:, :8])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_own_dram_hits_load_from_the_arena_in_place(tmp_path, small_slabs, dtype):
+    """A connector's own saves sit in its arena: their DRAM hits are copied to the
+    cache from there (runs of adjacent frames, across slabs), no staging copy; a
+    block DRAM no longer holds comes through the staged path; every block is
+    counted once."""
+    nb = LAYERS * 2 * BS * HEADS * DIM * (2 if dtype == torch.bfloat16 else 4)
+    cfg = StoreConfig(dram_bytes=12 * nb, ssd_dir=str(tmp_path), ssd_bytes=1 << 24)
+    src = _caches(dtype)
+    a = StoreConnector(cfg, "m@1", pin_memory=False)
+    a.bind(src, BS)
+    hashes, ids = list(range(200, 212)), [5, 1, 2, 3, 17, 18, 19, 20, 33, 34, 0, 9]
+    a.save(hashes[:4], ids[:4])  # two saves: frames in more than one run
+    a.save(hashes[4:], ids[4:])
+    assert a.store.flush()
+    for k in a.store.namespace.keys(hashes[:3]):  # the head leaves DRAM: on SSD only
+        a.store.dram.discard(k)
+    dst = _caches(dtype, fill=False)
+    a._caches = dst  # the same connector (its arena) loading into a fresh cache
+    before = a.store.stats()
+    got = a.load(hashes[3:], list(range(21, 30)))
+    assert got == 9 and a.direct_blocks == 9
+    after = a.store.stats()
+    assert after["dram"]["hits"] - before["dram"]["hits"] == 9
+    assert after["dram"]["misses"] == before["dram"]["misses"]
+    for s, d in zip(src, dst):
+        assert torch.equal(s[:, ids[3:]], d[:, 21:30])
+    # a prefix whose head left DRAM: the staged path reads it, in order, then the rest
+    got = a.load(hashes, list(range(0, 12)))
+    assert got == 12 and a.direct_blocks == 9 + 9
+    assert a.store.stats()["ssd"]["hits"] - after["ssd"]["hits"] == 3
+    for s, d in zip(src, dst):
+        assert torch.equal(s[:, ids], d[:, :12])
+    a.close()
