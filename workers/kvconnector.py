@@ -44,13 +44,15 @@ driver's bounce copy through its own pinned buffer:
   the cache on return, and the DRAM views are held until then, whatever the
   tier evicts meanwhile.
 - Measured (`kvyard bench connector`, H200, bf16, 256 MB per call, DRAM hits,
-  2026-11-30, one run): load in place 36.7 / 43.8 GB/s (demo / 8B-class
-  blocks) against 4.5 / 4.7 through pinned staging and 2.8 / 2.9 through
-  pageable: the staging copy, a host memcpy at 8-10 GB/s there, was the
-  bound. Raw pinned H2D of the same bytes in one piece: 55 GB/s. Save 23.6
-  / 24.5 GB/s pinned vs 8.4 pageable, about 0.44 of a raw D2H; not profiled
-  further (suspects: the per-layer gathers between the copies on one
-  stream, and the per-block Python work of `put`).
+  2026-11-30, two runs): load in place 31.7-36.7 / 43.0-43.8 GB/s (demo /
+  8B-class blocks) against 4.1-4.5 / 4.5-4.7 through pinned staging and
+  2.4-2.9 through pageable: the staging copy, a host memcpy at 8-10 GB/s
+  there, was the bound. Raw pinned H2D of the same bytes in one piece:
+  55 GB/s. Save 27.3 / 37.3 GB/s pinned vs 9.3 / 10.1 pageable (0.49 / 0.68
+  of a raw D2H), up from 23.6 / 24.5 when the gather ran per arena run
+  (profiled: 11 ms of launch-bound small ops per 256 MB); what is left of a
+  demo-block save is mostly per-block Python (the DRAM filter and `put`,
+  about 3 ms for 694 blocks).
 - CPU caches keep the path above (numpy frames, no staging copy);
   `pin_memory=False` runs the staged path through pageable slabs and
   buffers, the benchmark's baseline.
@@ -87,6 +89,8 @@ _CHUNK_BYTES = CHUNK_BYTES
 _SLAB_BYTES = SLAB_BYTES
 # DRAM hits copied to the GPU in place: at most this much per device buffer
 _DIRECT_BYTES = 4 * SLAB_BYTES
+# a CUDA save gathers at most this much of frames on the device at once
+_GATHER_BYTES = 16 * SLAB_BYTES
 
 
 class StoreConnector:
@@ -327,25 +331,32 @@ class StoreConnector:
 
     def _save_staged(self, pairs: list[tuple[int, int]]) -> None:
         """Device caches: gather on the device into frames, one D2H copy per run of
-        frames into the arena, one sync, then the store owns the frames."""
+        frames into the arena, one sync, then the store owns the frames.
+
+        The gather covers up to `_GATHER_BYTES` of frames at once (two ops per
+        layer), not one arena run at a time: per run, a 256 MB save of demo
+        blocks made 480 small ops, launch-bound at 11 ms on an H200 (23 GB/s)."""
         lay = self.layout
         frame = HEADER_BYTES + lay.nbytes
         dtype = self._caches[0].dtype
         dev = self._device
         ids = torch.as_tensor([b for _, b in pairs], dtype=torch.long).to(dev)
+        per = max(1, _GATHER_BYTES // frame)
         rows: list[np.ndarray] = []
-        s = 0
-        while s < len(pairs):
-            host, arr = self._arena.carve(frame, len(pairs) - s)
-            m = arr.shape[0]
-            staged = torch.empty((m, frame), dtype=torch.uint8, device=dev)
-            blocks = staged[:, HEADER_BYTES:].view(dtype).view(m, *lay.shape)
-            part = ids[s:s + m]
+        for g in range(0, len(pairs), per):
+            part = ids[g:g + per]
+            total = part.numel()
+            staged = torch.empty((total, frame), dtype=torch.uint8, device=dev)
+            blocks = staged[:, HEADER_BYTES:].view(dtype).view(total, *lay.shape)
             for layer, kv in enumerate(self._caches):
                 blocks[:, layer].copy_(kv.index_select(1, part).transpose(0, 1))
-            host.view(m, frame).copy_(staged, non_blocking=True)
-            rows.extend(arr)
-            s += m
+            s = 0
+            while s < total:
+                host, arr = self._arena.carve(frame, total - s)
+                m = arr.shape[0]
+                host.view(m, frame).copy_(staged[s:s + m], non_blocking=True)
+                rows.extend(arr)
+                s += m
         self._sync()  # the frames are complete before the store (or its threads) sees them
         self.store.put([h for h, _ in pairs], rows)
         self.saved_blocks += len(pairs)

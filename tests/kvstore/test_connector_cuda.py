@@ -43,6 +43,7 @@ def slabs(request, monkeypatch):
     if request.param == "small-slabs":
         nb = LAYERS * 2 * BS * HEADS * DIM * 4
         monkeypatch.setattr(kvconnector, "_SLAB_BYTES", 3 * (nb + HEADER_BYTES) + 100)
+        monkeypatch.setattr(kvconnector, "_GATHER_BYTES", 2 * (nb + HEADER_BYTES))  # gathers of 2
     return request.param
 
 
