@@ -13,6 +13,9 @@
  * arithmetic. No -ffast-math: it would set flush-to-zero process-wide when
  * the library loads.
  *
+ * Prefill chunks (runs of a sequence's consecutive queries) go through
+ * paged_attention_tiles.h instead, up to 16 queries per item: see there.
+ *
  * Work item = (sequence, kv head): the `group` query heads sharing a KV head
  * are scored together, so each K/V row is loaded once. Two passes over
  * float32 scores in a per-thread buffer: scores + max, then exp, sum and the
@@ -130,6 +133,7 @@ static void item_c_f32_range(const Args *a, int s, int h0, int h1, float *buf) {
 typedef struct {
     const Args *a;
     item_fn fn;
+    const int *queries;  /* the queries to run (NULL: 0..n-1) */
     int items, nkv;
     size_t floats;
     atomic_int next, failed;
@@ -145,20 +149,85 @@ static void job_run(void *arg, int tid, int nt) {
         return;
     }
     for (int item; (item = atomic_fetch_add(&j->next, 1)) < j->items;) {
+        const int i = j->a->per_seq ? item : item / j->nkv, s = j->queries ? j->queries[i] : i;
         if (j->a->per_seq)
-            j->fn(j->a, item, 0, j->a->num_kv_heads, buf);
+            j->fn(j->a, s, 0, j->a->num_kv_heads, buf);
         else
-            j->fn(j->a, item / j->nkv, item % j->nkv, item % j->nkv + 1, buf);
+            j->fn(j->a, s, item % j->nkv, item % j->nkv + 1, buf);
     }
 }
 
-static int run(Args *a, int num_seqs, int num_threads, item_fn fn) {
+static int run(Args *a, int num_seqs, int num_threads, item_fn fn, const int *queries) {
     a->per_seq = num_seqs >= 2 * num_threads;
     const int nkv = a->per_seq ? 1 : a->num_kv_heads;
-    Job j = {a, fn, num_seqs * nkv, nkv, scratch_floats(a), 0, 0};  /* covers the portable path too */
+    Job j = {a, fn, queries, num_seqs * nkv, nkv, scratch_floats(a), 0, 0};  /* covers the portable path too */
     kv_parallel(job_run, &j, num_threads < j.items ? num_threads : j.items);
     return atomic_load(&j.failed) ? -2 : 0;
 }
+
+#ifdef __AVX512F__
+#include "paged_attention_tiles.h"  /* prefill tiles: runs of a sequence's consecutive queries */
+
+typedef struct {
+    const Args *a;
+    tile_fn fn;
+    const int *q0, *n;
+    int tiles, items;
+    size_t bytes;
+    atomic_int next, failed;
+} TileJob;
+
+/* (tile, kv head) items, the last tiles (the longest contexts) first. */
+static void tile_job_run(void *arg, int tid, int nt) {
+    (void)tid; (void)nt;
+    TileJob *j = (TileJob *)arg;
+    void *buf = kv_scratch(j->bytes);
+    if (!buf) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    const int nkv = j->a->num_kv_heads;
+    for (int item; (item = atomic_fetch_add(&j->next, 1)) < j->items;) {
+        const int t = j->tiles - 1 - item / nkv;
+        j->fn(j->a, j->q0[t], j->n[t], item % nkv, buf);
+    }
+}
+
+/* Queries that continue their predecessor (same sequence, length + 1) form tiles of
+ * up to QT; tiles run as tiles, lone queries (decodes) as per-query items. */
+static int run_tiled(Args *a, int num_q, int num_threads, item_fn fn, tile_fn tf, int esz) {
+    if (!tf || num_q < 2) return run(a, num_q, num_threads, fn, NULL);
+    int *idx = malloc(sizeof(int) * 3 * (size_t)num_q);
+    if (!idx) return run(a, num_q, num_threads, fn, NULL);
+    int *q0 = idx, *n = idx + num_q, *lone = idx + 2 * num_q;
+    int tiles = 0, nlone = 0;
+    size_t need = 0;
+    for (int i = 0; i < num_q;) {
+        int j = i + 1;
+        while (j < num_q && j - i < QT && a->q_rows[j] == a->q_rows[i] && a->seq_lens[j] == a->seq_lens[j - 1] + 1)
+            j++;
+        const int lmax = a->seq_lens[j - 1];
+        const size_t b = tile_bytes((j - i) * a->group, (lmax + 15) & ~15, a->head_dim, esz);
+        if (j - i >= 2 && a->seq_lens[i] >= 1 && lmax <= a->max_len && b <= TILE_SCRATCH_MAX) {
+            q0[tiles] = i;
+            n[tiles++] = j - i;
+            need = b > need ? b : need;
+        } else {
+            for (int k = i; k < j; k++) lone[nlone++] = k;
+        }
+        i = j;
+    }
+    int rc = 0;
+    if (tiles) {
+        TileJob tj = {a, tf, q0, n, tiles, tiles * a->num_kv_heads, need, 0, 0};
+        kv_parallel(tile_job_run, &tj, num_threads < tj.items ? num_threads : tj.items);
+        rc = atomic_load(&tj.failed) ? -2 : 0;
+    }
+    if (rc == 0 && nlone) rc = run(a, nlone, num_threads, fn, lone);
+    free(idx);
+    return rc;
+}
+#endif
 
 static int check(const Args *a) {
     if (a->head_dim <= 0 || a->head_dim > MAX_HD || a->num_kv_heads <= 0 || a->block_size <= 0) return -1;
@@ -166,7 +235,7 @@ static int check(const Args *a) {
     return 0;
 }
 
-#define DEFINE_ENTRY(NAME, PICK, SLOW)                                                           \
+#define DEFINE_ENTRY(NAME, PICK, RUN)                                                           \
 int NAME(const void *q, int64_t q_tok_stride, int64_t q_head_stride,                             \
          const void *k_cache, const void *v_cache, const int64_t *block_tables, int64_t bt_stride, \
          const int32_t *q_rows, const int32_t *seq_lens, void *out, int num_seqs, int num_heads,  \
@@ -176,15 +245,17 @@ int NAME(const void *q, int64_t q_tok_stride, int64_t q_head_stride,            
               num_kv_heads > 0 ? num_heads / num_kv_heads : 0, scale, 0};                         \
     if (check(&a)) return -1;                                                                     \
     item_fn fast = PICK;                                                                          \
-    return run(&a, num_seqs, num_threads, fast ? fast : SLOW);                                    \
+    return RUN;                                                                                   \
 }
 
 #ifdef __AVX512F__
-DEFINE_ENTRY(paged_attention_bf16, pick_512(TABLE_BF16, item_512_bf16_any, &a), item_c_bf16_range)
-DEFINE_ENTRY(paged_attention_f32, pick_512(TABLE_F32, item_512_f32_any, &a), item_c_f32_range)
+DEFINE_ENTRY(paged_attention_bf16, pick_512(TABLE_BF16, item_512_bf16_any, &a),
+             run_tiled(&a, num_seqs, num_threads, fast ? fast : item_c_bf16_range, fast ? pick_tile(&a, 1) : NULL, 2))
+DEFINE_ENTRY(paged_attention_f32, pick_512(TABLE_F32, item_512_f32_any, &a),
+             run_tiled(&a, num_seqs, num_threads, fast ? fast : item_c_f32_range, fast ? pick_tile(&a, 0) : NULL, 4))
 #else
-DEFINE_ENTRY(paged_attention_bf16, NULL, item_c_bf16_range)
-DEFINE_ENTRY(paged_attention_f32, NULL, item_c_f32_range)
+DEFINE_ENTRY(paged_attention_bf16, NULL, run(&a, num_seqs, num_threads, fast ? fast : item_c_bf16_range, NULL))
+DEFINE_ENTRY(paged_attention_f32, NULL, run(&a, num_seqs, num_threads, fast ? fast : item_c_f32_range, NULL))
 #endif
 
 /* Which paths this build has, for tests and logs: bit 0 AVX-512, bit 1 AVX512-BF16. */
