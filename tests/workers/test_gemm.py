@@ -112,6 +112,9 @@ def test_quantized_tiles_hold_the_dequantized_weights_exactly(dtype) -> None:
         assert torch.equal(got.t(), dense), qtype
         for j in (0, 37, k - 1):  # one row: float32 expands in registers instead (another path)
             assert torch.equal(ops.gemm(torch.eye(k, dtype=dtype)[j:j + 1], tiles)[0], dense[:, j]), (qtype, j)
+        for rows in (8, 11):  # float32: in registers too, in balanced blocks (4 + 4, 6 + 5)
+            got = ops.gemm(torch.eye(k, dtype=dtype)[10:10 + rows], tiles)
+            assert torch.equal(got.t(), dense[:, 10:10 + rows]), (qtype, rows)
         # and a real product, rows in several register blocks, with an epilogue
         for rows in (13, 5):
             x = torch.randn(rows, k).to(dtype)
