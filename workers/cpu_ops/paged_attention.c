@@ -139,15 +139,19 @@ typedef struct {
     atomic_int next, failed;
 } Job;
 
+/* The calling thread's scratch, or NULL with the job marked failed. */
+static void *job_scratch(size_t bytes, atomic_int *failed) {
+    void *buf = kv_scratch(bytes);
+    if (!buf) atomic_store(failed, 1);
+    return buf;
+}
+
 /* Items are claimed one at a time (sequences differ in length). */
 static void job_run(void *arg, int tid, int nt) {
     (void)tid; (void)nt;
     Job *j = (Job *)arg;
-    float *buf = kv_scratch(sizeof(float) * j->floats);
-    if (!buf) {
-        atomic_store(&j->failed, 1);
-        return;
-    }
+    float *buf = job_scratch(sizeof(float) * j->floats, &j->failed);
+    if (!buf) return;
     for (int item; (item = atomic_fetch_add(&j->next, 1)) < j->items;) {
         const int i = j->a->per_seq ? item : item / j->nkv, s = j->queries ? j->queries[i] : i;
         if (j->a->per_seq)
@@ -181,11 +185,8 @@ typedef struct {
 static void tile_job_run(void *arg, int tid, int nt) {
     (void)tid; (void)nt;
     TileJob *j = (TileJob *)arg;
-    void *buf = kv_scratch(j->bytes);
-    if (!buf) {
-        atomic_store(&j->failed, 1);
-        return;
-    }
+    void *buf = job_scratch(j->bytes, &j->failed);
+    if (!buf) return;
     const int nkv = j->a->num_kv_heads;
     for (int item; (item = atomic_fetch_add(&j->next, 1)) < j->items;) {
         const int t = j->tiles - 1 - item / nkv;
