@@ -92,6 +92,36 @@ def test_seeded_sampling_repeats_alone_and_in_a_batch(loaded, prompts):
     assert llm.generate([prompts[1]], p)[0].token_ids == alone
 
 
+def test_logprobs_and_logit_adjustments_through_the_engine(loaded, prompts, reference):
+    """Plumbing from SamplingParams to the batch: logprobs ride along without changing
+    the tokens; min_tokens, logit_bias and penalties change only their own request."""
+    import dataclasses
+
+    llm = make(loaded)
+    with_lp = dataclasses.replace(GREEDY, logprobs=3)
+    outs = llm.generate(prompts[:2], [with_lp, GREEDY])
+    assert [o.token_ids for o in outs] == reference[:2]
+    assert [e.token_id for e in outs[0].logprobs] == reference[0] and outs[1].logprobs == []
+    assert all(e.top[0][0] == e.token_id and len(e.top) == 3 for e in outs[0].logprobs)
+
+    first = reference[0][0]
+    stop_now = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[first])
+    assert llm.generate([prompts[0]], stop_now)[0].token_ids == [first]
+    held = dataclasses.replace(stop_now, min_tokens=3)
+    got = llm.generate([prompts[0]], held)[0].token_ids
+    assert len(got) >= 3 and first not in got[:3]
+
+    biased = dataclasses.replace(GREEDY, logit_bias={1000: 100.0})
+    outs = llm.generate(prompts[:2], [biased, GREEDY])
+    assert outs[0].token_ids == [1000] * GREEDY.max_tokens and outs[1].token_ids == reference[1]
+
+    rep = max(reference, key=lambda r: len(r) - len(set(r)))
+    assert len(rep) > len(set(rep)), "some reference repeats a token"
+    i = reference.index(rep)
+    pen = dataclasses.replace(GREEDY, frequency_penalty=2.0)
+    assert llm.generate([prompts[i]], pen)[0].token_ids != rep
+
+
 def test_prefix_cache_counts_hits_in_tokens(loaded, prompts):
     llm = make(loaded)
     events = []

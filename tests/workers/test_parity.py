@@ -43,23 +43,35 @@ def prompts() -> list[list[int]]:
     return ids
 
 
+LOGPROB_PROMPTS = 3  # prompts whose greedy tokens' logprobs are checked against HF's
+
+
 @pytest.fixture(scope="module")
-def hf_reference(demo_gguf, prompts) -> list[list[int]]:
-    """HF transformers' greedy continuations, computed once per session."""
+def hf_run(demo_gguf, prompts) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """HF transformers' greedy continuations, computed once per module, and for the
+    first LOGPROB_PROMPTS of them the log_softmax at every generated position."""
     from transformers import AutoModelForCausalLM
 
     p = demo_gguf
     model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, torch_dtype=torch.float32)
     model.eval()
-    out = []
+    out, lps = [], []
     with torch.inference_mode():
         for ids in prompts:
             x = torch.tensor([ids])
             y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
                                max_new_tokens=NEW_TOKENS, pad_token_id=model.config.eos_token_id)
             out.append(y[0, len(ids):].tolist())
+            if len(lps) < LOGPROB_PROMPTS:
+                logits = model(y[:, :-1]).logits[0, len(ids) - 1:].float()
+                lps.append(torch.log_softmax(logits, dim=-1))
     del model
-    return out
+    return out, lps
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_run) -> list[list[int]]:
+    return hf_run[0]
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +116,19 @@ def test_cached_prefixes_match_transformers(loaded, prompts, hf_reference):
     _check(outs, hf_reference)
     assert llm.engine.stats().prefix_hits_tokens > before
     assert all(o.num_cached_tokens > 0 for o in outs)
+
+
+def test_logprobs_match_transformers(loaded, prompts, hf_run):
+    """The raw logprobs reported for greedy tokens, and their top-5, are HF's log_softmax
+    at the same positions (float32; a few ulps of summation order apart)."""
+    ref_tokens, ref_lps = hf_run
+    llm = engine(loaded)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=5)
+    outs = llm.generate(prompts[:LOGPROB_PROMPTS], params)
+    for o, toks, lp in zip(outs, ref_tokens, ref_lps, strict=False):
+        assert o.token_ids == toks and len(o.logprobs) == len(toks)
+        for pos, e in enumerate(o.logprobs):
+            assert e.logprob == pytest.approx(float(lp[pos, e.token_id]), abs=2e-3)
+            for tid, v in e.top:
+                assert v == pytest.approx(float(lp[pos, tid]), abs=2e-3)
+            assert [t for t, _ in e.top][0] == int(lp[pos].argmax())

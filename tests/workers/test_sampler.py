@@ -137,3 +137,71 @@ def test_eos_max_tokens_and_ignore_eos(tok):
     assert append_token(s, ids[1], tok.eos_token_ids, 100) == ("", "stop")
     s, ids = fed(tok, "a b c", SamplingParams(max_tokens=50))
     assert append_token(s, ids[0], tok.eos_token_ids, s.num_tokens + 1)[1] == "length"  # max_model_len
+
+
+# ---- logprobs and logit adjustments (Sampler.sample) ---------------------------------------
+
+def _sample(x: torch.Tensor, params: list[SamplingParams], histories=None, eos=()):
+    histories = histories or [([], 0)] * len(params)
+    return Sampler(0).sample(x, params, [None] * len(params), histories, eos)
+
+
+def test_logprobs_are_the_raw_log_softmax_whatever_the_temperature():
+    x = logits(3)
+    ps = [SamplingParams(temperature=0.0, logprobs=5), SamplingParams(temperature=1.5, logprobs=0),
+          SamplingParams(temperature=0.0)]
+    toks, lps = _sample(x.clone(), ps)
+    ref = torch.log_softmax(x, dim=-1)
+    assert lps[2] is None
+    assert lps[0].token_id == toks[0] == int(x[0].argmax())
+    assert lps[0].logprob == pytest.approx(float(ref[0, toks[0]]), abs=1e-5)
+    top_ids = [t for t, _ in lps[0].top]
+    assert top_ids == ref[0].topk(5).indices.tolist()
+    assert [v for _, v in lps[0].top] == pytest.approx(ref[0].topk(5).values.tolist(), abs=1e-5)
+    assert lps[1].top == [] and lps[1].logprob == pytest.approx(float(ref[1, toks[1]]), abs=1e-5)
+
+
+def _two_way(a: float = 5.0, b: float = 4.5) -> torch.Tensor:
+    x = torch.full((1, V), -10.0)
+    x[0, 7], x[0, 8] = a, b
+    return x
+
+
+def test_frequency_and_presence_penalties_count_output_tokens_only():
+    hist = [([7, 7, 1], 1)]          # prompt [7], output [7, 1]: token 7 once in the output
+    p = SamplingParams(temperature=0.0, frequency_penalty=0.4)
+    assert _sample(_two_way(), [p], hist)[0] == [7]        # 5 - 0.4 > 4.5
+    hist2 = [([7, 7, 7], 1)]         # output [7, 7]
+    assert _sample(_two_way(), [p], hist2)[0] == [8]       # 5 - 0.8 < 4.5
+    p = SamplingParams(temperature=0.0, presence_penalty=0.6)
+    assert _sample(_two_way(), [p], hist)[0] == [8]        # 5 - 0.6 < 4.5, once
+    assert _sample(_two_way(), [p], [([7], 1)])[0] == [7]  # 7 only in the prompt: no penalty
+
+
+def test_repetition_penalty_covers_the_prompt_and_both_signs():
+    p = SamplingParams(temperature=0.0, repetition_penalty=1.2)
+    assert _sample(_two_way(), [p], [([7], 1)])[0] == [8]  # 5 / 1.2 < 4.5
+    x = _two_way(-1.0, -1.1)
+    assert _sample(x, [p], [([7], 1)])[0] == [8]           # -1 * 1.2 < -1.1
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    x = _two_way()
+    p = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[8])
+    x[0, 9] = 9.0                                          # 9 is EOS, the favourite
+    assert _sample(x.clone(), [p], [([1, 2], 1)], eos=[9])[0] == [7]  # 1 output < 2
+    assert _sample(x.clone(), [p], [([1, 2, 3], 1)], eos=[9])[0] == [9]
+    ignore = SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True)
+    assert _sample(x.clone(), [ignore], [([1], 1)], eos=[9])[0] == [9]  # EOS never stops it
+
+
+def test_logit_bias_and_adjustments_leave_other_rows_and_the_input_alone():
+    x = logits(2)
+    before = x.clone()
+    ps = [SamplingParams(temperature=0.0, logit_bias={3: 100.0}, logprobs=1),
+          SamplingParams(temperature=0.0)]
+    toks, lps = _sample(x, ps)
+    assert toks == [3, int(before[1].argmax())]
+    assert torch.equal(x, before)
+    # the logprob reported is the model's, not the biased one
+    assert lps[0].logprob == pytest.approx(float(torch.log_softmax(before[0], -1)[3]), abs=1e-5)

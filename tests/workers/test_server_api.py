@@ -134,6 +134,61 @@ def test_length_stop_and_seed(client: openai.OpenAI) -> None:
     assert runs[0] == runs[1]
 
 
+def test_logprobs_in_both_shapes_streamed_and_not(client: openai.OpenAI,
+                                                   worker: WorkerProcess) -> None:
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 6,
+            "temperature": 0, "logprobs": 3, "extra_body": {"ignore_eos": True}}
+    lp = client.completions.create(**body).choices[0].logprobs
+    text = client.completions.create(**body).choices[0].text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert v <= 0 and 3 <= len(top) <= 4 and top[tok] == v == max(top.values())
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**body, stream=True)
+                if c.choices[0].logprobs]
+    assert [t for c in streamed for t in c.tokens] == lp.tokens
+    assert [o for c in streamed for o in c.text_offset] == lp.text_offset
+
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
+        assert e.top_logprobs[0].logprob == e.logprob and bytes(e.bytes).decode() == e.token
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8,
+                                                 temperature=0, logprobs=True, stream=True))
+    got = [e for c in chunks if c.choices and c.choices[0].logprobs
+           for e in c.choices[0].logprobs.content]
+    assert [e.token for e in got] == [e.token for e in content]
+    assert all(e.top_logprobs == [] for e in got)
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == chat.choices[0].message.content
+
+
+def test_penalties_bias_and_min_tokens_are_honoured(client: openai.OpenAI,
+                                                    worker: WorkerProcess) -> None:
+    _, _, tok = post(worker, "/tokenize", {"prompt": " Paris"})
+    paris = tok["tokens"][-1]
+    forced = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0,
+                                       logit_bias={str(paris): 100}, logprobs=0)
+    assert forced.choices[0].logprobs.tokens == [" Paris"] * 4
+    base = dict(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0,
+                extra_body={"ignore_eos": True})
+    plain = client.completions.create(**base).choices[0].text
+    assert client.completions.create(**base, frequency_penalty=2.0).choices[0].text != plain
+    assert client.completions.create(**base, presence_penalty=0.0).choices[0].text == plain
+    short = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=64, temperature=0)
+    assert short.choices[0].finish_reason == "stop"
+    longer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=64, temperature=0,
+        extra_body={"min_tokens": short.usage.completion_tokens + 5})
+    assert longer.usage.completion_tokens >= short.usage.completion_tokens + 5
+
+
 def settled_scrape(worker: WorkerProcess, wait_until) -> dict[str, float]:
     """A scrape whose histograms include every finished request: they are re-rendered at
     most once a second (cheap 50 ms scrapes), the outcome counter on every scrape."""

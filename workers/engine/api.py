@@ -19,6 +19,28 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # None: no logprobs; k >= 0: the sampled token's logprob plus the k most likely (vLLM's
+    # default "raw" mode: log_softmax of the model's logits, before penalties and temperature)
+    logprobs: int | None = None
+    presence_penalty: float = 0.0     # OpenAI semantics: over output tokens
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0   # vLLM's: over prompt and output tokens, > 1 discourages
+    min_tokens: int = 0               # EOS and stop_token_ids are masked until this many
+    logit_bias: dict[int, float] | None = None
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.min_tokens
+                    or self.logit_bias) or self.repetition_penalty != 1.0
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """A sampled token's log-probability and the `logprobs` most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]      # (token id, logprob), most likely first
 
 
 @dataclass(slots=True)
@@ -33,6 +55,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int        # prompt tokens served from the prefix cache or kvstore
+    logprobs: list[TokenLogprob] | None = None  # one per new_token_ids entry, if requested
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
-from .api import SamplingParams
+from .api import SamplingParams, TokenLogprob
 from .config import EngineConfig
 from .llm_engine import LLMEngine
 
@@ -21,6 +21,7 @@ class CompletionOutput:
     text: str = ""
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # when params.logprobs is set
 
 
 class LLM:
@@ -54,6 +55,8 @@ class LLM:
                 r.token_ids += o.new_token_ids
                 r.text += o.text_delta
                 r.num_cached_tokens = o.num_cached_tokens
+                if o.logprobs:
+                    r.logprobs += o.logprobs
                 if o.finished:
                     r.finish_reason = o.finish_reason
                     pending.discard(o.request_id)

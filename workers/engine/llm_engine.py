@@ -22,6 +22,8 @@ from .scheduler import Scheduler
 from .sequence import Sequence
 from .stopping import append_token
 
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs and OpenAI's top_logprobs limit
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: Any, model_config: Any,
@@ -80,6 +82,12 @@ class LLMEngine:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
         if params.top_k == 0 or params.top_k < -1:
             raise ValueError("top_k must be -1 (off) or positive")
+        if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        if not 0 <= params.min_tokens <= params.max_tokens:
+            raise ValueError("min_tokens must be in [0, max_tokens]")
+        if params.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be positive")
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
         self.validate(prompt_token_ids, params)
@@ -118,26 +126,30 @@ class LLMEngine:
         t0 = time.perf_counter()
         logits, samplers = self.runner.execute(sched)
         tokens: list[int] = []
+        lps: list = []
         if samplers:
-            tokens = self.sampler(logits, [s.params for s in samplers], [s.generator for s in samplers])
+            tokens, lps = self.sampler.sample(
+                logits, [s.params for s in samplers], [s.generator for s in samplers],
+                [(s.token_ids, s.num_prompt_tokens) for s in samplers], self.eos_token_ids)
         for seq, n in zip(sched.seqs, sched.num_new_tokens):
             seq.num_computed_tokens += n
             newly = self.block_manager.cache_blocks(seq)
             if newly and self.connector is not None:
                 self.connector.save([h for h, _ in newly], [b for _, b in newly])
         outputs: list[RequestOutput] = []
-        for seq, tok in zip(samplers, tokens):
+        for seq, tok, lp in zip(samplers, tokens, lps):
             if seq.num_output_tokens == 0:
                 self.prompt_tokens_total += seq.num_prompt_tokens
             self.generation_tokens_total += 1
             delta, reason = append_token(seq, tok, self.eos_token_ids, self.max_model_len)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-            outputs.append(self._output(seq, [tok], delta))
+            outputs.append(self._output(seq, [tok], delta, None if lp is None else [lp]))
         self.last_step_time = time.perf_counter() - t0
         return outputs
 
-    def _output(self, seq: Sequence, new_ids: list[int], delta: str) -> RequestOutput:
+    def _output(self, seq: Sequence, new_ids: list[int], delta: str,
+                logprobs: list | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_ids,
@@ -147,6 +159,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            logprobs=logprobs,
         )
 
     def stats(self) -> EngineStats:

@@ -6,14 +6,20 @@ trick (argmax of p / Exp(1) noise), which needs no per-row multinomial call.
 A request with a seed draws its noise from its own generator, exactly one
 vocabulary-sized draw per step, so its tokens do not depend on which other
 requests share the batch.
+
+`sample` adds what needs each request's history: logit adjustments
+(logits_process.py) on the rows that asked for them, and logprobs, taken
+from the model's own logits before any adjustment or temperature (vLLM's
+default "raw" logprobs), so they describe the model, not the sampling recipe.
 """
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from typing import Iterable, Sequence as Seq
 
 import torch
 
-from .api import SamplingParams
+from .api import SamplingParams, TokenLogprob
+from .logits_process import adjust_row
 
 _GREEDY_EPS = 1e-5
 
@@ -25,6 +31,33 @@ def make_generator(seed: int) -> torch.Generator:
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = make_generator(seed)   # for requests without a seed of their own
+
+    def sample(self, logits: torch.Tensor, params: Seq[SamplingParams],
+               generators: Seq[torch.Generator | None], histories: Seq[tuple[Seq[int], int]],
+               eos_token_ids: Iterable[int] = ()) -> tuple[list[int], list[TokenLogprob | None]]:
+        """As `__call__`, with each row's (prompt + output token ids, prompt length) for
+        its adjustments; also returns each row's TokenLogprob (None unless asked for)."""
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw = torch.log_softmax(logits[want], dim=-1) if want else None
+        adjust = [i for i, p in enumerate(params) if p.adjusts_logits]
+        if adjust:
+            eos = frozenset(eos_token_ids)
+            logits = logits.clone()  # the caller's tensor stays as the model made it
+            for i in adjust:
+                adjust_row(logits[i], params[i], histories[i][0], histories[i][1], eos)
+        tokens = self(logits, params, generators)
+        out: list[TokenLogprob | None] = [None] * len(tokens)
+        if raw is not None:
+            k = max(params[i].logprobs for i in want)
+            top_v, top_i = raw.topk(k, dim=-1) if k else (None, None)
+            chosen = raw.gather(1, torch.tensor([[tokens[i]] for i in want])).squeeze(1).tolist()
+            for j, i in enumerate(want):
+                n = params[i].logprobs
+                top = list(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist())) if n else []
+                out[i] = TokenLogprob(tokens[i], chosen[j], top)
+        return tokens, out
 
     def __call__(self, logits: torch.Tensor, params: Seq[SamplingParams],
                  generators: Seq[torch.Generator | None]) -> list[int]:

@@ -25,7 +25,7 @@ from kvyard.workers.engine.async_engine import EngineError
 from .errors import ApiError, sse_error
 from .metrics import RequestClock
 from .protocol import GenerateRequest, check_length, parse_body, parse_request
-from .responses import DONE, Shaper, Usage
+from .responses import DONE, LogprobsShaper, Shaper, Usage
 from .state import ServerState, get_state
 
 _TOKENIZE_IN_THREAD_CHARS = 8192  # long prompts are tokenized off the event loop
@@ -102,21 +102,26 @@ class _Run:
                 await engine.abort(self.request_id)
 
 
-async def _complete(run: _Run, shaper: Shaper, ids: list[int],
-                    params: SamplingParams) -> web.Response:
+async def _complete(run: _Run, shaper: Shaper, ids: list[int], params: SamplingParams,
+                    lp_shaper: LogprobsShaper | None) -> web.Response:
     parts: list[str] = []
+    lps: list = []
     async with aclosing(run.drive(ids, params)) as outs:
         async for out in outs:
             if out.text_delta:
                 parts.append(out.text_delta)
+            if out.logprobs:
+                lps.extend(out.logprobs)
     if run.finish_reason in (None, "abort"):
         raise ApiError(503, "the request was aborted by the server (shutting down?)",
                        code="aborted")
-    return web.json_response(shaper.final("".join(parts), run.finish_reason, run.usage))
+    return web.json_response(shaper.final("".join(parts), run.finish_reason, run.usage,
+                                          lp_shaper.shape(lps) if lp_shaper else None))
 
 
 async def _stream(request: web.Request, run: _Run, shaper: Shaper, ids: list[int],
-                  params: SamplingParams, include_usage: bool) -> web.StreamResponse:
+                  params: SamplingParams, include_usage: bool,
+                  lp_shaper: LogprobsShaper | None) -> web.StreamResponse:
     """Headers go out with the first engine output, so a request the engine refuses
     still gets a real status code; after that, errors travel in-band."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -132,7 +137,10 @@ async def _stream(request: web.Request, run: _Run, shaper: Shaper, ids: list[int
         async with aclosing(run.drive(ids, params)) as outs:
             async for out in outs:  # a write cancelled mid-way still closes `outs`
                 await open_stream()
-                if out.text_delta:
+                if lp_shaper is not None and out.logprobs:  # every token's logprobs, text or not
+                    await resp.write(shaper.chunk(out.text_delta, with_usage_field=include_usage,
+                                                  logprobs=lp_shaper.shape(out.logprobs)))
+                elif out.text_delta:
                     await resp.write(shaper.chunk(out.text_delta,
                                                   with_usage_field=include_usage))
         await open_stream()
@@ -165,13 +173,21 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     max_tokens = check_length(len(ids), req.max_tokens, state.engine.max_model_len,
                               "messages" if kind == "chat" else "prompt")
     params = dataclasses.replace(req.params, max_tokens=max_tokens)
+    vocab = state.vocab_size
+    if vocab and params.logit_bias and max(params.logit_bias) >= vocab:
+        raise ApiError(400, f"logit_bias token id {max(params.logit_bias)} is out of range: the "
+                       f"vocabulary has {vocab} tokens", param="logit_bias", code="invalid_value")
+    lp_shaper = None
+    if params.logprobs is not None:
+        tok = state.engine.tokenizer
+        lp_shaper = LogprobsShaper(kind, lambda t: tok.decode([t]))
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     shaper = Shaper(kind, request_id, req.model)
     run = _Run(state, request_id, len(ids))
     if req.stream:
-        return await _stream(request, run, shaper, ids, params, req.include_usage)
-    return await _complete(run, shaper, ids, params)
+        return await _stream(request, run, shaper, ids, params, req.include_usage, lp_shaper)
+    return await _complete(run, shaper, ids, params, lp_shaper)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

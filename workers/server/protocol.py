@@ -3,8 +3,14 @@
 Validation is strict and explicit because a wrong type that slips through
 would surface as an exception deep in the engine's step loop, where it hurts
 every request in the batch, not just the bad one. Fields we cannot honour
-(logprobs, n > 1, tools, ...) are refused rather than silently ignored, so a
+(echo, n > 1, tools, ...) are refused rather than silently ignored, so a
 client never gets an answer to a question it did not ask.
+
+logprobs: completions take an integer (the number of alternatives, as in
+OpenAI's legacy API), chat takes `logprobs: true` plus `top_logprobs`; both
+are capped at 20 (OpenAI's limit, vLLM's default --max-logprobs). Prompt
+logprobs (`echo` with logprobs) are not offered: they need logits for every
+prompt position, which prefix caching skips computing.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from kvyard.workers.engine.api import SamplingParams
 from .errors import ApiError
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
+MAX_LOGPROBS = 20
 
 
 @dataclass(slots=True)
@@ -102,16 +109,10 @@ def _token_ids(v: Any, name: str) -> list[int]:
 def _refuse_unsupported(body: dict[str, Any]) -> None:
     """Fields whose non-default values would change the answer in ways we cannot deliver."""
     checks: list[tuple[str, bool]] = [
-        ("logprobs", body.get("logprobs") not in (None, False, 0)),
-        ("top_logprobs", body.get("top_logprobs") not in (None, 0)),
         ("echo", body.get("echo") not in (None, False)),
         ("suffix", body.get("suffix") not in (None, "")),
         ("best_of", body.get("best_of") not in (None, 1)),
-        ("presence_penalty", body.get("presence_penalty") not in (None, 0, 0.0)),
-        ("frequency_penalty", body.get("frequency_penalty") not in (None, 0, 0.0)),
-        ("logit_bias", body.get("logit_bias") not in (None, {})),
         ("tools", body.get("tools") not in (None, [])),
-        ("min_tokens", body.get("min_tokens") not in (None, 0)),
     ]
     rf = body.get("response_format")
     checks.append(("response_format", rf is not None and rf != {"type": "text"}))
@@ -121,7 +122,7 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
                            code="unsupported_parameter")
 
 
-def _sampling(body: dict[str, Any]) -> SamplingParams:
+def _sampling(body: dict[str, Any], kind: str) -> SamplingParams:
     top_k = _opt_int(body, "top_k")
     if top_k is not None and top_k < -1:
         raise ApiError(400, f"'top_k' must be -1 (disabled) or positive, got {top_k}",
@@ -143,6 +144,10 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
         raise ApiError(400, f"'seed' must fit in 64 bits, got {seed}", param="seed",
                        code="invalid_value")
     stop_ids = body.get("stop_token_ids")
+    min_tokens = _opt_int(body, "min_tokens") or 0
+    if min_tokens < 0:
+        raise ApiError(400, f"'min_tokens' must be >= 0, got {min_tokens}", param="min_tokens",
+                       code="invalid_value")
     return SamplingParams(
         temperature=_opt_num(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_opt_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
@@ -151,7 +156,50 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
         stop=stops,
         stop_token_ids=[] if stop_ids is None else _token_ids(stop_ids, "stop_token_ids"),
         ignore_eos=_opt_bool(body, "ignore_eos"),
+        logprobs=_logprobs(body, kind),
+        presence_penalty=_opt_num(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_opt_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_opt_num(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
+        min_tokens=min_tokens,
+        logit_bias=_logit_bias(body),
     )
+
+
+def _logprobs(body: dict[str, Any], kind: str) -> int | None:
+    """Completions: `logprobs` is the number of alternatives. Chat: `logprobs` is a
+    boolean and `top_logprobs` (which needs it) the number of alternatives."""
+    if kind == "chat":
+        on = _opt_bool(body, "logprobs")
+        top = _opt_int(body, "top_logprobs")
+        if top is not None and not on:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs",
+                           code="invalid_value")
+        n, name = (top or 0, "top_logprobs") if on else (None, "")
+    else:
+        n, name = _opt_int(body, "logprobs"), "logprobs"
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise ApiError(400, f"'{name}' must be in [0, {MAX_LOGPROBS}], got {n}", param=name,
+                       code="invalid_value")
+    return n
+
+
+def _logit_bias(body: dict[str, Any]) -> dict[int, float] | None:
+    """OpenAI's map of token id (a string key) to a bias in [-100, 100]."""
+    lb = body.get("logit_bias")
+    if lb is None or lb == {}:
+        return None
+    if not isinstance(lb, dict):
+        raise _type_error("logit_bias", "an object of token id -> bias", lb)
+    out: dict[int, float] = {}
+    for k, v in lb.items():
+        if not isinstance(k, str) or not k.isdigit():
+            raise ApiError(400, f"'logit_bias' keys must be token ids, got {k!r}",
+                           param="logit_bias", code="invalid_value")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise ApiError(400, f"'logit_bias' values must be numbers in [-100, 100], got "
+                           f"{json.dumps(v)[:40]}", param="logit_bias", code="invalid_value")
+        out[int(k)] = float(v)
+    return out
 
 
 def _max_tokens(body: dict[str, Any], kind: str) -> int | None:
@@ -249,7 +297,7 @@ def parse_request(body: dict[str, Any], kind: str, served_names: list[str]) -> G
         if not isinstance(opts, dict):
             raise _type_error("stream_options", "an object", opts)
         include_usage = _opt_bool(opts, "include_usage")
-    req = GenerateRequest(kind=kind, model=model, params=_sampling(body),
+    req = GenerateRequest(kind=kind, model=model, params=_sampling(body, kind),
                           max_tokens=_max_tokens(body, kind), stream=stream,
                           include_usage=include_usage, raw=body)
     if kind == "chat":

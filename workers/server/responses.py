@@ -8,7 +8,11 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Sequence
+
+from kvyard.workers.engine.api import TokenLogprob
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to the same value
 
 
 @dataclass(slots=True)
@@ -42,21 +46,23 @@ class Shaper:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def final(self, text: str, finish_reason: str | None, usage: Usage) -> dict[str, Any]:
+    def final(self, text: str, finish_reason: str | None, usage: Usage,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.kind == "chat":
             body = self._head("chat.completion")
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason}
+                      "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             body = self._head("text_completion")
-            choice = {"index": 0, "text": text, "logprobs": None,
+            choice = {"index": 0, "text": text, "logprobs": logprobs,
                       "finish_reason": finish_reason}
         body["choices"] = [choice]
         body["usage"] = usage.to_dict()
         return body
 
     def chunk(self, text: str | None, finish_reason: str | None = None, *,
-              role: bool = False, with_usage_field: bool = False) -> bytes:
+              role: bool = False, with_usage_field: bool = False,
+              logprobs: dict[str, Any] | None = None) -> bytes:
         """One SSE event. `text=None` with a finish_reason makes the closing chunk."""
         if self.kind == "chat":
             body = self._head("chat.completion.chunk")
@@ -65,11 +71,11 @@ class Shaper:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None,
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish_reason}
         else:
             body = self._head("text_completion")
-            choice = {"index": 0, "text": text or "", "logprobs": None,
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs,
                       "finish_reason": finish_reason}
         body["choices"] = [choice]
         if with_usage_field:
@@ -82,6 +88,47 @@ class Shaper:
         body["choices"] = []
         body["usage"] = usage.to_dict()
         return sse(body)
+
+
+@dataclass(slots=True)
+class LogprobsShaper:
+    """OpenAI's two logprobs shapes for a run of sampled tokens. Completions (legacy):
+    parallel lists, `top_logprobs` a dict per token that also holds the sampled one
+    (as vLLM does), `text_offset` counted from the start of the output. Chat: a
+    `content` list of {token, logprob, bytes, top_logprobs}. Token strings are
+    each id decoded alone (special tokens as ""), as vLLM reports them."""
+
+    kind: str
+    token_text: Callable[[int], str]
+    offset: int = 0     # completions: characters of the output before the next token
+
+    def shape(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        text = self.token_text
+        if self.kind == "chat":
+            return {"content": [
+                {**_chat_token(text(e.token_id), e.logprob),
+                 "top_logprobs": [_chat_token(text(t), lp) for t, lp in e.top]}
+                for e in entries]}
+        tokens = [text(e.token_id) for e in entries]
+        offsets = []
+        for t in tokens:
+            offsets.append(self.offset)
+            self.offset += len(t)
+        tops = []
+        for e in entries:
+            top = {text(t): _clamp(lp) for t, lp in e.top}
+            top.setdefault(text(e.token_id), _clamp(e.logprob))
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [_clamp(e.logprob) for e in entries],
+                "top_logprobs": tops, "text_offset": offsets}
+
+
+def _clamp(lp: float) -> float:
+    return lp if lp > _MIN_LOGPROB else _MIN_LOGPROB
+
+
+def _chat_token(token: str, lp: float) -> dict[str, Any]:
+    return {"token": token, "logprob": _clamp(lp), "bytes": list(token.encode("utf-8"))}
 
 
 def sse(body: dict[str, Any]) -> bytes:
