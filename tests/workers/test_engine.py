@@ -122,6 +122,37 @@ def test_logprobs_and_logit_adjustments_through_the_engine(loaded, prompts, refe
     assert llm.generate([prompts[i]], pen)[0].token_ids != rep
 
 
+def test_prompt_logprobs_survive_chunking_caching_and_preemption(loaded, prompts, reference):
+    """Every prompt position is computed even when its blocks are cached (the cache may
+    not stand in for them), and chunked or preempted prefills report the same values."""
+    import dataclasses
+
+    model, cfg, _ = loaded
+    want = dataclasses.replace(GREEDY, prompt_logprobs=1)
+    base = make(loaded, max_num_batched_tokens=4096).generate(prompts, want)
+    for o, p, ref in zip(base, prompts, reference):
+        assert o.token_ids == ref and o.prompt_logprobs[0] is None
+        assert [e.token_id for e in o.prompt_logprobs[1:]] == p[1:]
+        assert all(len(e.top) == 1 and e.logprob <= e.top[0][1] + 1e-6 for e in o.prompt_logprobs[1:])
+
+    def same(outs) -> None:
+        for o, b in zip(outs, base):
+            assert o.token_ids == b.token_ids
+            got = [(e.token_id, round(e.logprob, 3)) for e in o.prompt_logprobs[1:]]
+            assert got == [(e.token_id, round(e.logprob, 3)) for e in b.prompt_logprobs[1:]]
+    llm = make(loaded, max_num_batched_tokens=16)
+    llm.generate(prompts, GREEDY)                     # the prompts' blocks are now cached
+    hits = llm.engine.stats().prefix_hits_tokens
+    same(llm.generate(prompts, want))
+    assert llm.engine.stats().prefix_hits_tokens == hits  # no hit was taken for them
+    need = max(len(p) for p in prompts) + GREEDY.max_tokens
+    blocks = -(-need // 16) + 2
+    tight = make(loaded, kv_cache_memory_bytes=blocks * kv_block_bytes(cfg, 16, torch.float32),
+                 max_num_batched_tokens=16)
+    same(tight.generate(prompts, want))
+    assert tight.engine.stats().num_preemptions > 0
+
+
 def test_prefix_cache_counts_hits_in_tokens(loaded, prompts):
     llm = make(loaded)
     events = []

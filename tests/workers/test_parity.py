@@ -62,9 +62,8 @@ def hf_run(demo_gguf, prompts) -> tuple[list[list[int]], list[torch.Tensor]]:
             y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
                                max_new_tokens=NEW_TOKENS, pad_token_id=model.config.eos_token_id)
             out.append(y[0, len(ids):].tolist())
-            if len(lps) < LOGPROB_PROMPTS:
-                logits = model(y[:, :-1]).logits[0, len(ids) - 1:].float()
-                lps.append(torch.log_softmax(logits, dim=-1))
+            if len(lps) < LOGPROB_PROMPTS:  # every position: prompt and generated tokens
+                lps.append(torch.log_softmax(model(y[:, :-1]).logits[0].float(), dim=-1))
     del model
     return out, lps
 
@@ -119,15 +118,20 @@ def test_cached_prefixes_match_transformers(loaded, prompts, hf_reference):
 
 
 def test_logprobs_match_transformers(loaded, prompts, hf_run):
-    """The raw logprobs reported for greedy tokens, and their top-5, are HF's log_softmax
-    at the same positions (float32; a few ulps of summation order apart)."""
+    """The raw logprobs reported for greedy tokens (top-5) and for the prompt's tokens
+    (top-2) are HF's log_softmax at the same positions (float32; a few ulps of
+    summation order apart)."""
     ref_tokens, ref_lps = hf_run
     llm = engine(loaded)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=5)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=5, prompt_logprobs=2)
     outs = llm.generate(prompts[:LOGPROB_PROMPTS], params)
-    for o, toks, lp in zip(outs, ref_tokens, ref_lps, strict=False):
+    for o, p, toks, lp in zip(outs, prompts, ref_tokens, ref_lps, strict=False):
         assert o.token_ids == toks and len(o.logprobs) == len(toks)
-        for pos, e in enumerate(o.logprobs):
+        assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == len(p)
+        entries = [(pos - 1, e) for pos, e in enumerate(o.prompt_logprobs) if e is not None]
+        entries += [(len(p) - 1 + i, e) for i, e in enumerate(o.logprobs)]
+        for pos, e in entries:
+            assert e.token_id == (p + toks)[pos + 1]
             assert e.logprob == pytest.approx(float(lp[pos, e.token_id]), abs=2e-3)
             for tid, v in e.top:
                 assert v == pytest.approx(float(lp[pos, tid]), abs=2e-3)

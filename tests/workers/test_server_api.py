@@ -168,6 +168,35 @@ def test_logprobs_in_both_shapes_streamed_and_not(client: openai.OpenAI,
     assert plain.choices[0].message.content == chat.choices[0].message.content
 
 
+def test_echo_with_logprobs_scores_a_prompt_like_lm_eval(client: openai.OpenAI,
+                                                         worker: WorkerProcess) -> None:
+    """lm-eval-harness's loglikelihood request: echo + logprobs + max_tokens 1. The prompt's
+    entries come first (the first with null logprob), then the generated token; scoring a
+    continuation twice (the second time its blocks are cached) gives the same numbers."""
+    _, _, ctx = post(worker, "/tokenize", {"prompt": "The capital of France is"})
+    _, _, full = post(worker, "/tokenize", {"prompt": "The capital of France is Paris"})
+    n = full["count"]
+    body = {"model": MODEL, "prompt": full["tokens"], "max_tokens": 1, "temperature": 0,
+            "logprobs": 1, "echo": True}
+    runs = [post(worker, "/v1/completions", body)[2] for _ in range(2)]
+    lp = runs[0]["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == n + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v is not None and v <= 0 for v in lp["token_logprobs"][1:])
+    assert runs[0]["choices"][0]["text"].startswith("".join(lp["tokens"][:n]))
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(n + 1)]
+    assert runs[1]["choices"][0]["logprobs"] == lp
+    cont = lp["token_logprobs"][ctx["count"]:n]
+    assert cont and sum(cont) < 0
+    for tok, top in zip(lp["tokens"][1:n], lp["top_logprobs"][1:n]):
+        assert tok in top and 1 <= len(top) <= 2
+    # the same scores by streaming: the prompt first, in a chunk of its own
+    chunks = [c.choices[0] for c in client.completions.create(**body, stream=True)]
+    assert chunks[0].logprobs.token_logprobs == lp["token_logprobs"][:n]
+    plain = post(worker, "/v1/completions", dict(body, logprobs=None))[2]["choices"][0]
+    assert plain["logprobs"] is None and plain["text"] == runs[0]["choices"][0]["text"]
+
+
 def test_penalties_bias_and_min_tokens_are_honoured(client: openai.OpenAI,
                                                     worker: WorkerProcess) -> None:
     _, _, tok = post(worker, "/tokenize", {"prompt": " Paris"})

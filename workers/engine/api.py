@@ -22,6 +22,10 @@ class SamplingParams:
     # None: no logprobs; k >= 0: the sampled token's logprob plus the k most likely (vLLM's
     # default "raw" mode: log_softmax of the model's logits, before penalties and temperature)
     logprobs: int | None = None
+    # None: none; k >= 0: each prompt token's logprob given the tokens before it, plus the k
+    # most likely there (the first token has none). Such a prompt runs through the model
+    # in full: prefix-cache and kvstore hits would leave positions without logits.
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0     # OpenAI semantics: over output tokens
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0   # vLLM's: over prompt and output tokens, > 1 discourages
@@ -56,6 +60,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int        # prompt tokens served from the prefix cache or kvstore
     logprobs: list[TokenLogprob] | None = None  # one per new_token_ids entry, if requested
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, if requested
 
 
 @dataclass(slots=True)

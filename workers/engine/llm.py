@@ -22,6 +22,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when params.prompt_logprobs is
 
 
 class LLM:
@@ -57,6 +58,8 @@ class LLM:
                 r.num_cached_tokens = o.num_cached_tokens
                 if o.logprobs:
                     r.logprobs += o.logprobs
+                if o.prompt_logprobs is not None:
+                    r.prompt_logprobs = o.prompt_logprobs
                 if o.finished:
                     r.finish_reason = o.finish_reason
                     pending.discard(o.request_id)

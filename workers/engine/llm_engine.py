@@ -13,7 +13,7 @@ import torch
 
 from kvyard.common.models import resolve_model
 
-from .api import EngineStats, RequestOutput, SamplingParams
+from .api import EngineStats, RequestOutput, SamplingParams, TokenLogprob
 from .block_manager import BlockManager, KVEvent
 from .config import EngineConfig
 from .model_runner import ModelRunner, num_blocks_for, resolve_dtype
@@ -82,8 +82,10 @@ class LLMEngine:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
         if params.top_k == 0 or params.top_k < -1:
             raise ValueError("top_k must be -1 (off) or positive")
-        if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(params, name)
+            if v is not None and not 0 <= v <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}]")
         if not 0 <= params.min_tokens <= params.max_tokens:
             raise ValueError("min_tokens must be in [0, max_tokens]")
         if params.repetition_penalty <= 0:
@@ -124,7 +126,7 @@ class LLMEngine:
                 raise RuntimeError("scheduler stalled: nothing runs and the queue head cannot start")
             return []
         t0 = time.perf_counter()
-        logits, samplers = self.runner.execute(sched)
+        logits, samplers = self.runner.execute(sched, self._prompt_logits)
         tokens: list[int] = []
         lps: list = []
         if samplers:
@@ -144,9 +146,30 @@ class LLMEngine:
             delta, reason = append_token(seq, tok, self.eos_token_ids, self.max_model_len)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-            outputs.append(self._output(seq, [tok], delta, None if lp is None else [lp]))
+            out = self._output(seq, [tok], delta, None if lp is None else [lp])
+            if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
+                out.prompt_logprobs = seq.prompt_logprobs or [None]
+            outputs.append(out)
         self.last_step_time = time.perf_counter() - t0
         return outputs
+
+    def _prompt_logits(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
+        """Prompt logprobs for positions first.. (each predicting the next prompt token),
+        appended in order; raw log_softmax, like the sampled tokens' logprobs."""
+        entries = seq.prompt_logprobs
+        if not entries:
+            entries.append(None)             # the first token has nothing before it
+        if first != len(entries) - 1:
+            raise RuntimeError(f"prompt logits out of order: position {first}, "
+                               f"{len(entries)} entries")
+        lp = torch.log_softmax(logits, dim=-1)
+        targets = seq.token_ids[first + 1:first + 1 + lp.shape[0]]
+        chosen = lp.gather(1, torch.tensor(targets).unsqueeze(1)).squeeze(1).tolist()
+        k = seq.params.prompt_logprobs or 0
+        top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
+        for j, t in enumerate(targets):
+            top = list(zip(top_i[j].tolist(), top_v[j].tolist())) if k else []
+            entries.append(TokenLogprob(t, chosen[j], top))
 
     def _output(self, seq: Sequence, new_ids: list[int], delta: str,
                 logprobs: list | None = None) -> RequestOutput:

@@ -62,6 +62,9 @@ def _passive_omp() -> bool:
     return os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" and not spin
 
 
+PROMPT_LOGITS_ROWS = 256
+
+
 class ModelRunner:
     def __init__(self, model, model_config, block_size: int, num_blocks: int, dtype: torch.dtype,
                  num_threads: int | None = None, single_thread_max_tokens: int | None = None) -> None:
@@ -84,8 +87,14 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in range(model_config.num_layers)]
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
-        """Run the batch; returns (logits [n, V] float32 or None, the n sequences that sample)."""
+    def execute(self, sched: SchedulerOutput, prompt_logits=None
+                ) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """Run the batch; returns (logits [n, V] float32 or None, the n sequences that sample).
+
+        For sequences that want prompt logprobs, `prompt_logits(seq, first position,
+        logits [k, V] float32)` gets the logits of the prompt positions this step
+        computed whose entries are still missing, at most PROMPT_LOGITS_ROWS at a time
+        (a 1,024-token chunk of a 49k vocabulary would be 200 MB at once)."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -94,6 +103,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         samplers: list[Sequence] = []
+        prompt_spans: list[tuple[Sequence, int, int, int]] = []  # (seq, first pos, first row, rows)
         for seq, n in zip(sched.seqs, sched.num_new_tokens):
             c = seq.num_computed_tokens
             end = c + n
@@ -109,6 +119,12 @@ class ModelRunner:
             if end == seq.num_tokens:
                 sample_rows.append(qsl[-1] - 1)
                 samplers.append(seq)
+            if prompt_logits is not None and seq.wants_prompt_logits:
+                # position p predicts token p + 1: entry p + 1 of seq.prompt_logprobs
+                lo = max(c, max(1, len(seq.prompt_logprobs)) - 1)
+                hi = min(end, seq.num_prompt_tokens - 1)
+                if hi > lo:
+                    prompt_spans.append((seq, lo, qsl[-2] + lo - c, hi - lo))
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
         positions = torch.tensor(pos, dtype=torch.int64)
@@ -130,6 +146,10 @@ class ModelRunner:
             torch.set_num_threads(threads)
         try:
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+            for seq, p0, r0, n in prompt_spans:
+                for j in range(0, n, PROMPT_LOGITS_ROWS):
+                    k = min(PROMPT_LOGITS_ROWS, n - j)
+                    prompt_logits(seq, p0 + j, self.model.compute_logits(hidden[r0 + j:r0 + j + k]).float())
             if not samplers:
                 return None, samplers
             last = hidden[sample_rows] if len(sample_rows) < hidden.shape[0] else hidden

@@ -138,9 +138,10 @@ class Scheduler:
         bs = self.bm.block_size
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            prefix = self.bm.match_prefix(seq)
+            fresh = seq.wants_prompt_logits   # every prompt position must be computed
+            prefix = [] if fresh else self.bm.match_prefix(seq)
             k = len(prefix)
-            m = self._external_blocks(seq, k)
+            m = 0 if fresh else self._external_blocks(seq, k)
             n = min(seq.num_tokens - (k + m) * bs, budget)
             if not self.bm.allocate(seq, m * bs + n, prefix):
                 break                       # FCFS: nobody overtakes the head

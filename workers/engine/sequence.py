@@ -40,6 +40,7 @@ class Sequence:
     detokenizer: Any = None              # incremental detokenizer (tokenizer-provided)
     output_text: str = ""                # detokenized output, stop strings trimmed
     num_emitted_chars: int = 0           # of output_text already streamed
+    prompt_logprobs: list[Any] = field(default_factory=list)  # [None, TokenLogprob, ...] as computed
 
     @property
     def num_tokens(self) -> int:
@@ -52,6 +53,13 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet: every prompt position
+        must run through the model, so no cached prefix may stand in for it."""
+        return self.params.prompt_logprobs is not None \
+            and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -102,12 +102,28 @@ class _Run:
                 await engine.abort(self.request_id)
 
 
+@dataclass(slots=True)
+class _Echo:
+    """Completions' `echo`: the prompt's text, and with logprobs its tokens' entries."""
+
+    text: str
+    ids: list[int]
+
+    def first(self, out: RequestOutput, lp_shaper: LogprobsShaper | None) -> dict | None:
+        if lp_shaper is None:
+            return None
+        return lp_shaper.shape(out.prompt_logprobs or [None] * len(self.ids), self.ids)
+
+
 async def _complete(run: _Run, shaper: Shaper, ids: list[int], params: SamplingParams,
-                    lp_shaper: LogprobsShaper | None) -> web.Response:
-    parts: list[str] = []
+                    lp_shaper: LogprobsShaper | None, echo: _Echo | None) -> web.Response:
+    parts: list[str] = [echo.text] if echo else []
     lps: list = []
+    lp_json: dict | None = None
     async with aclosing(run.drive(ids, params)) as outs:
         async for out in outs:
+            if echo is not None and out.prompt_logprobs is not None:
+                lps.extend(out.prompt_logprobs)
             if out.text_delta:
                 parts.append(out.text_delta)
             if out.logprobs:
@@ -115,13 +131,15 @@ async def _complete(run: _Run, shaper: Shaper, ids: list[int], params: SamplingP
     if run.finish_reason in (None, "abort"):
         raise ApiError(503, "the request was aborted by the server (shutting down?)",
                        code="aborted")
+    if lp_shaper is not None:
+        lp_json = lp_shaper.shape(lps, ids)
     return web.json_response(shaper.final("".join(parts), run.finish_reason, run.usage,
-                                          lp_shaper.shape(lps) if lp_shaper else None))
+                                          lp_json))
 
 
 async def _stream(request: web.Request, run: _Run, shaper: Shaper, ids: list[int],
                   params: SamplingParams, include_usage: bool,
-                  lp_shaper: LogprobsShaper | None) -> web.StreamResponse:
+                  lp_shaper: LogprobsShaper | None, echo: _Echo | None) -> web.StreamResponse:
     """Headers go out with the first engine output, so a request the engine refuses
     still gets a real status code; after that, errors travel in-band."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -137,6 +155,10 @@ async def _stream(request: web.Request, run: _Run, shaper: Shaper, ids: list[int
         async with aclosing(run.drive(ids, params)) as outs:
             async for out in outs:  # a write cancelled mid-way still closes `outs`
                 await open_stream()
+                if echo is not None:  # the prompt goes out first, in a chunk of its own
+                    await resp.write(shaper.chunk(echo.text, with_usage_field=include_usage,
+                                                  logprobs=echo.first(out, lp_shaper)))
+                    echo = None
                 if lp_shaper is not None and out.logprobs:  # every token's logprobs, text or not
                     await resp.write(shaper.chunk(out.text_delta, with_usage_field=include_usage,
                                                   logprobs=lp_shaper.shape(out.logprobs)))
@@ -177,17 +199,21 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     if vocab and params.logit_bias and max(params.logit_bias) >= vocab:
         raise ApiError(400, f"logit_bias token id {max(params.logit_bias)} is out of range: the "
                        f"vocabulary has {vocab} tokens", param="logit_bias", code="invalid_value")
-    lp_shaper = None
+    lp_shaper = echo = None
+    tok = state.engine.tokenizer
     if params.logprobs is not None:
-        tok = state.engine.tokenizer
         lp_shaper = LogprobsShaper(kind, lambda t: tok.decode([t]))
+    if req.echo:
+        echo = _Echo(req.prompt_text if req.prompt_text is not None else tok.decode(ids), ids)
+        params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     shaper = Shaper(kind, request_id, req.model)
     run = _Run(state, request_id, len(ids))
     if req.stream:
-        return await _stream(request, run, shaper, ids, params, req.include_usage, lp_shaper)
-    return await _complete(run, shaper, ids, params, lp_shaper)
+        return await _stream(request, run, shaper, ids, params, req.include_usage, lp_shaper,
+                             echo)
+    return await _complete(run, shaper, ids, params, lp_shaper, echo)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

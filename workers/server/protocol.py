@@ -8,9 +8,11 @@ client never gets an answer to a question it did not ask.
 
 logprobs: completions take an integer (the number of alternatives, as in
 OpenAI's legacy API), chat takes `logprobs: true` plus `top_logprobs`; both
-are capped at 20 (OpenAI's limit, vLLM's default --max-logprobs). Prompt
-logprobs (`echo` with logprobs) are not offered: they need logits for every
-prompt position, which prefix caching skips computing.
+are capped at 20 (OpenAI's limit, vLLM's default --max-logprobs).
+Completions' `echo` returns the prompt before the output and, with
+`logprobs`, the prompt tokens' logprobs too (what lm-eval-harness's
+loglikelihood tasks read); such a prompt is computed in full, never taken
+from the prefix cache. Chat has no `echo` in OpenAI's API: refused there.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ class GenerateRequest:
     max_tokens: int | None                     # None: fill the remaining context
     stream: bool = False
     include_usage: bool = False
+    echo: bool = False                         # completions: prompt text (and logprobs) first
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
@@ -109,7 +112,6 @@ def _token_ids(v: Any, name: str) -> list[int]:
 def _refuse_unsupported(body: dict[str, Any]) -> None:
     """Fields whose non-default values would change the answer in ways we cannot deliver."""
     checks: list[tuple[str, bool]] = [
-        ("echo", body.get("echo") not in (None, False)),
         ("suffix", body.get("suffix") not in (None, "")),
         ("best_of", body.get("best_of") not in (None, 1)),
         ("tools", body.get("tools") not in (None, [])),
@@ -301,8 +303,12 @@ def parse_request(body: dict[str, Any], kind: str, served_names: list[str]) -> G
                           max_tokens=_max_tokens(body, kind), stream=stream,
                           include_usage=include_usage, raw=body)
     if kind == "chat":
+        if body.get("echo") not in (None, False):
+            raise ApiError(400, "'echo' is not supported for chat completions", param="echo",
+                           code="unsupported_parameter")
         req.messages = _messages(body)
     else:
+        req.echo = _opt_bool(body, "echo")
         _prompt(body, req)
     return req
 

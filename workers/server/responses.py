@@ -102,25 +102,35 @@ class LogprobsShaper:
     token_text: Callable[[int], str]
     offset: int = 0     # completions: characters of the output before the next token
 
-    def shape(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    def shape(self, entries: Sequence[TokenLogprob | None],
+              ids: Sequence[int] = ()) -> dict[str, Any]:
+        """`entries` may hold None (an echoed prompt's first token, which has no
+        logprob: completions only); its token is then `ids[i]`."""
         text = self.token_text
         if self.kind == "chat":
             return {"content": [
                 {**_chat_token(text(e.token_id), e.logprob),
                  "top_logprobs": [_chat_token(text(t), lp) for t, lp in e.top]}
-                for e in entries]}
-        tokens = [text(e.token_id) for e in entries]
-        offsets = []
-        for t in tokens:
+                for e in entries if e is not None]}
+        tokens: list[str] = []
+        lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        for i, e in enumerate(entries):
+            tok = text(ids[i] if e is None else e.token_id)
+            tokens.append(tok)
             offsets.append(self.offset)
-            self.offset += len(t)
-        tops = []
-        for e in entries:
+            self.offset += len(tok)
+            if e is None:
+                lps.append(None)
+                tops.append(None)
+                continue
+            lps.append(_clamp(e.logprob))
             top = {text(t): _clamp(lp) for t, lp in e.top}
-            top.setdefault(text(e.token_id), _clamp(e.logprob))
+            top.setdefault(tok, _clamp(e.logprob))
             tops.append(top)
-        return {"tokens": tokens, "token_logprobs": [_clamp(e.logprob) for e in entries],
-                "top_logprobs": tops, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
+                "text_offset": offsets}
 
 
 def _clamp(lp: float) -> float:
