@@ -197,6 +197,35 @@ def test_echo_with_logprobs_scores_a_prompt_like_lm_eval(client: openai.OpenAI,
     assert plain["logprobs"] is None and plain["text"] == runs[0]["choices"][0]["text"]
 
 
+def test_n_choices_streamed_and_not(client: openai.OpenAI, worker: WorkerProcess) -> None:
+    """n choices: each its own sample (seed + index), usage counts the prompt once and
+    every choice's tokens, streams interleave chunks tagged with each index."""
+    body = dict(model=MODEL, prompt="Tell me a story", max_tokens=10, temperature=1.0, seed=11,
+                n=3, extra_body={"ignore_eos": True})
+    full = client.completions.create(**body)
+    texts = [c.text for c in sorted(full.choices, key=lambda c: c.index)]
+    assert [c.index for c in full.choices] == [0, 1, 2] and len(set(texts)) == 3
+    assert full.usage.completion_tokens == 30
+    one = client.completions.create(**dict(body, n=1)).choices[0].text
+    assert one == texts[0]                            # choice 0 keeps the request's seed
+    again = client.completions.create(**body)
+    assert [c.text for c in again.choices] == texts   # the whole answer is reproducible
+
+    chunks = list(client.completions.create(**body, stream=True,
+                                            stream_options={"include_usage": True}))
+    streamed = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)}
+    assert [streamed[i] for i in range(3)] == texts
+    finishes = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(finishes) == [0, 1, 2] and chunks[-1].usage.completion_tokens == 30
+
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,
+                                          n=2, logprobs=True)
+    assert len(chat.choices) == 2
+    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy twice
+    assert all(len(c.logprobs.content) >= 1 for c in chat.choices)
+
+
 def test_penalties_bias_and_min_tokens_are_honoured(client: openai.OpenAI,
                                                     worker: WorkerProcess) -> None:
     _, _, tok = post(worker, "/tokenize", {"prompt": " Paris"})
@@ -287,8 +316,8 @@ def test_the_sdk_parses_our_errors(client: openai.OpenAI) -> None:
         client.chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=2)
     assert nf.value.code == "model_not_found" and nf.value.param == "model"
     with pytest.raises(openai.BadRequestError) as br:
-        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=3)
-    assert br.value.code == "unsupported_parameter" and "n=1" in br.value.message
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, best_of=3)
+    assert br.value.code == "unsupported_parameter" and br.value.param == "best_of"
 
 
 def test_errors_carry_the_endpoint_header(worker: WorkerProcess) -> None:
@@ -307,14 +336,15 @@ def _open_raw(worker: WorkerProcess, body: dict) -> socket.socket:
     return s
 
 
-@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+@pytest.mark.parametrize("stream,n", [(True, 1), (False, 1), (True, 3), (False, 2)],
+                         ids=["stream", "non-stream", "stream-n3", "non-stream-n2"])
 def test_client_disconnect_frees_the_request(worker: WorkerProcess, wait_until,
-                                             stream: bool) -> None:
+                                             stream: bool, n: int) -> None:
     max_tokens = 800  # minutes of decoding at CPU speed: only an abort ends it in time
     before = scrape(worker)
     s = _open_raw(worker, {"model": MODEL, "prompt": "Write a long essay about the sea.",
                            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                           "stream": stream})
+                           "stream": stream, "n": n})
     try:
         if stream:  # the first data event proves generation is under way
             got = b""
@@ -325,7 +355,7 @@ def test_client_disconnect_frees_the_request(worker: WorkerProcess, wait_until,
 
         def busy() -> bool:
             m = scrape(worker)
-            return (sample(m, "vllm:num_requests_running") == 1
+            return (sample(m, "vllm:num_requests_running") == n
                     and sample(m, "vllm:kv_cache_usage_perc") > 0)
 
         wait_until(busy, timeout=60, what="the request to run")
@@ -342,6 +372,6 @@ def test_client_disconnect_frees_the_request(worker: WorkerProcess, wait_until,
     after = wait_until(idle, timeout=20, what="the aborted request to free its blocks")
     generated = sample(after, "vllm:generation_tokens_total") - sample(
         before, "vllm:generation_tokens_total")
-    assert generated < max_tokens
+    assert generated < n * max_tokens
     key = f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}'
-    assert after[key] - before[key] == 1
+    assert after[key] - before[key] == n

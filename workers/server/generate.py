@@ -109,68 +109,122 @@ class _Echo:
     text: str
     ids: list[int]
 
-    def first(self, out: RequestOutput, lp_shaper: LogprobsShaper | None) -> dict | None:
-        if lp_shaper is None:
+
+@dataclass(slots=True)
+class _Choice:
+    """One of the request's `n` answers: its own engine request, sampling parameters
+    (seed + index, as vLLM derives them) and logprobs offsets."""
+
+    index: int
+    run: _Run
+    params: SamplingParams
+    lp: LogprobsShaper | None
+    echo: _Echo | None
+
+    def prompt_part(self, out: RequestOutput) -> dict | None:
+        """The echoed prompt's logprobs (at the first output), when asked for."""
+        if self.lp is None or self.echo is None:
             return None
-        return lp_shaper.shape(out.prompt_logprobs or [None] * len(self.ids), self.ids)
+        ids = self.echo.ids
+        return self.lp.shape(out.prompt_logprobs or [None] * len(ids), ids)
+
+    def check_finished(self) -> str:
+        if self.run.finish_reason in (None, "abort"):
+            raise ApiError(503, "the request was aborted by the server (shutting down?)",
+                           code="aborted")
+        return self.run.finish_reason
 
 
-async def _complete(run: _Run, shaper: Shaper, ids: list[int], params: SamplingParams,
-                    lp_shaper: LogprobsShaper | None, echo: _Echo | None) -> web.Response:
-    parts: list[str] = [echo.text] if echo else []
-    lps: list = []
-    lp_json: dict | None = None
-    async with aclosing(run.drive(ids, params)) as outs:
-        async for out in outs:
-            if echo is not None and out.prompt_logprobs is not None:
-                lps.extend(out.prompt_logprobs)
-            if out.text_delta:
-                parts.append(out.text_delta)
-            if out.logprobs:
-                lps.extend(out.logprobs)
-    if run.finish_reason in (None, "abort"):
-        raise ApiError(503, "the request was aborted by the server (shutting down?)",
-                       code="aborted")
-    if lp_shaper is not None:
-        lp_json = lp_shaper.shape(lps, ids)
-    return web.json_response(shaper.final("".join(parts), run.finish_reason, run.usage,
-                                          lp_json))
+def _usage(choices: list[_Choice]) -> Usage:
+    """The prompt once, every choice's completion tokens (OpenAI's and vLLM's count)."""
+    us = [c.run.usage for c in choices]
+    return Usage(us[0].prompt_tokens, sum(u.completion_tokens for u in us),
+                 max(u.cached_tokens for u in us))
 
 
-async def _stream(request: web.Request, run: _Run, shaper: Shaper, ids: list[int],
-                  params: SamplingParams, include_usage: bool,
-                  lp_shaper: LogprobsShaper | None, echo: _Echo | None) -> web.StreamResponse:
+async def _all(coros) -> list:
+    """Run concurrently; the first failure cancels the others (their engine requests
+    are aborted on the way out) and is raised as itself, not as a group."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _complete(choices: list[_Choice], shaper: Shaper, ids: list[int]) -> web.Response:
+    async def collect(c: _Choice) -> tuple[str, str, dict | None]:
+        parts: list[str] = [c.echo.text] if c.echo else []
+        lps: list = []
+        async with aclosing(c.run.drive(ids, c.params)) as outs:
+            async for out in outs:
+                if c.echo is not None and out.prompt_logprobs is not None:
+                    lps.extend(out.prompt_logprobs)
+                if out.text_delta:
+                    parts.append(out.text_delta)
+                if out.logprobs:
+                    lps.extend(out.logprobs)
+        reason = c.check_finished()
+        return "".join(parts), reason, c.lp.shape(lps, ids) if c.lp else None
+    results = await _all(collect(c) for c in choices)
+    return web.json_response(shaper.final(results, _usage(choices)))
+
+
+async def _stream(request: web.Request, choices: list[_Choice], shaper: Shaper, ids: list[int],
+                  include_usage: bool) -> web.StreamResponse:
     """Headers go out with the first engine output, so a request the engine refuses
-    still gets a real status code; after that, errors travel in-band."""
+    still gets a real status code; after that, errors travel in-band. With n > 1
+    the choices' chunks interleave as their tokens come, each with its index."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
+    queue: asyncio.Queue = asyncio.Queue()
+    ended = object()
+
+    async def pump(c: _Choice) -> None:
+        try:
+            async with aclosing(c.run.drive(ids, c.params)) as outs:
+                async for out in outs:
+                    await queue.put((c, out))
+            await queue.put((c, ended))
+        except Exception as e:  # noqa: BLE001 - handed to the writer, which raises it
+            await queue.put((c, e))
 
     async def open_stream() -> None:
         if not resp.prepared:
             await resp.prepare(request)
             if shaper.kind == "chat":  # the role arrives before any content, as with OpenAI
-                await resp.write(shaper.chunk("", role=True, with_usage_field=include_usage))
-
-    try:
-        async with aclosing(run.drive(ids, params)) as outs:
-            async for out in outs:  # a write cancelled mid-way still closes `outs`
-                await open_stream()
-                if echo is not None:  # the prompt goes out first, in a chunk of its own
-                    await resp.write(shaper.chunk(echo.text, with_usage_field=include_usage,
-                                                  logprobs=echo.first(out, lp_shaper)))
-                    echo = None
-                if lp_shaper is not None and out.logprobs:  # every token's logprobs, text or not
-                    await resp.write(shaper.chunk(out.text_delta, with_usage_field=include_usage,
-                                                  logprobs=lp_shaper.shape(out.logprobs)))
-                elif out.text_delta:
-                    await resp.write(shaper.chunk(out.text_delta,
+                for c in choices:
+                    await resp.write(shaper.chunk("", role=True, index=c.index,
                                                   with_usage_field=include_usage))
-        await open_stream()
-        if run.finish_reason in (None, "abort"):
-            raise ApiError(503, "the request was aborted by the server", code="aborted")
-        await resp.write(shaper.chunk(None, run.finish_reason, with_usage_field=include_usage))
+
+    def chunk(c: _Choice, text: str | None, reason: str | None = None,
+              logprobs: dict | None = None) -> bytes:
+        return shaper.chunk(text, reason, with_usage_field=include_usage, logprobs=logprobs,
+                            index=c.index)
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    try:
+        live = len(choices)
+        while live:
+            c, out = await queue.get()
+            if isinstance(out, Exception):
+                raise out
+            await open_stream()
+            if out is ended:
+                live -= 1
+                await resp.write(chunk(c, None, c.check_finished()))
+                continue
+            if c.echo is not None:  # the prompt goes out first, in a chunk of its own
+                await resp.write(chunk(c, c.echo.text, logprobs=c.prompt_part(out)))
+                c.echo = None
+            if c.lp is not None and out.logprobs:  # every token's logprobs, text or not
+                await resp.write(chunk(c, out.text_delta, logprobs=c.lp.shape(out.logprobs)))
+            elif out.text_delta:
+                await resp.write(chunk(c, out.text_delta))
         if include_usage:
-            await resp.write(shaper.usage_chunk(run.usage))
+            await resp.write(shaper.usage_chunk(_usage(choices)))
         await resp.write(DONE)
         await resp.write_eof()
     except ApiError as e:
@@ -183,7 +237,11 @@ async def _stream(request: web.Request, run: _Run, shaper: Shaper, ids: list[int
         except ConnectionResetError:
             pass
     except ConnectionResetError:
-        pass  # the client left; drive()'s finally has already aborted the request
+        pass  # the client left; the pumps' drive() aborts their requests below
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     return resp
 
 
@@ -199,21 +257,25 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     if vocab and params.logit_bias and max(params.logit_bias) >= vocab:
         raise ApiError(400, f"logit_bias token id {max(params.logit_bias)} is out of range: the "
                        f"vocabulary has {vocab} tokens", param="logit_bias", code="invalid_value")
-    lp_shaper = echo = None
     tok = state.engine.tokenizer
-    if params.logprobs is not None:
-        lp_shaper = LogprobsShaper(kind, lambda t: tok.decode([t]))
+    echo = None
     if req.echo:
         echo = _Echo(req.prompt_text if req.prompt_text is not None else tok.decode(ids), ids)
         params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     shaper = Shaper(kind, request_id, req.model)
-    run = _Run(state, request_id, len(ids))
+    choices = []
+    for i in range(req.n):
+        p = params
+        if i and p.seed is not None:
+            p = dataclasses.replace(p, seed=(p.seed + i) % (1 << 64))
+        rid = request_id if req.n == 1 else f"{request_id}-{i}"
+        lp = LogprobsShaper(kind, lambda t: tok.decode([t])) if p.logprobs is not None else None
+        choices.append(_Choice(i, _Run(state, rid, len(ids)), p, lp, echo))
     if req.stream:
-        return await _stream(request, run, shaper, ids, params, req.include_usage, lp_shaper,
-                             echo)
-    return await _complete(run, shaper, ids, params, lp_shaper, echo)
+        return await _stream(request, choices, shaper, ids, req.include_usage)
+    return await _complete(choices, shaper, ids)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

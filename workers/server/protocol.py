@@ -3,8 +3,9 @@
 Validation is strict and explicit because a wrong type that slips through
 would surface as an exception deep in the engine's step loop, where it hurts
 every request in the batch, not just the bad one. Fields we cannot honour
-(echo, n > 1, tools, ...) are refused rather than silently ignored, so a
-client never gets an answer to a question it did not ask.
+(best_of, tools, ...) are refused rather than silently ignored, so a client
+never gets an answer to a question it did not ask. `n` (up to MAX_N) runs n
+engine requests side by side; with a seed, choice i samples with seed + i.
 
 logprobs: completions take an integer (the number of alternatives, as in
 OpenAI's legacy API), chat takes `logprobs: true` plus `top_logprobs`; both
@@ -27,6 +28,7 @@ from .errors import ApiError
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 MAX_LOGPROBS = 20
+MAX_N = 16  # choices per request: each is an engine request, so n is a batch-slot multiplier
 
 
 @dataclass(slots=True)
@@ -40,6 +42,7 @@ class GenerateRequest:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False                         # completions: prompt text (and logprobs) first
+    n: int = 1                                 # choices, each its own engine request
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
@@ -285,9 +288,11 @@ def parse_request(body: dict[str, Any], kind: str, served_names: list[str]) -> G
         raise ApiError(404, f"The model `{model}` does not exist. Served: "
                        f"{', '.join(served_names)}", param="model", code="model_not_found")
     n = _opt_int(body, "n")
-    if n is not None and n != 1:
-        raise ApiError(400, f"only n=1 is supported, got n={n}", param="n",
-                       code="unsupported_parameter")
+    if n is None:
+        n = 1
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"'n' must be in [1, {MAX_N}], got {n}", param="n",
+                       code="invalid_value")
     _refuse_unsupported(body)
     stream = _opt_bool(body, "stream")
     opts = body.get("stream_options")
@@ -301,7 +306,7 @@ def parse_request(body: dict[str, Any], kind: str, served_names: list[str]) -> G
         include_usage = _opt_bool(opts, "include_usage")
     req = GenerateRequest(kind=kind, model=model, params=_sampling(body, kind),
                           max_tokens=_max_tokens(body, kind), stream=stream,
-                          include_usage=include_usage, raw=body)
+                          include_usage=include_usage, n=n, raw=body)
     if kind == "chat":
         if body.get("echo") not in (None, False):
             raise ApiError(400, "'echo' is not supported for chat completions", param="echo",

@@ -46,23 +46,23 @@ class Shaper:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def final(self, text: str, finish_reason: str | None, usage: Usage,
-              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    def final(self, choices: Sequence[tuple[str, str | None, dict[str, Any] | None]],
+              usage: Usage) -> dict[str, Any]:
+        """choices: (text, finish_reason, logprobs or None) per `index`."""
+        body = self._head("chat.completion" if self.kind == "chat" else "text_completion")
         if self.kind == "chat":
-            body = self._head("chat.completion")
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": logprobs, "finish_reason": finish_reason}
+            body["choices"] = [{"index": i, "message": {"role": "assistant", "content": text},
+                                "logprobs": lp, "finish_reason": fr}
+                               for i, (text, fr, lp) in enumerate(choices)]
         else:
-            body = self._head("text_completion")
-            choice = {"index": 0, "text": text, "logprobs": logprobs,
-                      "finish_reason": finish_reason}
-        body["choices"] = [choice]
+            body["choices"] = [{"index": i, "text": text, "logprobs": lp, "finish_reason": fr}
+                               for i, (text, fr, lp) in enumerate(choices)]
         body["usage"] = usage.to_dict()
         return body
 
     def chunk(self, text: str | None, finish_reason: str | None = None, *,
               role: bool = False, with_usage_field: bool = False,
-              logprobs: dict[str, Any] | None = None) -> bytes:
+              logprobs: dict[str, Any] | None = None, index: int = 0) -> bytes:
         """One SSE event. `text=None` with a finish_reason makes the closing chunk."""
         if self.kind == "chat":
             body = self._head("chat.completion.chunk")
@@ -71,11 +71,11 @@ class Shaper:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs,
+            choice = {"index": index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish_reason}
         else:
             body = self._head("text_completion")
-            choice = {"index": 0, "text": text or "", "logprobs": logprobs,
+            choice = {"index": index, "text": text or "", "logprobs": logprobs,
                       "finish_reason": finish_reason}
         body["choices"] = [choice]
         if with_usage_field:
