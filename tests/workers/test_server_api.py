@@ -226,6 +226,28 @@ def test_n_choices_streamed_and_not(client: openai.OpenAI, worker: WorkerProcess
     assert all(len(c.logprobs.content) >= 1 for c in chat.choices)
 
 
+def test_a_batch_of_prompts_gives_one_choice_per_prompt_and_sample(client: openai.OpenAI,
+                                                                   worker: WorkerProcess) -> None:
+    """OpenAI's batched completions (lm-eval-harness sends them): texts and token-id lists
+    mixed, choice index = prompt * n + sample, usage sums each prompt once."""
+    _, _, tok = post(worker, "/tokenize", {"prompt": "The capital of France is"})
+    prompts = ["Once upon a time", tok["tokens"], "Hello"]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0)
+             for p in prompts]
+    batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0, n=2)
+    assert sorted(c.index for c in batch.choices) == list(range(6))
+    by_index = {c.index: c.text for c in batch.choices}
+    for j, a in enumerate(alone):
+        assert by_index[2 * j] == by_index[2 * j + 1] == a.choices[0].text
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    streamed = list(client.completions.create(model=MODEL, prompt=prompts, max_tokens=5,
+                                              temperature=0, stream=True))
+    text = {i: "".join(c.choices[0].text for c in streamed if c.choices[0].index == i)
+            for i in range(3)}
+    assert [text[i] for i in range(3)] == [a.choices[0].text for a in alone]
+
+
 def test_penalties_bias_and_min_tokens_are_honoured(client: openai.OpenAI,
                                                     worker: WorkerProcess) -> None:
     _, _, tok = post(worker, "/tokenize", {"prompt": " Paris"})

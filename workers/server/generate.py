@@ -31,26 +31,30 @@ from .state import ServerState, get_state
 _TOKENIZE_IN_THREAD_CHARS = 8192  # long prompts are tokenized off the event loop
 
 
-async def _prompt_ids(state: ServerState, req: GenerateRequest) -> list[int]:
+async def _prompt_ids(state: ServerState, req: GenerateRequest) -> list[list[int]]:
+    """The token ids of each prompt (one for chat)."""
     tok = state.engine.tokenizer
     try:
         if req.messages is not None:
             big = sum(len(m["content"]) for m in req.messages) > _TOKENIZE_IN_THREAD_CHARS
-            call = lambda: tok.encode_chat(req.messages, add_generation_prompt=True)  # noqa: E731
-        elif req.prompt_text is not None:
-            big = len(req.prompt_text) > _TOKENIZE_IN_THREAD_CHARS
-            call = lambda: tok.encode(req.prompt_text, add_special_tokens=True)  # noqa: E731
-        else:
-            ids = req.prompt_ids or []
-            vocab = state.vocab_size
-            if vocab and ids and max(ids) >= vocab:
-                raise ApiError(400, f"token id {max(ids)} is out of range: the vocabulary has "
-                               f"{vocab} tokens", param="prompt", code="invalid_value")
-            return ids
-        return list(await asyncio.to_thread(call) if big else call())
+            call = lambda: [tok.encode_chat(req.messages, add_generation_prompt=True)]  # noqa: E731
+            return await asyncio.to_thread(call) if big else call()
     except ChatTemplateError as e:
         raise ApiError(400, f"messages cannot be rendered with the chat template: {e}",
                        param="messages", code="invalid_messages") from None
+    out: list[list[int]] = []
+    vocab = state.vocab_size
+    for p in req.prompts:
+        if isinstance(p, str):
+            call = lambda p=p: tok.encode(p, add_special_tokens=True)  # noqa: E731
+            out.append(list(await asyncio.to_thread(call) if len(p) > _TOKENIZE_IN_THREAD_CHARS
+                            else call()))
+            continue
+        if vocab and max(p) >= vocab:
+            raise ApiError(400, f"token id {max(p)} is out of range: the vocabulary has "
+                           f"{vocab} tokens", param="prompt", code="invalid_value")
+        out.append(p)
+    return out
 
 
 @dataclass(slots=True)
@@ -112,10 +116,12 @@ class _Echo:
 
 @dataclass(slots=True)
 class _Choice:
-    """One of the request's `n` answers: its own engine request, sampling parameters
-    (seed + index, as vLLM derives them) and logprobs offsets."""
+    """One of the request's answers (prompt p, sample i of n: index p * n + i): its own
+    engine request, sampling parameters (seed + i, as vLLM derives them) and
+    logprobs offsets."""
 
     index: int
+    ids: list[int]
     run: _Run
     params: SamplingParams
     lp: LogprobsShaper | None
@@ -135,11 +141,11 @@ class _Choice:
         return self.run.finish_reason
 
 
-def _usage(choices: list[_Choice]) -> Usage:
-    """The prompt once, every choice's completion tokens (OpenAI's and vLLM's count)."""
+def _usage(choices: list[_Choice], n: int) -> Usage:
+    """Each prompt once, every choice's completion tokens (OpenAI's and vLLM's count)."""
     us = [c.run.usage for c in choices]
-    return Usage(us[0].prompt_tokens, sum(u.completion_tokens for u in us),
-                 max(u.cached_tokens for u in us))
+    return Usage(sum(u.prompt_tokens for u in us[::n]), sum(u.completion_tokens for u in us),
+                 sum(u.cached_tokens for u in us[::n]))
 
 
 async def _all(coros) -> list:
@@ -154,11 +160,11 @@ async def _all(coros) -> list:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _complete(choices: list[_Choice], shaper: Shaper, ids: list[int]) -> web.Response:
+async def _complete(choices: list[_Choice], shaper: Shaper, n: int) -> web.Response:
     async def collect(c: _Choice) -> tuple[str, str, dict | None]:
         parts: list[str] = [c.echo.text] if c.echo else []
         lps: list = []
-        async with aclosing(c.run.drive(ids, c.params)) as outs:
+        async with aclosing(c.run.drive(c.ids, c.params)) as outs:
             async for out in outs:
                 if c.echo is not None and out.prompt_logprobs is not None:
                     lps.extend(out.prompt_logprobs)
@@ -167,12 +173,12 @@ async def _complete(choices: list[_Choice], shaper: Shaper, ids: list[int]) -> w
                 if out.logprobs:
                     lps.extend(out.logprobs)
         reason = c.check_finished()
-        return "".join(parts), reason, c.lp.shape(lps, ids) if c.lp else None
+        return "".join(parts), reason, c.lp.shape(lps, c.ids) if c.lp else None
     results = await _all(collect(c) for c in choices)
-    return web.json_response(shaper.final(results, _usage(choices)))
+    return web.json_response(shaper.final(results, _usage(choices, n)))
 
 
-async def _stream(request: web.Request, choices: list[_Choice], shaper: Shaper, ids: list[int],
+async def _stream(request: web.Request, choices: list[_Choice], shaper: Shaper, n: int,
                   include_usage: bool) -> web.StreamResponse:
     """Headers go out with the first engine output, so a request the engine refuses
     still gets a real status code; after that, errors travel in-band. With n > 1
@@ -184,7 +190,7 @@ async def _stream(request: web.Request, choices: list[_Choice], shaper: Shaper, 
 
     async def pump(c: _Choice) -> None:
         try:
-            async with aclosing(c.run.drive(ids, c.params)) as outs:
+            async with aclosing(c.run.drive(c.ids, c.params)) as outs:
                 async for out in outs:
                     await queue.put((c, out))
             await queue.put((c, ended))
@@ -224,7 +230,7 @@ async def _stream(request: web.Request, choices: list[_Choice], shaper: Shaper, 
             elif out.text_delta:
                 await resp.write(chunk(c, out.text_delta))
         if include_usage:
-            await resp.write(shaper.usage_chunk(_usage(choices)))
+            await resp.write(shaper.usage_chunk(_usage(choices, n)))
         await resp.write(DONE)
         await resp.write_eof()
     except ApiError as e:
@@ -249,33 +255,37 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     state = get_state(request.app)
     body = parse_body(await request.read())
     req = parse_request(body, kind, state.served_names)
-    ids = await _prompt_ids(state, req)
-    max_tokens = check_length(len(ids), req.max_tokens, state.engine.max_model_len,
-                              "messages" if kind == "chat" else "prompt")
-    params = dataclasses.replace(req.params, max_tokens=max_tokens)
+    prompts = await _prompt_ids(state, req)
+    params = req.params
     vocab = state.vocab_size
     if vocab and params.logit_bias and max(params.logit_bias) >= vocab:
         raise ApiError(400, f"logit_bias token id {max(params.logit_bias)} is out of range: the "
                        f"vocabulary has {vocab} tokens", param="logit_bias", code="invalid_value")
-    tok = state.engine.tokenizer
-    echo = None
     if req.echo:
-        echo = _Echo(req.prompt_text if req.prompt_text is not None else tok.decode(ids), ids)
         params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
+    tok = state.engine.tokenizer
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     shaper = Shaper(kind, request_id, req.model)
     choices = []
-    for i in range(req.n):
-        p = params
-        if i and p.seed is not None:
-            p = dataclasses.replace(p, seed=(p.seed + i) % (1 << 64))
-        rid = request_id if req.n == 1 else f"{request_id}-{i}"
-        lp = LogprobsShaper(kind, lambda t: tok.decode([t])) if p.logprobs is not None else None
-        choices.append(_Choice(i, _Run(state, rid, len(ids)), p, lp, echo))
+    for j, ids in enumerate(prompts):
+        max_tokens = check_length(len(ids), req.max_tokens, state.engine.max_model_len,
+                                  "messages" if kind == "chat" else "prompt")
+        echo = None
+        if req.echo:
+            p = req.prompts[j]
+            echo = _Echo(p if isinstance(p, str) else tok.decode(ids), ids)
+        for i in range(req.n):
+            p = dataclasses.replace(params, max_tokens=max_tokens)
+            if i and p.seed is not None:
+                p = dataclasses.replace(p, seed=(p.seed + i) % (1 << 64))
+            index = j * req.n + i
+            rid = request_id if len(prompts) * req.n == 1 else f"{request_id}-{index}"
+            lp = LogprobsShaper(kind, lambda t: tok.decode([t])) if p.logprobs is not None else None
+            choices.append(_Choice(index, ids, _Run(state, rid, len(ids)), p, lp, echo))
     if req.stream:
-        return await _stream(request, choices, shaper, ids, req.include_usage)
-    return await _complete(choices, shaper, ids)
+        return await _stream(request, choices, shaper, req.n, req.include_usage)
+    return await _complete(choices, shaper, req.n)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -295,6 +305,9 @@ async def tokenize(request: web.Request) -> web.Response:
     kind = "chat" if "messages" in body else "completion"
     fields = {k: body[k] for k in ("model", "messages", "prompt") if k in body}
     req = parse_request(fields, kind, state.served_names)
-    ids = await _prompt_ids(state, req)
+    prompts = await _prompt_ids(state, req)
+    if len(prompts) != 1:
+        raise ApiError(400, "/tokenize takes one prompt", param="prompt", code="invalid_value")
+    ids = prompts[0]
     return web.json_response({"tokens": ids, "count": len(ids),
                               "max_model_len": state.engine.max_model_len})

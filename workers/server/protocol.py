@@ -29,11 +29,12 @@ from .errors import ApiError
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 MAX_LOGPROBS = 20
 MAX_N = 16  # choices per request: each is an engine request, so n is a batch-slot multiplier
+MAX_CHOICES = 64  # prompts x n
 
 
 @dataclass(slots=True)
 class GenerateRequest:
-    """A validated request. Exactly one of prompt_text / prompt_ids / messages is set."""
+    """A validated request: `prompts` (completions: each a text or token ids) or `messages`."""
 
     kind: str                                  # "completion" | "chat"
     model: str
@@ -43,8 +44,7 @@ class GenerateRequest:
     include_usage: bool = False
     echo: bool = False                         # completions: prompt text (and logprobs) first
     n: int = 1                                 # choices, each its own engine request
-    prompt_text: str | None = None
-    prompt_ids: list[int] | None = None
+    prompts: list[str | list[int]] = field(default_factory=list)
     messages: list[dict[str, Any]] | None = None
     raw: dict[str, Any] = field(default_factory=dict)  # extensions (e.g. kv_transfer_params)
 
@@ -261,20 +261,25 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _prompt(body: dict[str, Any], req: GenerateRequest) -> None:
+    """A text, token ids, or a batch of either (OpenAI's completions; lm-eval sends batches)."""
     p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # a batch of one: the only batch size we serve
-    if isinstance(p, str):
-        req.prompt_text = p
-    elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
-        req.prompt_ids = _token_ids(p, "prompt")
-    elif p is None:
+    if p is None:
         raise ApiError(400, "'prompt' is required", param="prompt", code="missing_required")
-    elif isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
-        raise ApiError(400, "only one prompt per request is supported", param="prompt",
-                       code="unsupported_parameter")
-    else:
-        raise _type_error("prompt", "a string or a non-empty list of token ids", p)
+    if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) for t in p)):
+        p = [p]
+    if not isinstance(p, list) or not p:
+        raise _type_error("prompt", "a string, a non-empty list of token ids, or a list of those", p)
+    if len(p) * req.n > MAX_CHOICES:
+        raise ApiError(400, f"at most {MAX_CHOICES} choices per request (prompts x n), got "
+                       f"{len(p)} x {req.n}", param="prompt", code="invalid_value")
+    for i, x in enumerate(p):
+        if isinstance(x, str):
+            req.prompts.append(x)
+        elif isinstance(x, list) and x:
+            req.prompts.append(_token_ids(x, "prompt" if len(p) == 1 else f"prompt[{i}]"))
+        else:
+            raise _type_error("prompt" if len(p) == 1 else f"prompt[{i}]",
+                              "a string or a non-empty list of token ids", x)
 
 
 def parse_request(body: dict[str, Any], kind: str, served_names: list[str]) -> GenerateRequest:
