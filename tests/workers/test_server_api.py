@@ -109,6 +109,9 @@ def test_completions_client_raw_http_and_token_ids_agree(client: openai.OpenAI,
 
     _, _, tok = post(worker, "/tokenize", {"prompt": prompt})
     assert tok["count"] == len(tok["tokens"]) == via_client.usage.prompt_tokens
+    assert post(worker, "/detokenize", {"tokens": tok["tokens"]})[2] == {"prompt": prompt}
+    with urllib.request.urlopen(worker.base_url + "/version", timeout=10) as r:
+        assert json.loads(r.read())["version"]
     _, _, by_ids = post(worker, "/v1/completions", dict(body, prompt=tok["tokens"]))
     assert by_ids["choices"][0]["text"] == via_client.choices[0].text
 

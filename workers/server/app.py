@@ -13,7 +13,7 @@ from aiohttp import web
 from kvyard.common import wire
 
 from .errors import error_middleware
-from .generate import chat_completions, completions, tokenize
+from .generate import chat_completions, completions, detokenize, tokenize
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .state import STATE, ServerState, get_state
 
@@ -38,6 +38,17 @@ async def _health(request: web.Request) -> web.Response:
     if getattr(state.engine, "is_running", True) is False:
         return web.json_response({"status": "engine stopped", "role": state.role}, status=503)
     return web.json_response({"status": "ok", "role": state.role})
+
+
+async def _version(request: web.Request) -> web.Response:
+    """vLLM's `/version` (dashboards and probes ask it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        v = version("kvyard")
+    except PackageNotFoundError:
+        v = "unknown"
+    return web.json_response({"version": v})
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -73,6 +84,8 @@ def build_app(engine: Any, *, advertise: str, served_names: list[str] | None = N
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", _version)
     if manage_engine:
         async def start(_: web.Application) -> None:
             await engine.start()

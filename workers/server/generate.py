@@ -311,3 +311,19 @@ async def tokenize(request: web.Request) -> web.Response:
     ids = prompts[0]
     return web.json_response({"tokens": ids, "count": len(ids),
                               "max_model_len": state.engine.max_model_len})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's `/detokenize`: {"tokens": [ids]} -> {"prompt": text}."""
+    state = get_state(request.app)
+    body = parse_body(await request.read())
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                            and t >= 0 for t in ids):
+        raise ApiError(400, "'tokens' must be a list of non-negative integers", param="tokens",
+                       code="invalid_type")
+    vocab = state.vocab_size
+    if vocab and ids and max(ids) >= vocab:
+        raise ApiError(400, f"token id {max(ids)} is out of range: the vocabulary has {vocab} "
+                       "tokens", param="tokens", code="invalid_value")
+    return web.json_response({"prompt": state.engine.tokenizer.decode(ids)})
