@@ -153,6 +153,27 @@ def test_prompt_logprobs_survive_chunking_caching_and_preemption(loaded, prompts
     assert tight.engine.stats().num_preemptions > 0
 
 
+def test_json_mode_outputs_one_json_object_greedy_and_sampled(loaded):
+    """In JSON mode the demo model's answers are JSON objects (greedy, and sampled with
+    seeds), each ending at its closing brace, and the greedy one says what was asked."""
+    import json
+
+    tok = loaded[2]
+    prompt = tok.encode_chat([{"role": "user", "content": 'Return a JSON object with the keys '
+                               '"name" and "age" for a cat called Tom who is 3.'}])
+    llm = make(loaded)
+    params = [SamplingParams(temperature=0.0, max_tokens=200, json_object=True)] + [
+        SamplingParams(temperature=0.8, seed=s, max_tokens=200, json_object=True) for s in (1, 2, 3)]
+    outs = llm.generate([prompt] * 4, params)
+    assert json.loads(outs[0].text) == {"name": "Tom", "age": 3}
+    for o in outs:
+        assert o.finish_reason == "stop", o.text
+        assert isinstance(json.loads(o.text), dict), o.text
+        assert o.text.endswith("}")
+    again = llm.generate([prompt], params[1])[0]
+    assert again.text == outs[1].text                 # seeded JSON sampling repeats
+
+
 def test_prefix_cache_counts_hits_in_tokens(loaded, prompts):
     llm = make(loaded)
     events = []

@@ -205,3 +205,30 @@ def test_logit_bias_and_adjustments_leave_other_rows_and_the_input_alone():
     assert torch.equal(x, before)
     # the logprob reported is the model's, not the biased one
     assert lps[0].logprob == pytest.approx(float(torch.log_softmax(before[0], -1)[3]), abs=1e-5)
+
+
+class _Only:
+    """A constraint that allows a fixed set of token ids (stands in for JSON mode)."""
+
+    def __init__(self, ids) -> None:
+        self.ids = set(ids)
+
+    def allows(self, t: int) -> bool:
+        return t in self.ids
+
+
+def test_constrained_rows_pick_only_allowed_tokens_in_proportion():
+    x = torch.zeros(1, V)
+    x[0, 9] = 10.0                                   # the favourite, not allowed
+    x[0, 3], x[0, 4] = 2.0 + torch.log(torch.tensor(3.0)).item(), 2.0   # allowed, odds 3:1
+    s = Sampler(0)
+    greedy = s.sample(x.clone(), [SamplingParams(temperature=0.0)], [None], [([], 0)], (),
+                      [_Only({3, 4})])[0]
+    assert greedy == [3]
+    gen = make_generator(5)
+    draws = [s.sample(x.clone(), [SamplingParams(temperature=1.0)], [gen], [([], 0)], (),
+                      [_Only({3, 4})])[0][0] for _ in range(400)]
+    assert set(draws) == {3, 4}
+    assert 0.65 < draws.count(3) / len(draws) < 0.85
+    free = s.sample(x.clone(), [SamplingParams(temperature=0.0)], [None], [([], 0)], (), [None])[0]
+    assert free == [9]                               # rows without a constraint are untouched

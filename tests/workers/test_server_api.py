@@ -251,6 +251,24 @@ def test_a_batch_of_prompts_gives_one_choice_per_prompt_and_sample(client: opena
     assert [text[i] for i in range(3)] == [a.choices[0].text for a in alone]
 
 
+def test_json_mode_through_the_api(client: openai.OpenAI) -> None:
+    ask = [{"role": "user", "content": 'Return a JSON object with the keys "name" and "age" for '
+            'a cat called Tom who is 3.'}]
+    full = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=100, temperature=0,
+                                          response_format={"type": "json_object"})
+    assert json.loads(full.choices[0].message.content) == {"name": "Tom", "age": 3}
+    assert full.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ask, max_tokens=100,
+                                                 temperature=0, stream=True,
+                                                 response_format={"type": "json_object"}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ask, max_tokens=5, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {}}})
+    assert e.value.code == "unsupported_parameter"
+
+
 def test_penalties_bias_and_min_tokens_are_honoured(client: openai.OpenAI,
                                                     worker: WorkerProcess) -> None:
     _, _, tok = post(worker, "/tokenize", {"prompt": " Paris"})

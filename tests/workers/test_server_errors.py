@@ -89,6 +89,8 @@ CASES: dict[str, tuple[str, bytes, int, str, str]] = {
     "detokenize-type": ("/detokenize", _j({"tokens": "abc"}), 400, "invalid_type", "tokens"),
     "detokenize-range": ("/detokenize", _j({"tokens": [10**9]}), 400, "invalid_value",
                          "vocabulary"),
+    "response-format-type": (CHAT, _j({"messages": USER, "response_format": {"type": "xml"}}),
+                             400, "invalid_value", "response_format"),
     "best-of": (COMP, _j({"prompt": "hi", "best_of": 2}), 400, "unsupported_parameter",
                 "best_of"),
     "chat-echo": (CHAT, _j({"messages": USER, "echo": True}), 400, "unsupported_parameter",

@@ -31,6 +31,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0   # vLLM's: over prompt and output tokens, > 1 discourages
     min_tokens: int = 0               # EOS and stop_token_ids are masked until this many
     logit_bias: dict[int, float] | None = None
+    json_object: bool = False         # response_format json_object: the output is one JSON object
 
     @property
     def adjusts_logits(self) -> bool:

@@ -17,6 +17,7 @@ from .api import EngineStats, RequestOutput, SamplingParams, TokenLogprob
 from .block_manager import BlockManager, KVEvent
 from .config import EngineConfig
 from .model_runner import ModelRunner, num_blocks_for, resolve_dtype
+from .json_mode import JsonConstraint
 from .sampler import Sampler, make_generator
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -52,6 +53,7 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.last_step_time = 0.0
+        self._texts: dict[int, str] = {}
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -97,6 +99,10 @@ class LLMEngine:
                        arrival=time.monotonic())
         if params.seed is not None:
             seq.generator = make_generator(params.seed)
+        if params.json_object:
+            if self.tokenizer is None:
+                raise ValueError("JSON mode needs the model's tokenizer")
+            seq.constraint = JsonConstraint(self._token_text)
         if self.tokenizer is not None:
             # a few prompt tokens of context: some tokenizers' leading spaces depend on them
             seq.detokenizer = self.tokenizer.incremental_detokenizer(list(prompt_token_ids[-4:]))
@@ -132,7 +138,8 @@ class LLMEngine:
         if samplers:
             tokens, lps = self.sampler.sample(
                 logits, [s.params for s in samplers], [s.generator for s in samplers],
-                [(s.token_ids, s.num_prompt_tokens) for s in samplers], self.eos_token_ids)
+                [(s.token_ids, s.num_prompt_tokens) for s in samplers], self.eos_token_ids,
+                [s.constraint for s in samplers] if any(s.constraint for s in samplers) else None)
         for seq, n in zip(sched.seqs, sched.num_new_tokens):
             seq.num_computed_tokens += n
             newly = self.block_manager.cache_blocks(seq)
@@ -152,6 +159,13 @@ class LLMEngine:
             outputs.append(out)
         self.last_step_time = time.perf_counter() - t0
         return outputs
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's text decoded alone, cached (JSON mode checks the same few often)."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _prompt_logits(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
         """Prompt logprobs for positions first.. (each predicting the next prompt token),

@@ -14,7 +14,7 @@ default "raw" logprobs), so they describe the model, not the sampling recipe.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence as Seq
+from typing import Any, Iterable, Sequence as Seq
 
 import torch
 
@@ -34,9 +34,12 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: Seq[SamplingParams],
                generators: Seq[torch.Generator | None], histories: Seq[tuple[Seq[int], int]],
-               eos_token_ids: Iterable[int] = ()) -> tuple[list[int], list[TokenLogprob | None]]:
+               eos_token_ids: Iterable[int] = (), constraints: Seq[Any] | None = None
+               ) -> tuple[list[int], list[TokenLogprob | None]]:
         """As `__call__`, with each row's (prompt + output token ids, prompt length) for
-        its adjustments; also returns each row's TokenLogprob (None unless asked for)."""
+        its adjustments; also returns each row's TokenLogprob (None unless asked for).
+        `constraints` (JSON mode, per row or None): a token the row's constraint refuses
+        is replaced by the most likely allowed one (greedy) or a draw among them."""
         if logits.dtype != torch.float32:
             logits = logits.float()
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -48,6 +51,9 @@ class Sampler:
             for i in adjust:
                 adjust_row(logits[i], params[i], histories[i][0], histories[i][1], eos)
         tokens = self(logits, params, generators)
+        for i, c in enumerate(constraints or ()):
+            if c is not None and not c.allows(tokens[i]):
+                tokens[i] = self._constrained(logits[i], params[i], generators[i], c, eos_token_ids)
         out: list[TokenLogprob | None] = [None] * len(tokens)
         if raw is not None:
             k = max(params[i].logprobs for i in want)
@@ -90,6 +96,48 @@ class Sampler:
             if g is not None:
                 noise[i].exponential_(generator=g)
         return (probs / noise).argmax(dim=-1)
+
+
+    def _constrained(self, row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None,
+                     c: Any, eos_token_ids: Iterable[int]) -> int:
+        """The token for a constrained row: candidates are checked in order of probability,
+        the top 64 first and the rest only if none of those fits. Sampled rows draw among
+        the allowed candidates found until the checked ones hold CHECK_MASS of the
+        probability (the unchecked tail is dropped, as top-p drops it). No allowed token
+        at all (cannot happen for JSON, whose vocabulary has every structural character):
+        EOS, or the unconstrained choice."""
+        vocab = row.shape[0]
+        if p.temperature <= _GREEDY_EPS:
+            for k in (min(64, vocab), vocab):
+                idx = row.topk(k).indices.tolist()
+                for t in idx[64 if k == vocab else 0:]:
+                    if c.allows(t):
+                        return t
+            return next(iter(eos_token_ids), int(row.argmax()))
+        x = (row / p.temperature).unsqueeze(0)
+        k = p.top_k if 0 < p.top_k < vocab else vocab
+        tp = p.top_p if 0.0 < p.top_p < 1.0 else 2.0
+        if k < vocab or tp < 1.0:
+            x = _top_k_top_p(x, [k], [tp])
+        probs = torch.softmax(x[0], dim=-1)
+        vals, idx = probs.sort(descending=True)
+        ids: list[int] = []
+        weights: list[float] = []
+        seen = 0.0
+        for t, w in zip(idx.tolist(), vals.tolist()):
+            if w <= 0.0 or seen >= CHECK_MASS:
+                break
+            seen += w
+            if c.allows(t):
+                ids.append(t)
+                weights.append(w)
+        if not ids:
+            return next(iter(eos_token_ids), int(row.argmax()))
+        draw = torch.multinomial(torch.tensor(weights), 1, generator=gen or self.generator)
+        return ids[int(draw)]
+
+
+CHECK_MASS = 0.9999
 
 
 def _top_k_top_p(x: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:

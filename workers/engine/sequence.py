@@ -41,6 +41,7 @@ class Sequence:
     output_text: str = ""                # detokenized output, stop strings trimmed
     num_emitted_chars: int = 0           # of output_text already streamed
     prompt_logprobs: list[Any] = field(default_factory=list)  # [None, TokenLogprob, ...] as computed
+    constraint: Any = None               # json_mode.JsonConstraint for JSON-mode requests
 
     @property
     def num_tokens(self) -> int:

@@ -46,6 +46,11 @@ def append_token(seq: Sequence, token: int, eos_token_ids: Iterable[int],
     p = seq.params
     reason: str | None = None
     cut_at: int | None = None
+    json_done = False
+    c = seq.constraint
+    if c is not None and c.allows(token):  # JSON mode: the object closing ends the request
+        c.advance(token)
+        json_done = c.complete
     if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
         reason = "stop"
     elif seq.detokenizer is not None:
@@ -57,6 +62,8 @@ def append_token(seq: Sequence, token: int, eos_token_ids: Iterable[int],
             if cut_at is not None:
                 seq.output_text = seq.output_text[:cut_at]
                 reason = "stop"
+    if reason is None and json_done:
+        reason = "stop"
     if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_model_len):
         reason = "length"
     if reason is not None and cut_at is None and seq.detokenizer is not None:

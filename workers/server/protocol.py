@@ -119,8 +119,6 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         ("best_of", body.get("best_of") not in (None, 1)),
         ("tools", body.get("tools") not in (None, [])),
     ]
-    rf = body.get("response_format")
-    checks.append(("response_format", rf is not None and rf != {"type": "text"}))
     for name, bad in checks:
         if bad:
             raise ApiError(400, f"'{name}' is not supported by this server", param=name,
@@ -167,7 +165,26 @@ def _sampling(body: dict[str, Any], kind: str) -> SamplingParams:
         repetition_penalty=_opt_num(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
         min_tokens=min_tokens,
         logit_bias=_logit_bias(body),
+        json_object=_json_mode(body),
     )
+
+
+def _json_mode(body: dict[str, Any]) -> bool:
+    """response_format: text (default) or json_object; json_schema is refused (its
+    constraint would need a grammar compiled from the schema: not built)."""
+    rf = body.get("response_format")
+    if rf is None:
+        return False
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return False
+    if kind == "json_object":
+        return True
+    if kind == "json_schema":
+        raise ApiError(400, "response_format json_schema is not supported; use json_object",
+                       param="response_format", code="unsupported_parameter")
+    raise ApiError(400, "'response_format' must be {\"type\": \"text\"} or "
+                   "{\"type\": \"json_object\"}", param="response_format", code="invalid_value")
 
 
 def _logprobs(body: dict[str, Any], kind: str) -> int | None:
