@@ -107,6 +107,23 @@ class ChatTokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    def token_text(self, token_id: int) -> str:
+        """The text `token_id` adds after other text (special tokens: ""). Decoding the id
+        alone is not that for SentencePiece vocabularies, whose decoder drops a leading
+        space at the start of a text ("▁the" alone is "the", after a word " the"); so it
+        is decoded after an anchor token and the anchor's text is cut off."""
+        anchor = self._anchor()
+        if anchor is None:
+            return self.decode([token_id])
+        head = self.decode([anchor])
+        full = self.decode([anchor, token_id])
+        return full[len(head):] if full.startswith(head) else self.decode([token_id])
+
+    def _anchor(self) -> int | None:
+        """An ordinary token ("a" or, failing that, any id that decodes to text)."""
+        ids = self.encode("a")
+        return ids[-1] if ids else None
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         """transformers' `apply_chat_template(tokenize=False)`; kwargs (tools, documents,

@@ -93,6 +93,18 @@ def test_built_tokenizer_matches_transformers(request, which):
     assert (ours.bos_token_id, ours.eos_token_id) == (hf.bos_token_id, hf.eos_token_id)
 
 
+@pytest.mark.parametrize("which,piece", [("spm_gguf", "▁hello"), ("bpe_gguf", "Ġhello")])
+def test_token_text_keeps_the_leading_space(request, which, piece):
+    """What a token adds after other text: SentencePiece's decoder drops the leading space
+    of a lone "▁hello", byte-level BPE keeps it; token_text must say " hello" for both."""
+    t = load_tokenizer(ModelSource("gguf", request.getfixturevalue(which), which))
+    tid = t.token_to_id(piece)
+    assert tid is not None and t.token_text(tid) == " hello"
+    if which == "spm_gguf":
+        assert t.decode([tid]) == "hello"
+    assert t.token_text(t.eos_token_id) == ""
+
+
 def test_sentencepiece_adds_bos_by_default(spm_gguf):
     t = load_tokenizer(ModelSource("gguf", spm_gguf, "spm"))
     assert t.encode("hello", add_special_tokens=True)[0] == t.bos_token_id == 1

@@ -9,9 +9,9 @@ the request finishes ("stop") the moment the top-level object closes.
 Decisions: the top level must be an object (OpenAI's json_object contract);
 runs of whitespace outside strings are capped at MAX_WS characters, so a model
 cannot pad forever; tokens whose text is empty (special tokens, EOS) are never
-allowed before the object is complete. Token texts are each id decoded alone,
-exact for byte-level BPE vocabularies (GPT-2 style, the demo model's); bytes of
-a partial UTF-8 character decode to U+FFFD, which is valid inside a string.
+allowed before the object is complete. Token texts are what each id adds after
+other text (`ChatTokenizer.token_text`: SentencePiece's leading spaces kept);
+bytes of a partial UTF-8 character decode to U+FFFD, valid inside a string.
 """
 from __future__ import annotations
 

@@ -161,10 +161,10 @@ class LLMEngine:
         return outputs
 
     def _token_text(self, token_id: int) -> str:
-        """A token's text decoded alone, cached (JSON mode checks the same few often)."""
+        """What a token adds to the text, cached (JSON mode checks the same few often)."""
         text = self._texts.get(token_id)
         if text is None:
-            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+            text = self._texts[token_id] = self.tokenizer.token_text(token_id)
         return text
 
     def _prompt_logits(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:

@@ -281,7 +281,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
                 p = dataclasses.replace(p, seed=(p.seed + i) % (1 << 64))
             index = j * req.n + i
             rid = request_id if len(prompts) * req.n == 1 else f"{request_id}-{index}"
-            lp = LogprobsShaper(kind, lambda t: tok.decode([t])) if p.logprobs is not None else None
+            lp = LogprobsShaper(kind, tok.token_text) if p.logprobs is not None else None
             choices.append(_Choice(index, ids, _Run(state, rid, len(ids)), p, lp, echo))
     if req.stream:
         return await _stream(request, choices, shaper, req.n, req.include_usage)

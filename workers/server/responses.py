@@ -96,7 +96,7 @@ class LogprobsShaper:
     parallel lists, `top_logprobs` a dict per token that also holds the sampled one
     (as vLLM does), `text_offset` counted from the start of the output. Chat: a
     `content` list of {token, logprob, bytes, top_logprobs}. Token strings are
-    each id decoded alone (special tokens as ""), as vLLM reports them."""
+    what each id adds after other text (special tokens as ""), as vLLM reports them."""
 
     kind: str
     token_text: Callable[[int], str]
