@@ -269,6 +269,22 @@ def test_json_mode_through_the_api(client: openai.OpenAI) -> None:
     assert e.value.code == "unsupported_parameter"
 
 
+def test_n_samples_prefill_their_prompt_once(client: openai.OpenAI, worker: WorkerProcess,
+                                             wait_until) -> None:
+    """The samples after the first start once it has its first token, so they take the
+    prompt's full blocks from the prefix cache instead of computing them side by side."""
+    words = " ".join(f"item{i}" for i in range(60))           # a prompt no test used before
+    _, _, tok = post(worker, "/tokenize", {"prompt": words})
+    full_blocks = tok["count"] // 16 * 16
+    assert full_blocks >= 32
+    before = settled_scrape(worker, wait_until)
+    out = client.completions.create(model=MODEL, prompt=words, max_tokens=2, temperature=0, n=3)
+    assert len(out.choices) == 3
+    after = settled_scrape(worker, wait_until)
+    hits = sample(after, "vllm:prefix_cache_hits_total") - sample(before, "vllm:prefix_cache_hits_total")
+    assert hits == 2 * full_blocks
+
+
 def test_penalties_bias_and_min_tokens_are_honoured(client: openai.OpenAI,
                                                     worker: WorkerProcess) -> None:
     _, _, tok = post(worker, "/tokenize", {"prompt": " Paris"})

@@ -126,6 +126,22 @@ class _Choice:
     params: SamplingParams
     lp: LogprobsShaper | None
     echo: _Echo | None
+    after: asyncio.Event | None = None     # the first sample's `prefilled`, for the others
+    prefilled: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs. Samples after the first of a prompt start once the first
+        has its first token: the prompt's full blocks are in the prefix cache by then, so
+        n samples prefill the prompt once, not n times side by side."""
+        try:
+            if self.after is not None:
+                await self.after.wait()
+            async with aclosing(self.run.drive(self.ids, self.params)) as outs:
+                async for out in outs:
+                    self.prefilled.set()
+                    yield out
+        finally:
+            self.prefilled.set()  # ended or failed: never leave the others waiting
 
     def prompt_part(self, out: RequestOutput) -> dict | None:
         """The echoed prompt's logprobs (at the first output), when asked for."""
@@ -164,7 +180,7 @@ async def _complete(choices: list[_Choice], shaper: Shaper, n: int) -> web.Respo
     async def collect(c: _Choice) -> tuple[str, str, dict | None]:
         parts: list[str] = [c.echo.text] if c.echo else []
         lps: list = []
-        async with aclosing(c.run.drive(c.ids, c.params)) as outs:
+        async with aclosing(c.outputs()) as outs:
             async for out in outs:
                 if c.echo is not None and out.prompt_logprobs is not None:
                     lps.extend(out.prompt_logprobs)
@@ -190,7 +206,7 @@ async def _stream(request: web.Request, choices: list[_Choice], shaper: Shaper, 
 
     async def pump(c: _Choice) -> None:
         try:
-            async with aclosing(c.run.drive(c.ids, c.params)) as outs:
+            async with aclosing(c.outputs()) as outs:
                 async for out in outs:
                     await queue.put((c, out))
             await queue.put((c, ended))
@@ -264,6 +280,8 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     if req.echo:
         params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
     tok = state.engine.tokenizer
+    config = getattr(state.engine, "config", None)
+    share_prefill = params.prompt_logprobs is None and getattr(config, "enable_prefix_caching", False)
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     shaper = Shaper(kind, request_id, req.model)
@@ -282,7 +300,10 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
             index = j * req.n + i
             rid = request_id if len(prompts) * req.n == 1 else f"{request_id}-{index}"
             lp = LogprobsShaper(kind, tok.token_text) if p.logprobs is not None else None
-            choices.append(_Choice(index, ids, _Run(state, rid, len(ids)), p, lp, echo))
+            c = _Choice(index, ids, _Run(state, rid, len(ids)), p, lp, echo)
+            if i and share_prefill:
+                c.after = choices[-i].prefilled
+            choices.append(c)
     if req.stream:
         return await _stream(request, choices, shaper, req.n, req.include_usage)
     return await _complete(choices, shaper, req.n)
