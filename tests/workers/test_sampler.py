@@ -232,3 +232,40 @@ def test_constrained_rows_pick_only_allowed_tokens_in_proportion():
     assert 0.65 < draws.count(3) / len(draws) < 0.85
     free = s.sample(x.clone(), [SamplingParams(temperature=0.0)], [None], [([], 0)], (), [None])[0]
     assert free == [9]                               # rows without a constraint are untouched
+
+
+def _freq(params: SamplingParams, x: torch.Tensor, n: int = 4000) -> dict[int, float]:
+    got = Sampler(0)(x.expand(n, -1).contiguous(), [params] * n, [None] * n)
+    return {t: got.count(t) / n for t in set(got)}
+
+
+def test_sampled_frequencies_follow_the_truncated_distribution():
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1] + [0.0] * (V - 4))
+    x = torch.log(probs.clamp_min(1e-30)).unsqueeze(0)
+    for params, want in [
+        (SamplingParams(temperature=1.0), {0: 0.4, 1: 0.3, 2: 0.2, 3: 0.1}),
+        (SamplingParams(temperature=1.0, top_k=3), {0: 4 / 9, 1: 3 / 9, 2: 2 / 9}),
+        # top-p on the top-3-renormalized distribution: 0.44 ahead of the third > 0.65? no:
+        # the third has 0.78 ahead of it, so it goes; the second (0.44 ahead) stays
+        (SamplingParams(temperature=1.0, top_k=3, top_p=0.65), {0: 4 / 7, 1: 3 / 7}),
+    ]:
+        got = _freq(params, x)
+        assert set(got) == set(want), params
+        for t, f in want.items():
+            assert abs(got[t] - f) < 0.035, (params, got)
+
+
+def test_top_p_past_the_candidates_is_still_exact():
+    """A flat distribution whose nucleus holds far more than TOP_P_CANDIDATES tokens: the
+    row is redone over its full sort, so draws reach past the candidates but never past
+    the nucleus."""
+    from kvyard.workers.engine.sampler import TOP_P_CANDIDATES
+
+    vocab = 49152                                    # the demo model's
+    x = (-torch.arange(vocab, dtype=torch.float32) * 1e-4).unsqueeze(0)
+    probs = torch.softmax(x[0], dim=0)
+    nucleus = int(((probs.cumsum(0) - probs) < 0.5).sum())
+    assert nucleus > 4 * TOP_P_CANDIDATES
+    got = Sampler(0)(x.expand(500, -1).contiguous(), [SamplingParams(temperature=1.0, top_p=0.5)] * 500,
+                     [None] * 500)
+    assert max(got) < nucleus and max(got) >= TOP_P_CANDIDATES
