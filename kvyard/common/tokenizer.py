@@ -73,6 +73,7 @@ class ChatTokenizer:
     bos_token_id: int | None
     eos_token_id: int
     eos_token_ids: frozenset[int]
+    _anchor: tuple[int, str] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_parts(cls, name: str, parts: TokenizerParts) -> "ChatTokenizer":
@@ -112,17 +113,14 @@ class ChatTokenizer:
         alone is not that for SentencePiece vocabularies, whose decoder drops a leading
         space at the start of a text ("▁the" alone is "the", after a word " the"); so it
         is decoded after an anchor token and the anchor's text is cut off."""
-        anchor = self._anchor()
-        if anchor is None:
+        if self._anchor is None:  # an ordinary token ("a") and its text, found once
+            ids = self.encode("a")
+            self._anchor = (ids[-1], self.decode(ids[-1:])) if ids else (-1, "")
+        anchor, head = self._anchor
+        if anchor < 0:
             return self.decode([token_id])
-        head = self.decode([anchor])
         full = self.decode([anchor, token_id])
         return full[len(head):] if full.startswith(head) else self.decode([token_id])
-
-    def _anchor(self) -> int | None:
-        """An ordinary token ("a" or, failing that, any id that decodes to text)."""
-        ids = self.encode("a")
-        return ids[-1] if ids else None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:

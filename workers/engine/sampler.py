@@ -126,18 +126,17 @@ class Sampler:
                     if c.allows(t):
                         return t
             return next(iter(eos_token_ids), int(row.argmax()))
-        x = (row / p.temperature).unsqueeze(0)
+        vals, idx = torch.softmax(row / p.temperature, dim=-1).sort(descending=True)
         k = p.top_k if 0 < p.top_k < vocab else vocab
-        tp = p.top_p if 0.0 < p.top_p < 1.0 else 2.0
-        if k < vocab or tp < 1.0:
-            x = _top_k_top_p(x, [k], [tp])
-        probs = torch.softmax(x[0], dim=-1)
-        vals, idx = probs.sort(descending=True)
+        vals[k:] = 0.0
+        if 0.0 < p.top_p < 1.0:
+            vals[:k] = _nucleus(vals[:k], vals[:k].cumsum(0), p.top_p * (float(vals[:k].sum())
+                                                                        if k < vocab else 1.0))
         ids: list[int] = []
         weights: list[float] = []
-        seen = 0.0
+        seen, enough = 0.0, CHECK_MASS * float(vals.sum())  # of the kept (truncated) mass
         for t, w in zip(idx.tolist(), vals.tolist()):
-            if w <= 0.0 or seen >= CHECK_MASS:
+            if w <= 0.0 or seen >= enough:
                 break
             seen += w
             if c.allows(t):
@@ -179,31 +178,21 @@ def _sample_truncated(probs: torch.Tensor, u: torch.Tensor, ks: list[int], ps: l
         v = vals[r, :k]
         if p < 1.0:
             cum = v.cumsum(0)
-            mass = cum[-1] if ks[r] < vocab else torch.tensor(1.0)
             if ks[r] == vocab and cand < vocab and float(cum[-1]) < p:
                 redo.append(r)               # the nucleus may extend past the candidates
                 continue
-            v = v * ((cum - v) < p * mass)
+            v = _nucleus(v, cum, p * (float(cum[-1]) if ks[r] < vocab else 1.0))
         out[r] = idx[r, int(_invert(v.unsqueeze(0), u[r:r + 1])[0])]
     if redo:  # one batched sort (half the time of row by row)
         v, order = probs[redo].sort(dim=-1, descending=True)
-        cum = v.cumsum(dim=-1)
-        v = v * ((cum - v) < torch.tensor([ps[r] for r in redo]).unsqueeze(1))
+        v = _nucleus(v, v.cumsum(dim=-1), torch.tensor([ps[r] for r in redo]).unsqueeze(1))
         pick = _invert(v, u[redo])
         out[redo] = order.gather(1, pick.unsqueeze(1)).squeeze(1)
     return out
 
 
-def _top_k_top_p(x: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
-    """Mask (to -inf) what falls outside each row's top-k, then outside its top-p nucleus."""
-    vals, order = x.sort(dim=-1, descending=True)
-    vocab = x.shape[1]
-    rank = torch.arange(vocab).unsqueeze(0)
-    drop = rank >= torch.tensor(ks).unsqueeze(1)
-    if min(ps) < 1.0:
-        vals = vals.masked_fill(drop, float("-inf"))
-        probs = torch.softmax(vals, dim=-1)
-        before = probs.cumsum(dim=-1) - probs          # mass strictly ahead of each token
-        drop |= before >= torch.tensor(ps).unsqueeze(1)
-    vals = vals.masked_fill(drop, float("-inf"))
-    return torch.empty_like(x).scatter_(1, order, vals)
+def _nucleus(v: torch.Tensor, cum: torch.Tensor, limit) -> torch.Tensor:
+    """Top-p on probabilities sorted most likely first (`cum` their running sum): a token
+    stays while the mass ranked strictly ahead of it is below `limit` (p times the mass
+    top-p renormalizes over); the others become 0."""
+    return v * ((cum - v) < limit)

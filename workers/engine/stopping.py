@@ -48,9 +48,12 @@ def append_token(seq: Sequence, token: int, eos_token_ids: Iterable[int],
     cut_at: int | None = None
     json_done = False
     c = seq.constraint
-    if c is not None and c.allows(token):  # JSON mode: the object closing ends the request
-        c.advance(token)
-        json_done = c.complete
+    if c is not None:  # JSON mode: the object closing ends the request
+        try:
+            c.advance(token)
+            json_done = c.complete
+        except ValueError:
+            pass  # a token the JSON refuses (EOS, a stop token id): the state stays
     if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
         reason = "stop"
     elif seq.detokenizer is not None:

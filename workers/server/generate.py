@@ -24,7 +24,7 @@ from kvyard.workers.engine.async_engine import EngineError
 
 from .errors import ApiError, sse_error
 from .metrics import RequestClock
-from .protocol import GenerateRequest, check_length, parse_body, parse_request
+from .protocol import GenerateRequest, check_length, parse_body, parse_request, token_ids
 from .responses import DONE, LogprobsShaper, Shaper, Usage
 from .state import ServerState, get_state
 
@@ -43,18 +43,23 @@ async def _prompt_ids(state: ServerState, req: GenerateRequest) -> list[list[int
         raise ApiError(400, f"messages cannot be rendered with the chat template: {e}",
                        param="messages", code="invalid_messages") from None
     out: list[list[int]] = []
-    vocab = state.vocab_size
     for p in req.prompts:
         if isinstance(p, str):
             call = lambda p=p: tok.encode(p, add_special_tokens=True)  # noqa: E731
             out.append(list(await asyncio.to_thread(call) if len(p) > _TOKENIZE_IN_THREAD_CHARS
                             else call()))
             continue
-        if vocab and max(p) >= vocab:
-            raise ApiError(400, f"token id {max(p)} is out of range: the vocabulary has "
-                           f"{vocab} tokens", param="prompt", code="invalid_value")
+        _check_vocab(state, p, "prompt")
         out.append(p)
     return out
+
+
+def _check_vocab(state: ServerState, ids, param: str) -> None:
+    """A 400 naming the first id past the vocabulary (the model would index out of range)."""
+    vocab = state.vocab_size
+    if vocab and ids and max(ids) >= vocab:
+        raise ApiError(400, f"token id {max(ids)} is out of range: the vocabulary has {vocab} "
+                       "tokens", param=param, code="invalid_value")
 
 
 @dataclass(slots=True)
@@ -273,10 +278,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     req = parse_request(body, kind, state.served_names)
     prompts = await _prompt_ids(state, req)
     params = req.params
-    vocab = state.vocab_size
-    if vocab and params.logit_bias and max(params.logit_bias) >= vocab:
-        raise ApiError(400, f"logit_bias token id {max(params.logit_bias)} is out of range: the "
-                       f"vocabulary has {vocab} tokens", param="logit_bias", code="invalid_value")
+    _check_vocab(state, list(params.logit_bias or ()), "logit_bias")
     if req.echo:
         params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
     tok = state.engine.tokenizer
@@ -338,13 +340,6 @@ async def detokenize(request: web.Request) -> web.Response:
     """vLLM's `/detokenize`: {"tokens": [ids]} -> {"prompt": text}."""
     state = get_state(request.app)
     body = parse_body(await request.read())
-    ids = body.get("tokens")
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                            and t >= 0 for t in ids):
-        raise ApiError(400, "'tokens' must be a list of non-negative integers", param="tokens",
-                       code="invalid_type")
-    vocab = state.vocab_size
-    if vocab and ids and max(ids) >= vocab:
-        raise ApiError(400, f"token id {max(ids)} is out of range: the vocabulary has {vocab} "
-                       "tokens", param="tokens", code="invalid_value")
+    ids = token_ids(body.get("tokens"), "tokens")
+    _check_vocab(state, ids, "tokens")
     return web.json_response({"prompt": state.engine.tokenizer.decode(ids)})

@@ -105,7 +105,8 @@ def _opt_num(body: dict[str, Any], name: str, default: float, lo: float, hi: flo
     return float(v)
 
 
-def _token_ids(v: Any, name: str) -> list[int]:
+def token_ids(v: Any, name: str) -> list[int]:
+    """`v` as a list of token ids, or a 400 naming the field."""
     if not isinstance(v, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v):
         raise _type_error(name, "a list of non-negative integers", v)
@@ -157,7 +158,7 @@ def _sampling(body: dict[str, Any], kind: str) -> SamplingParams:
         top_k=-1 if not top_k else top_k,
         seed=seed,
         stop=stops,
-        stop_token_ids=[] if stop_ids is None else _token_ids(stop_ids, "stop_token_ids"),
+        stop_token_ids=[] if stop_ids is None else token_ids(stop_ids, "stop_token_ids"),
         ignore_eos=_opt_bool(body, "ignore_eos"),
         logprobs=_logprobs(body, kind),
         presence_penalty=_opt_num(body, "presence_penalty", 0.0, -2.0, 2.0),
@@ -293,7 +294,7 @@ def _prompt(body: dict[str, Any], req: GenerateRequest) -> None:
         if isinstance(x, str):
             req.prompts.append(x)
         elif isinstance(x, list) and x:
-            req.prompts.append(_token_ids(x, "prompt" if len(p) == 1 else f"prompt[{i}]"))
+            req.prompts.append(token_ids(x, "prompt" if len(p) == 1 else f"prompt[{i}]"))
         else:
             raise _type_error("prompt" if len(p) == 1 else f"prompt[{i}]",
                               "a string or a non-empty list of token ids", x)
