@@ -38,23 +38,26 @@ class CorruptBlock(ValueError):
 _GIL_FREE_BYTES = 64 << 10
 
 
-def checksum(payload) -> int:
+def checksum(payload, hold_gil: bool = False) -> int:
     """xxh3-64 of the payload. Blocks of 64 KiB and up go through python-xxhash's
     streaming object, whose update() releases the GIL around the hash loop (the
     one-shot `xxh3_64_intdigest` holds it): the same value, but a checksum in one
-    thread no longer stalls the sender's or the I/O pool's other threads."""
-    if memoryview(payload).nbytes >= _GIL_FREE_BYTES:
+    thread no longer stalls the sender's or the I/O pool's other threads.
+    `hold_gil`: the one-shot form whatever the size, for a thread that sends the
+    block right after (the Redis sender): giving the GIL up and queueing for it
+    again cost that thread more than the other threads gained."""
+    if not hold_gil and memoryview(payload).nbytes >= _GIL_FREE_BYTES:
         return xxhash.xxh3_64(payload).intdigest()
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def encode_header(key: bytes, layout: KVLayout, payload) -> bytes:
-    shape = list(layout.shape) + [0] * (6 - len(layout.shape))
+def encode_header(key: bytes, layout: KVLayout, payload, hold_gil: bool = False) -> bytes:
     n = memoryview(payload).nbytes
     if n != layout.nbytes:
         raise ValueError(f"block payload is {n} bytes, layout needs {layout.nbytes}")
-    return HEADER.pack(MAGIC, VERSION, layout.dtype_code, len(layout.shape), *shape, n,
-                       checksum(payload), key)
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"key is {len(key)} bytes, needs {KEY_BYTES}")
+    return _fixed_part(layout) + checksum(payload, hold_gil).to_bytes(8, "little") + key
 
 
 @functools.lru_cache(maxsize=64)

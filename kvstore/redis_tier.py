@@ -59,7 +59,6 @@ class RedisTier:
         self._backoff = backoff_s
         self._node_breakers: dict[str, CircuitBreaker] = {}  # cluster: one per master
         self._stale_slots = False  # cluster: refresh the slot map before the next call
-        self._packer = zero_copy_packer()
         self._ahead: ThreadPoolExecutor | None = None  # checksums one value ahead (put)
         self._opts = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                           retry=Retry(NoBackoff(), 0), retry_on_timeout=False)
@@ -182,12 +181,14 @@ class RedisTier:
         and a small header buffer, then verified there while still in cache: no
         hiredis bytes object, no second copy. True per verified hit; a miss or a
         corrupt value is False (counted; corrupt ones deleted, their dst zeroed).
-        Non-cluster only; a value of unexpected length goes through `verify`."""
-        if self.cluster:
-            return [self._verify_copy(k, v, d, layout)
-                    for k, v, d in zip(keys, self.fetch(keys), dsts)]
+        On a cluster, pipelined GETs per master the same way (a master that fails
+        answers misses). A value of unexpected length goes through `verify`."""
         rkeys = [self.rkey(k) for k in keys]
-        ok, out = self._call(lambda r: mget_into(r, rkeys, keys, dsts, layout))
+        if self.cluster:
+            ok, out = True, self._per_node(rkeys, lambda c, rks, idx: mget_into(
+                c, rks, [keys[i] for i in idx], [dsts[i] for i in idx], layout, single_gets=True))
+        else:
+            ok, out = self._call(lambda r: mget_into(r, rkeys, keys, dsts, layout))
         if not ok:
             with self._lock:
                 self.stats.misses += len(keys)
@@ -243,20 +244,20 @@ class RedisTier:
         """items: (key, framed value: header + payload in one buffer, sent without a copy),
         in one pipelined round trip: every SET is written, then every reply read.
 
-        `prepare(i)`, when given, runs just before value i goes out (the store fills
-        the header there): its checksum pass leaves the bytes in cache for the socket
+        `prepare(i, on_sender)`, when given, runs before value i goes out (the store
+        fills the header there; `on_sender`: on the sending thread, just before): its checksum pass leaves the bytes in cache for the socket
         copy that follows, where a batch checksummed up front is cold again by then
         (measured: 0.96 vs 0.91 of raw pipelined SETs of 360 KiB values)."""
         rkeys = [self.rkey(k) for k, _ in items]
         values = [memoryview(v).cast("B") for _, v in items]
         if self.cluster:
             done = self._per_node(rkeys, lambda c, rks, idx: send_sets(
-                c, self._packer, rks, self._prepared(idx, [values[i] for i in idx], prepare), self.ttl_s))
+                c, rks, self._prepared(idx, [values[i] for i in idx], prepare), self.ttl_s))
             sent = sum(v.nbytes for v, d in zip(values, done) if d is not None)
             ok = all(d is not None for d in done)
         else:
             ok, _ = self._call(lambda r: send_sets(
-                r, self._packer, rkeys, self._prepared(list(range(len(rkeys))), values, prepare), self.ttl_s))
+                r, rkeys, self._prepared(list(range(len(rkeys))), values, prepare), self.ttl_s))
             sent = sum(v.nbytes for v in values) if ok else 0
         with self._lock:
             self.stats.bytes += sent
@@ -276,18 +277,18 @@ class RedisTier:
             return
         if not values or values[0].nbytes < AHEAD_BYTES:
             for i, v in zip(idx, values):
-                prepare(i)
+                prepare(i, True)
                 yield v
             return
         if self._ahead is None:
             with self._lock:
                 if self._ahead is None:
                     self._ahead = ThreadPoolExecutor(1, thread_name_prefix="kvstore-redis-hash")
-        nxt = self._ahead.submit(prepare, idx[0])
+        nxt = self._ahead.submit(prepare, idx[0], False)
         try:
             for j, v in enumerate(values):
                 nxt.result()
-                nxt = self._ahead.submit(prepare, idx[j + 1]) if j + 1 < len(idx) else None
+                nxt = self._ahead.submit(prepare, idx[j + 1], False) if j + 1 < len(idx) else None
                 yield v
         finally:
             if nxt is not None:  # a send failed: let the pending header finish first

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
@@ -30,8 +29,8 @@ from kvyard.kvstore.layout import Namespace
 from kvyard.kvstore.malloc import tune_malloc
 from kvyard.kvstore.redis_tier import RedisTier
 from kvyard.kvstore.ssd import SsdTier
+from kvyard.kvstore.writeq import WriteQueue
 
-_STOP = object()
 _BATCH = 64  # blocks per writer round: one Redis pipeline, one queue drain
 _FETCH_PART = 16  # blocks per MGET when a get's fetches overlap its checksums
 
@@ -78,7 +77,7 @@ class KVStore:
         self.dram, self.ssd, self.redis = dram, ssd, redis
         self.tiers = {t.name: t for t in (dram, ssd, redis) if t is not None}
         self.dropped_writes = 0
-        self._q: queue.Queue = queue.Queue(maxsize=max(1, queue_blocks))
+        self._q = WriteQueue(queue_blocks)
         self._writer: threading.Thread | None = None
         self._sendq: queue.Queue | None = None
         if redis is not None:  # two batches in flight at most: bounded memory
@@ -110,6 +109,7 @@ class KVStore:
         keys = self.namespace.keys(block_hashes)
         nbytes = self.layout.nbytes
         accepted = 0
+        queued = []
         for key, blk in zip(keys, blocks, strict=True):
             mv = memoryview(blk).cast("B")
             frame = None
@@ -122,12 +122,12 @@ class KVStore:
                 self.dram.put(key, mv)
             if self._writer is None:
                 accepted += 1
-                continue
-            try:
-                self._q.put_nowait((key, mv, frame, True))
-                accepted += 1
-            except queue.Full:
-                self.dropped_writes += 1
+            else:
+                queued.append((key, mv, frame, True))
+        if queued:
+            taken = self._q.offer(queued)
+            accepted += taken
+            self.dropped_writes += len(queued) - taken
         return accepted
 
     def _write_loop(self) -> None:
@@ -140,19 +140,15 @@ class KVStore:
         2-core box the two cold passes over each block (hash here, socket copy
         there) cost more than the one cold + one cached pass of the inline order."""
         while True:
-            item = self._q.get()
-            batch = [item]
-            while len(batch) < _BATCH:
-                try:
-                    batch.append(self._q.get_nowait())
-                except queue.Empty:
-                    break
-            stop = any(b is _STOP for b in batch)
-            work = [b for b in batch if b is not _STOP]
+            batch = self._q.take(_BATCH)
+            if batch is None:  # closed and drained
+                if self._sendq is not None:
+                    self._sendq.put(None)
+                return
             handed = False
             try:
                 early, late = [], []
-                for it in work:
+                for it in batch:
                     framed = it[2] is not None and not it[2].readonly
                     (late if framed and self.ssd is None else early).append(it)
                 written = self._map(self._encode_and_write, early, big_only=self.ssd is None)
@@ -164,12 +160,7 @@ class KVStore:
                     handed = True
             finally:
                 if not handed:
-                    for _ in batch:
-                        self._q.task_done()
-            if stop:
-                if self._sendq is not None:
-                    self._sendq.put(None)
-                return
+                    self._q.done(len(batch))
 
     def _send_loop(self) -> None:
         """Stage 2: one pipelined round trip of SETs per batch; the headers of `late`
@@ -181,15 +172,14 @@ class KVStore:
             remote, late, n = job
             first = len(remote) - len(late)
 
-            def prepare(i):
-                if i >= first:
+            def prepare(i, on_sender):
+                if i >= first:  # on the sender the checksum keeps the GIL (see checksum)
                     key, payload, frame, _ = late[i - first]
-                    frame[:HEADER_BYTES] = encode_header(key, self.layout, payload)
+                    frame[:HEADER_BYTES] = encode_header(key, self.layout, payload, on_sender)
             try:
                 self.redis.put_many(remote, prepare if late else None)
             finally:
-                for _ in range(n):
-                    self._q.task_done()
+                self._q.done(n)
 
     def _map(self, fn, items: list, big_only: bool = False) -> list:
         """`fn` over items on the I/O threads. Threads pay off for file I/O and for
@@ -218,14 +208,7 @@ class KVStore:
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued write has reached its tiers (tests, benchmarks, shutdown)."""
-        deadline = time.monotonic() + timeout
-        with self._q.all_tasks_done:
-            while self._q.unfinished_tasks:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._q.all_tasks_done.wait(left)
-        return True
+        return self._q.join(timeout)
 
     wait_idle = flush
 
@@ -261,9 +244,7 @@ class KVStore:
         if self.dram is not None:
             self.dram.put(key, payload)
         if frame is not None and self.ssd is not None:
-            try:
-                self._q.put_nowait((key, payload, memoryview(frame), False))
-            except queue.Full:
+            if not self._q.offer([(key, payload, memoryview(frame), False)]):
                 self.dropped_writes += 1
 
     def get(self, block_hashes: Sequence[int]) -> list[memoryview | None]:
@@ -391,12 +372,9 @@ class KVStore:
 
     def close(self, timeout: float = 30.0) -> None:
         if self._writer is not None and self._writer.is_alive():
-            self.flush(timeout)
-            try:
-                self._q.put(_STOP, timeout=timeout)
-            except queue.Full:  # a writer stuck on a dead disk: it is a daemon, leave it
-                pass
-            else:
+            flushed = self.flush(timeout)
+            self._q.close()
+            if flushed:  # else a writer stuck on a dead disk: it is a daemon, leave it
                 self._writer.join(timeout)
         if self._pool is not None:
             self._pool.shutdown(wait=True)

@@ -88,14 +88,28 @@ def test_corrupt_values_are_detected_deleted_and_never_returned(ns, layout, make
         assert c.exists(red.rkey(keys[i])) == 0
         c.close()
     # get_into: the same blocks tampered again, caught again, outs of bad ones not filled
+    # (read from the socket into outs: a full-length value of another key is caught
+    # there and its out zeroed; a short one goes the general way)
     for i in bad:
         c = redis_cluster.client(owners[i])
-        c.set(red.rkey(keys[i]), b"x" * 100)
+        if i == 3:
+            src = redis_cluster.client(owners[i + 1])
+            c.set(red.rkey(keys[i]), src.get(red.rkey(keys[i + 1])))
+            src.close()
+        else:
+            c.set(red.rkey(keys[i]), b"x" * 100)
         c.close()
-    outs = [bytearray(layout.nbytes) for _ in range(N)]
+    outs = [bytearray(b"\xff" * layout.nbytes) for _ in range(N)]
     assert st.get_into(hashes, outs) == min(bad)  # the leading run stops at the first bad
     assert [bytes(o) for o in outs[:min(bad)]] == blocks[:min(bad)]
+    assert [bytes(outs[i]) for i in range(N) if i not in bad] == \
+        [b for i, b in enumerate(blocks) if i not in bad]  # every good one placed
+    assert bytes(outs[3]) == bytes(layout.nbytes)  # the wrong key's bytes never left there
     assert red.stats.errors == 2 * len(bad)
+    for i in bad:  # deleted again
+        c = redis_cluster.client(owners[i])
+        assert c.exists(red.rkey(keys[i])) == 0
+        c.close()
     st.close()
 
 
