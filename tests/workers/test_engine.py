@@ -174,6 +174,36 @@ def test_json_mode_outputs_one_json_object_greedy_and_sampled(loaded):
     assert again.text == outs[1].text                 # seeded JSON sampling repeats
 
 
+def test_json_schema_outputs_satisfy_the_schema_greedy_and_sampled(loaded):
+    """With a schema the demo model's answers validate against it (greedy, and sampled
+    hot, where an unconstrained model wanders most), each ending at its closing brace."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer"},
+        "colors": {"type": "array", "items": {"enum": ["black", "white", "orange", "grey"]},
+                   "minItems": 1, "maxItems": 3},
+        "indoor": {"type": "boolean"},
+        "owner": {"type": ["string", "null"], "maxLength": 32}},
+        "required": ["name", "age", "colors", "indoor"]}
+    tok = loaded[2]
+    prompt = tok.encode_chat([{"role": "user", "content": "Describe a cat called Tom who is 3 "
+                               "years old, in JSON."}])
+    llm = make(loaded)
+    params = [SamplingParams(temperature=0.0, max_tokens=200, json_schema=schema)] + [
+        SamplingParams(temperature=1.2, seed=s, max_tokens=200, json_schema=schema)
+        for s in (1, 2, 3, 4)]
+    outs = llm.generate([prompt] * len(params), params)
+    for o in outs:
+        assert o.finish_reason == "stop", o.text
+        jsonschema.validate(json.loads(o.text), schema)
+    greedy = json.loads(outs[0].text)
+    assert greedy["name"] == "Tom" and greedy["age"] == 3, outs[0].text
+
+
 def test_prefix_cache_counts_hits_in_tokens(loaded, prompts):
     llm = make(loaded)
     events = []

@@ -32,6 +32,8 @@ class SamplingParams:
     min_tokens: int = 0               # EOS and stop_token_ids are masked until this many
     logit_bias: dict[int, float] | None = None
     json_object: bool = False         # response_format json_object: the output is one JSON object
+    json_schema: dict | None = None   # response_format json_schema / guided_json: one JSON
+                                      # object satisfying this schema (json_schema.py)
 
     @property
     def adjusts_logits(self) -> bool:

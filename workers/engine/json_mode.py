@@ -162,31 +162,30 @@ class JsonState:
         return ord(ch) >= 0x20
 
     def _number(self, ch: str) -> bool:
-        s = self.sub
-        digit = ch.isdigit() and ch.isascii()
-        nxt = None
-        if s == _N_SIGN:
-            nxt = _N_ZERO if ch == "0" else _N_INT if digit else None
-        elif s in (_N_ZERO, _N_INT):
-            if digit and s == _N_INT:
-                nxt = _N_INT
-            elif ch == ".":
-                nxt = _N_DOT
-            elif ch in "eE":
-                nxt = _N_E
-        elif s in (_N_DOT, _N_FRAC):
-            if digit:
-                nxt = _N_FRAC
-            elif s == _N_FRAC and ch in "eE":
-                nxt = _N_E
-        elif s == _N_E:
-            nxt = _N_ESIGN if ch in "+-" else _N_EXP if digit else None
-        elif s in (_N_ESIGN, _N_EXP):
-            nxt = _N_EXP if digit else None
+        nxt = number_step(self.sub, ch)
         if nxt is None:
             return False
         self.sub = nxt
         return True
+
+
+def number_step(s: int, ch: str, integer: bool = False) -> int | None:
+    """The number sub-state after `ch`, or None if `ch` does not continue the number
+    (`integer`: no fraction, no exponent)."""
+    digit = ch.isdigit() and ch.isascii()
+    if s == _N_SIGN:
+        return _N_ZERO if ch == "0" else _N_INT if digit else None
+    if s in (_N_ZERO, _N_INT):
+        if digit and s == _N_INT:
+            return _N_INT
+        if integer:
+            return None
+        return _N_DOT if ch == "." else _N_E if ch in "eE" else None
+    if s in (_N_DOT, _N_FRAC):
+        return _N_FRAC if digit else _N_E if s == _N_FRAC and ch in "eE" else None
+    if s == _N_E:
+        return _N_ESIGN if ch in "+-" else _N_EXP if digit else None
+    return _N_EXP if digit else None  # _N_ESIGN, _N_EXP
 
 
 @dataclass(slots=True)

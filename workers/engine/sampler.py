@@ -115,9 +115,11 @@ class Sampler:
         """The token for a constrained row: candidates are checked in order of probability,
         the top 64 first and the rest only if none of those fits. Sampled rows draw among
         the allowed candidates found until the checked ones hold CHECK_MASS of the
-        probability (the unchecked tail is dropped, as top-p drops it). No allowed token
-        at all (cannot happen for JSON, whose vocabulary has every structural character):
-        EOS, or the unconstrained choice."""
+        probability (the unchecked tail is dropped, as top-p drops it); if none of those
+        fits, the most likely allowed token of the rest (a schema can leave only tokens
+        the model finds unlikely, e.g. the "s" of a key "colors" it wanted to end at
+        "color"). No allowed token at all (cannot happen for JSON, whose vocabulary has
+        every structural character): EOS, or the unconstrained choice."""
         vocab = row.shape[0]
         if p.temperature <= _GREEDY_EPS:
             for k in (min(64, vocab), vocab):
@@ -135,15 +137,19 @@ class Sampler:
         ids: list[int] = []
         weights: list[float] = []
         seen, enough = 0.0, CHECK_MASS * float(vals.sum())  # of the kept (truncated) mass
-        for t, w in zip(idx.tolist(), vals.tolist()):
+        order = idx.tolist()
+        checked = 0
+        for t, w in zip(order, vals.tolist()):
             if w <= 0.0 or seen >= enough:
                 break
             seen += w
+            checked += 1
             if c.allows(t):
                 ids.append(t)
                 weights.append(w)
-        if not ids:
-            return next(iter(eos_token_ids), int(row.argmax()))
+        if not ids:  # a schema can allow only tokens the model finds unlikely
+            return next((t for t in order[checked:] if c.allows(t)),
+                        next(iter(eos_token_ids), int(row.argmax())))
         draw = torch.multinomial(torch.tensor(weights), 1, generator=gen or self.generator)
         return ids[int(draw)]
 
