@@ -234,6 +234,24 @@ def test_constrained_rows_pick_only_allowed_tokens_in_proportion():
     assert free == [9]                               # rows without a constraint are untouched
 
 
+def test_refused_draws_are_redrawn_from_the_masked_distribution():
+    """When the allowed tokens hold real mass, a refused draw is redrawn (rejection
+    sampling): the picks follow the allowed tokens' odds, seeded rows repeat."""
+    x = torch.full((1, V), -30.0)
+    x[0, 9] = 2.0                                    # half the mass, not allowed
+    x[0, 3], x[0, 4] = 2.0 + torch.log(torch.tensor(0.75)).item(), 2.0 + \
+        torch.log(torch.tensor(0.25)).item()         # the other half, allowed, odds 3:1
+    s = Sampler(0)
+    gen = make_generator(11)
+    draws = [s.sample(x.clone(), [SamplingParams(temperature=1.0)], [gen], [([], 0)], (),
+                      [_Only({3, 4})])[0][0] for _ in range(2000)]
+    assert set(draws) == {3, 4}
+    assert 0.70 < draws.count(3) / len(draws) < 0.80
+    again = make_generator(11)
+    assert [s.sample(x.clone(), [SamplingParams(temperature=1.0)], [again], [([], 0)], (),
+                     [_Only({3, 4})])[0][0] for _ in range(50)] == draws[:50]
+
+
 def _freq(params: SamplingParams, x: torch.Tensor, n: int = 4000) -> dict[int, float]:
     got = Sampler(0)(x.expand(n, -1).contiguous(), [params] * n, [None] * n)
     return {t: got.count(t) / n for t in set(got)}

@@ -16,7 +16,7 @@ bytes of a partial UTF-8 character decode to U+FFFD, valid inside a string.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 MAX_WS = 24
 _WS = " \t\n\r"
@@ -190,10 +190,14 @@ def number_step(s: int, ch: str, integer: bool = False) -> int | None:
 
 @dataclass(slots=True)
 class JsonConstraint:
-    """A request's JSON state plus the token texts it checks candidates with."""
+    """A request's JSON state (JsonState, or json_schema.SchemaState) plus the token
+    texts it checks candidates with. Which first characters the state accepts is
+    memoised until the next token: a scan over thousands of candidates (a schema that
+    leaves the model one unlikely way on) then feeds most of them one character."""
 
     token_text: Callable[[int], str]
-    state: JsonState = field(default_factory=JsonState)
+    state: Any = field(default_factory=JsonState)
+    _first: dict = field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -201,10 +205,16 @@ class JsonConstraint:
 
     def allows(self, token_id: int) -> bool:
         text = self.token_text(token_id)
-        return bool(text) and self.state.feed(text) is not None
+        if not text:
+            return False
+        ok = self._first.get(text[0])
+        if ok is None:
+            ok = self._first[text[0]] = self.state.feed(text[0]) is not None
+        return ok and (len(text) == 1 or self.state.feed(text) is not None)
 
     def advance(self, token_id: int) -> None:
         nxt = self.state.feed(self.token_text(token_id))
         if nxt is None:
             raise ValueError(f"token {token_id} breaks the JSON output")
         self.state = nxt
+        self._first = {}

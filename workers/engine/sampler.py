@@ -112,8 +112,11 @@ class Sampler:
 
     def _constrained(self, row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None,
                      c: Any, eos_token_ids: Iterable[int]) -> int:
-        """The token for a constrained row: candidates are checked in order of probability,
-        the top 64 first and the rest only if none of those fits. Sampled rows draw among
+        """The token for a constrained row whose first draw was refused. Greedy rows check
+        candidates in order of probability, the top 64 first and the rest only if none of
+        those fits. Sampled rows draw again from the same (truncated) distribution, up to
+        REDRAWS times (rejection sampling: the first allowed draw is an exact draw from the
+        masked distribution, and it usually comes at once); failing that, they draw among
         the allowed candidates found until the checked ones hold CHECK_MASS of the
         probability (the unchecked tail is dropped, as top-p drops it); if none of those
         fits, the most likely allowed token of the rest (a schema can leave only tokens
@@ -134,6 +137,11 @@ class Sampler:
         if 0.0 < p.top_p < 1.0:
             vals[:k] = _nucleus(vals[:k], vals[:k].cumsum(0), p.top_p * (float(vals[:k].sum())
                                                                         if k < vocab else 1.0))
+        cdf = vals.cumsum(0)
+        draws = torch.rand(REDRAWS, generator=gen or self.generator) * cdf[-1]
+        for j in torch.searchsorted(cdf, draws, right=True).clamp_(max=vocab - 1).tolist():
+            if vals[j] > 0.0 and c.allows(t := int(idx[j])):
+                return t  # redrawn until allowed: an exact draw from the masked distribution
         ids: list[int] = []
         weights: list[float] = []
         seen, enough = 0.0, CHECK_MASS * float(vals.sum())  # of the kept (truncated) mass
@@ -155,6 +163,7 @@ class Sampler:
 
 
 CHECK_MASS = 0.9999
+REDRAWS = 16  # rejection-sampling tries of a refused constrained row before the scan
 
 
 TOP_P_CANDIDATES = 1024  # top-p looks at this many most likely tokens first (exact: see below)
