@@ -204,6 +204,23 @@ def test_json_schema_outputs_satisfy_the_schema_greedy_and_sampled(loaded):
     assert greedy["name"] == "Tom" and greedy["age"] == 3, outs[0].text
 
 
+def test_guided_choice_answers_with_one_of_the_choices(loaded):
+    tok = loaded[2]
+    ask = [tok.encode_chat([{"role": "user", "content": q}]) for q in (
+        "Is the sky blue? Answer yes or no.", "What colour is grass?", "Say something.")]
+    llm = make(loaded)
+    choices = ["yes", "no", "green", "a dark shade of green"]
+    params = [SamplingParams(temperature=0.0, max_tokens=20, guided_choice=choices)] * 3 + [
+        SamplingParams(temperature=1.5, seed=s, max_tokens=20, guided_choice=choices)
+        for s in range(4)]
+    outs = llm.generate(ask + ask[:1] * 4, params)
+    for o in outs:
+        assert o.text in choices and o.finish_reason == "stop", o.text
+    # unconstrained, the demo model answers "No." and "The colour of grass is ...": guided,
+    # it keeps its own pick among the choices
+    assert outs[0].text == "no" and outs[1].text == "a dark shade of green"
+
+
 def test_prefix_cache_counts_hits_in_tokens(loaded, prompts):
     llm = make(loaded)
     events = []

@@ -136,3 +136,18 @@ def test_constraint_interface_matches_json_mode():
     assert c.complete
     with pytest.raises(ValueError):
         c.advance(2)
+
+
+def test_guided_choice_state_ends_on_a_choice_and_lets_longer_ones_go_on():
+    from kvyard.workers.engine.choice_mode import ChoiceState
+
+    st = ChoiceState.start(["no", "none", "yes"])
+    assert st.feed("maybe") is None and st.feed("y").feed("es").complete
+    no = st.feed("no")
+    assert no.ends_here and not no.complete          # "none" still possible: EOS may end it
+    assert no.feed("ne").complete and no.feed("x") is None
+    texts = {1: "no", 2: "", 3: "ne", 4: "yes!"}
+    c = JsonConstraint(texts.__getitem__, st)
+    assert not c.allows(2) and c.allows(1) and not c.allows(4)  # no EOS before a choice
+    c.advance(1)
+    assert c.allows(2) and c.allows(3)                # after "no": EOS or "ne"

@@ -306,6 +306,23 @@ def test_json_schema_through_the_api(client: openai.OpenAI) -> None:
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text
 
 
+def test_guided_choice_through_the_api(client: openai.OpenAI) -> None:
+    ask = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
+    out = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=10, temperature=0,
+                                         extra_body={"guided_choice": ["yes", "no"]})
+    assert out.choices[0].message.content in ("yes", "no")
+    assert out.choices[0].finish_reason == "stop"
+    for bad in ([], ["yes", ""], "yes", [1]):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=ask, max_tokens=5,
+                                           extra_body={"guided_choice": bad})
+        assert e.value.code == "invalid_value"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=ask, max_tokens=5,
+                                       response_format={"type": "json_object"},
+                                       extra_body={"guided_choice": ["yes"]})
+
+
 def test_n_samples_prefill_their_prompt_once(client: openai.OpenAI, worker: WorkerProcess,
                                              wait_until) -> None:
     """The samples after the first start once it has its first token, so they take the

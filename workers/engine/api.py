@@ -34,6 +34,7 @@ class SamplingParams:
     json_object: bool = False         # response_format json_object: the output is one JSON object
     json_schema: dict | None = None   # response_format json_schema / guided_json: one JSON
                                       # object satisfying this schema (json_schema.py)
+    guided_choice: list[str] | None = None  # vLLM's guided_choice: the output is one of these
 
     @property
     def adjusts_logits(self) -> bool:

@@ -42,6 +42,8 @@ class JsonState:
     def complete(self) -> bool:
         return self.mode == "done"
 
+    ends_here = False  # the end of sequence never ends a JSON text: its closing does
+
     def feed(self, text: str) -> "JsonState | None":
         """The state after `text`, or None if no valid document starts with it."""
         st = JsonState(self.stack, self.mode, self.sub, self.ws)
@@ -190,7 +192,8 @@ def number_step(s: int, ch: str, integer: bool = False) -> int | None:
 
 @dataclass(slots=True)
 class JsonConstraint:
-    """A request's JSON state (JsonState, or json_schema.SchemaState) plus the token
+    """A request's guided state (JsonState, json_schema.SchemaState or
+    choice_mode.ChoiceState) plus the token
     texts it checks candidates with. Which first characters the state accepts is
     memoised until the next token: a scan over thousands of candidates (a schema that
     leaves the model one unlikely way on) then feeds most of them one character."""
@@ -205,8 +208,8 @@ class JsonConstraint:
 
     def allows(self, token_id: int) -> bool:
         text = self.token_text(token_id)
-        if not text:
-            return False
+        if not text:  # EOS, special tokens: only where the state may end (guided_choice)
+            return self.state.ends_here
         ok = self._first.get(text[0])
         if ok is None:
             ok = self._first[text[0]] = self.state.feed(text[0]) is not None

@@ -335,6 +335,8 @@ class SchemaState:
     def complete(self) -> bool:
         return any(c[1] == "D" for c in self.configs)
 
+    ends_here = False  # the root object's closing ends the output, not the end of sequence
+
     def feed(self, text: str) -> "SchemaState | None":
         cur = self.configs
         for ch in text:

@@ -17,7 +17,8 @@ from .api import EngineStats, RequestOutput, SamplingParams, TokenLogprob
 from .block_manager import BlockManager, KVEvent
 from .config import EngineConfig
 from .model_runner import ModelRunner, num_blocks_for, resolve_dtype
-from .json_mode import JsonConstraint
+from .choice_mode import ChoiceState
+from .json_mode import JsonConstraint, JsonState
 from .json_schema import SchemaState, compile_schema
 from .sampler import Sampler, make_generator
 from .scheduler import Scheduler
@@ -100,11 +101,13 @@ class LLMEngine:
                        arrival=time.monotonic())
         if params.seed is not None:
             seq.generator = make_generator(params.seed)
-        if params.json_object or params.json_schema is not None:
+        if params.json_object or params.json_schema is not None or params.guided_choice:
             if self.tokenizer is None:
-                raise ValueError("JSON mode needs the model's tokenizer")
-            seq.constraint = JsonConstraint(self._token_text) if params.json_schema is None else \
-                JsonConstraint(self._token_text, SchemaState.start(compile_schema(params.json_schema)))
+                raise ValueError("guided output (JSON, choices) needs the model's tokenizer")
+            state = ChoiceState.start(params.guided_choice) if params.guided_choice else \
+                SchemaState.start(compile_schema(params.json_schema)) \
+                if params.json_schema is not None else JsonState()
+            seq.constraint = JsonConstraint(self._token_text, state)
         if self.tokenizer is not None:
             # a few prompt tokens of context: some tokenizers' leading spaces depend on them
             seq.detokenizer = self.tokenizer.incremental_detokenizer(list(prompt_token_ids[-4:]))

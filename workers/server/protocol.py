@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvyard.workers.engine.api import SamplingParams
-from kvyard.workers.engine.json_schema import SchemaError, compile_schema
 
 from .errors import ApiError
+from .guided import guided_params
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 MAX_LOGPROBS = 20
@@ -153,7 +153,6 @@ def _sampling(body: dict[str, Any], kind: str) -> SamplingParams:
     if min_tokens < 0:
         raise ApiError(400, f"'min_tokens' must be >= 0, got {min_tokens}", param="min_tokens",
                        code="invalid_value")
-    schema = _json_schema(body)
     return SamplingParams(
         temperature=_opt_num(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_opt_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
@@ -168,61 +167,8 @@ def _sampling(body: dict[str, Any], kind: str) -> SamplingParams:
         repetition_penalty=_opt_num(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
         min_tokens=min_tokens,
         logit_bias=_logit_bias(body),
-        json_object=schema is None and _json_mode(body),
-        json_schema=schema,
+        **guided_params(body),
     )
-
-
-def _json_mode(body: dict[str, Any]) -> bool:
-    """response_format: text (default), json_object, or json_schema (see _json_schema)."""
-    rf = body.get("response_format")
-    if rf is None:
-        return False
-    kind = rf.get("type") if isinstance(rf, dict) else None
-    if kind in ("text", "json_schema"):
-        return False
-    if kind == "json_object":
-        return True
-    raise ApiError(400, "'response_format' must be {\"type\": \"text\"}, {\"type\": "
-                   "\"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": "
-                   "{\"name\": ..., \"schema\": {...}}}", param="response_format",
-                   code="invalid_value")
-
-
-def _json_schema(body: dict[str, Any]) -> dict | None:
-    """The schema of `response_format: {"type": "json_schema", "json_schema": {"name",
-    "schema", "strict"}}` (OpenAI) or of `guided_json` (vLLM's extra field: a schema
-    object or its JSON text), compiled here once so an unsupported keyword is a 400
-    naming it, not a failure inside the engine."""
-    rf = body.get("response_format")
-    param, schema = None, None
-    if isinstance(rf, dict) and rf.get("type") == "json_schema":
-        js = rf.get("json_schema")
-        if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
-            raise ApiError(400, "'response_format.json_schema' must be an object with a "
-                           "'schema' object", param="response_format", code="invalid_value")
-        param, schema = "response_format", js["schema"]
-    guided = body.get("guided_json")
-    if guided is not None:
-        if param is not None or isinstance(rf, dict) and rf.get("type") == "json_object":
-            raise ApiError(400, "give one of 'response_format' and 'guided_json'",
-                           param="guided_json", code="invalid_value")
-        if isinstance(guided, str):
-            try:
-                guided = json.loads(guided)
-            except ValueError as e:
-                raise ApiError(400, f"'guided_json' is not valid JSON: {e}", param="guided_json",
-                               code="invalid_value") from None
-        if not isinstance(guided, dict):
-            raise _type_error("guided_json", "a JSON Schema object", guided)
-        param, schema = "guided_json", guided
-    if schema is None:
-        return None
-    try:
-        compile_schema(schema)
-    except SchemaError as e:
-        raise ApiError(400, f"unsupported schema: {e}", param=param, code="invalid_value") from None
-    return schema
 
 
 def _logprobs(body: dict[str, Any], kind: str) -> int | None:
