@@ -151,3 +151,17 @@ def test_guided_choice_state_ends_on_a_choice_and_lets_longer_ones_go_on():
     assert not c.allows(2) and c.allows(1) and not c.allows(4)  # no EOS before a choice
     c.advance(1)
     assert c.allows(2) and c.allows(3)                # after "no": EOS or "ne"
+
+
+def test_prefilter_keeps_every_allowed_token_and_drops_refused_first_characters():
+    import numpy as np
+
+    texts = ["", '"', "{", ' "', "na", "name", '"name', "}", "x", "\u00e9", "\"age"]
+    codes = np.array([ord(t[0]) if t else -1 for t in texts], dtype=np.int32)
+    c = JsonConstraint(texts.__getitem__, SchemaState.start(compile_schema(PERSON)), codes)
+    c.advance(2)  # "{"
+    ids = np.arange(len(texts))
+    kept = set(c.prefilter(ids).tolist())
+    assert {i for i in ids if c.allows(i)} <= kept     # nothing allowed is ever dropped
+    assert kept == {1, 3, 6, 10}                        # first chars '"' and ' ' only
+    assert c.allows(6) and not c.allows(10)             # "name" comes before "age"

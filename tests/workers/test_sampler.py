@@ -216,6 +216,10 @@ class _Only:
     def allows(self, t: int) -> bool:
         return t in self.ids
 
+    def prefilter(self, ids):  # the constraint interface's cheap first pass: keep all
+        import numpy as np
+        return np.arange(len(ids))
+
 
 def test_constrained_rows_pick_only_allowed_tokens_in_proportion():
     x = torch.zeros(1, V)

@@ -9,15 +9,16 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence as Seq
 
+import numpy as np
 import torch
 
 from kvyard.common.models import resolve_model
 
 from .api import EngineStats, RequestOutput, SamplingParams, TokenLogprob
 from .block_manager import BlockManager, KVEvent
+from .choice_mode import ChoiceState
 from .config import EngineConfig
 from .model_runner import ModelRunner, num_blocks_for, resolve_dtype
-from .choice_mode import ChoiceState
 from .json_mode import JsonConstraint, JsonState
 from .json_schema import SchemaState, compile_schema
 from .sampler import Sampler, make_generator
@@ -56,6 +57,7 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.last_step_time = 0.0
         self._texts: dict[int, str] = {}
+        self._first_code_table: np.ndarray | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -107,7 +109,7 @@ class LLMEngine:
             state = ChoiceState.start(params.guided_choice) if params.guided_choice else \
                 SchemaState.start(compile_schema(params.json_schema)) \
                 if params.json_schema is not None else JsonState()
-            seq.constraint = JsonConstraint(self._token_text, state)
+            seq.constraint = JsonConstraint(self._token_text, state, first_codes=self._first_codes())
         if self.tokenizer is not None:
             # a few prompt tokens of context: some tokenizers' leading spaces depend on them
             seq.detokenizer = self.tokenizer.incremental_detokenizer(list(prompt_token_ids[-4:]))
@@ -164,6 +166,19 @@ class LLMEngine:
             outputs.append(out)
         self.last_step_time = time.perf_counter() - t0
         return outputs
+
+    def _first_codes(self) -> np.ndarray:
+        """Each token's first character (code point; -1 for no text), for the constrained
+        sampler's vectorised prefilter (JsonConstraint.prefilter); built at first use."""
+        if self._first_code_table is None:
+            n = max(self.model_config.vocab_size, self.tokenizer.vocab_size)
+            table = np.full(n, -1, dtype=np.int32)
+            for t in range(min(n, self.tokenizer.vocab_size)):
+                text = self._token_text(t)
+                if text:
+                    table[t] = ord(text[0])
+            self._first_code_table = table
+        return self._first_code_table
 
     def _token_text(self, token_id: int) -> str:
         """What a token adds to the text, cached (JSON mode checks the same few often)."""

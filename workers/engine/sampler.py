@@ -142,21 +142,19 @@ class Sampler:
         for j in torch.searchsorted(cdf, draws, right=True).clamp_(max=vocab - 1).tolist():
             if vals[j] > 0.0 and c.allows(t := int(idx[j])):
                 return t  # redrawn until allowed: an exact draw from the masked distribution
+        # the candidates holding CHECK_MASS of the kept mass, those whose first character
+        # fits (one vectorised pass), then each checked in full
+        checked = min(int(torch.searchsorted(cdf, CHECK_MASS * cdf[-1])) + 1, int((vals > 0).sum()))
+        order = idx.numpy()
         ids: list[int] = []
         weights: list[float] = []
-        seen, enough = 0.0, CHECK_MASS * float(vals.sum())  # of the kept (truncated) mass
-        order = idx.tolist()
-        checked = 0
-        for t, w in zip(order, vals.tolist()):
-            if w <= 0.0 or seen >= enough:
-                break
-            seen += w
-            checked += 1
-            if c.allows(t):
+        for j in c.prefilter(order[:checked]).tolist():
+            if c.allows(t := int(order[j])):
                 ids.append(t)
-                weights.append(w)
+                weights.append(float(vals[j]))
         if not ids:  # a schema can allow only tokens the model finds unlikely
-            return next((t for t in order[checked:] if c.allows(t)),
+            rest = order[checked:]
+            return next((int(rest[j]) for j in c.prefilter(rest).tolist() if c.allows(int(rest[j]))),
                         next(iter(eos_token_ids), int(row.argmax())))
         draw = torch.multinomial(torch.tensor(weights), 1, generator=gen or self.generator)
         return ids[int(draw)]
