@@ -17,9 +17,23 @@ import redis
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: all n sockets are held until every port is known. Picked one
+    at a time and released, the kernel may hand the same port out twice, and a cluster
+    needs six (a port and a bus port per master)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class RedisServer:
@@ -101,11 +115,12 @@ class RedisClusterServers:
     def __init__(self, masters: int = 3, password: str = "kvyard-test",
                  node_timeout_ms: int = 500, full_coverage: bool = False) -> None:
         self.password = password
-        self.nodes = [RedisServer(password=password, extra_args=(
+        ports = free_ports(2 * masters)  # each node's port and cluster-bus port, all distinct
+        self.nodes = [RedisServer(port=ports[2 * i], password=password, extra_args=(
             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-            "--cluster-port", str(free_port()), "--cluster-node-timeout", str(node_timeout_ms),
+            "--cluster-port", str(ports[2 * i + 1]), "--cluster-node-timeout", str(node_timeout_ms),
             "--cluster-require-full-coverage", "yes" if full_coverage else "no",
-            "--masterauth", password)) for _ in range(masters)]
+            "--masterauth", password)) for i in range(masters)]
 
     @property
     def url(self) -> str:
