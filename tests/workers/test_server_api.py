@@ -323,6 +323,40 @@ def test_guided_choice_through_the_api(client: openai.OpenAI) -> None:
                                        extra_body={"guided_choice": ["yes"]})
 
 
+def test_vllm_prompt_logprobs(client: openai.OpenAI) -> None:
+    """vLLM's `prompt_logprobs`: per prompt position None (the first) or the prompt token
+    and the k most likely, each with logprob, rank and decoded_token; the numbers are
+    those echo reports; chat puts them at the top level; streaming refuses them."""
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                    extra_body={"prompt_logprobs": 2})
+    pl = out.choices[0].model_extra["prompt_logprobs"]
+    echo = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                     echo=True, logprobs=1)
+    lp = echo.choices[0].logprobs
+    n_prompt = out.usage.prompt_tokens
+    assert len(pl) == n_prompt and pl[0] is None
+    for i, entry in enumerate(pl[1:], start=1):
+        ranked = sorted(entry.values(), key=lambda v: v["rank"])
+        assert 2 <= len(entry) <= 3 and all(v["logprob"] <= 0 for v in entry.values())
+        assert ranked[0]["rank"] == 1 and ranked[0]["logprob"] == max(v["logprob"] for v in entry.values())
+        mine = [v for v in entry.values() if v["decoded_token"] == lp.tokens[i]]
+        assert mine and abs(mine[-1]["logprob"] - lp.token_logprobs[i]) < 1e-4
+        assert (mine[-1]["rank"] == 1) == (lp.top_logprobs[i][lp.tokens[i]] >= max(lp.top_logprobs[i].values()))
+    assert any(v["rank"] > 2 for entry in pl[1:] for v in entry.values())  # ranks past the top k
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=2, extra_body={"prompt_logprobs": 0})
+    cpl = chat.model_extra["prompt_logprobs"]
+    assert len(cpl) == chat.usage.prompt_tokens and cpl[0] is None and all(len(e) == 1 for e in cpl[1:])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+    assert e.value.code == "invalid_value"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                  extra_body={"prompt_logprobs": 21})
+
+
 def test_n_samples_prefill_their_prompt_once(client: openai.OpenAI, worker: WorkerProcess,
                                              wait_until) -> None:
     """The samples after the first start once it has its first token, so they take the

@@ -49,6 +49,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]      # (token id, logprob), most likely first
+    rank: int | None = None           # prompt tokens: 1 + how many tokens were more likely
 
 
 @dataclass(slots=True)

@@ -198,12 +198,14 @@ class LLMEngine:
                                f"{len(entries)} entries")
         lp = torch.log_softmax(logits, dim=-1)
         targets = seq.token_ids[first + 1:first + 1 + lp.shape[0]]
-        chosen = lp.gather(1, torch.tensor(targets).unsqueeze(1)).squeeze(1).tolist()
+        chosen_t = lp.gather(1, torch.tensor(targets).unsqueeze(1))
+        ranks = ((lp > chosen_t).sum(dim=1) + 1).tolist()  # vLLM's prompt_logprobs report it
+        chosen = chosen_t.squeeze(1).tolist()
         k = seq.params.prompt_logprobs or 0
         top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
         for j, t in enumerate(targets):
             top = list(zip(top_i[j].tolist(), top_v[j].tolist())) if k else []
-            entries.append(TokenLogprob(t, chosen[j], top))
+            entries.append(TokenLogprob(t, chosen[j], top, ranks[j]))
 
     def _output(self, seq: Sequence, new_ids: list[int], delta: str,
                 logprobs: list | None = None) -> RequestOutput:

@@ -25,7 +25,7 @@ from kvyard.workers.engine.async_engine import EngineError
 from .errors import ApiError, sse_error
 from .metrics import RequestClock
 from .protocol import GenerateRequest, check_length, parse_body, parse_request, token_ids
-from .responses import DONE, LogprobsShaper, Shaper, Usage
+from .responses import DONE, LogprobsShaper, Shaper, Usage, top_k, vllm_prompt_logprobs
 from .state import ServerState, get_state
 
 _TOKENIZE_IN_THREAD_CHARS = 8192  # long prompts are tokenized off the event loop
@@ -181,22 +181,36 @@ async def _all(coros) -> list:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _complete(choices: list[_Choice], shaper: Shaper, n: int) -> web.Response:
-    async def collect(c: _Choice) -> tuple[str, str, dict | None]:
+async def _complete(choices: list[_Choice], shaper: Shaper, n: int,
+                    prompt_k: int | None = None, token_text=None) -> web.Response:
+    """`prompt_k`: vLLM's `prompt_logprobs` (the prompt's logprobs and top k, per choice
+    in completions, once at the top level in chat, whose choices share one prompt)."""
+    async def collect(c: _Choice) -> tuple[str, str, dict | None, list]:
         parts: list[str] = [c.echo.text] if c.echo else []
         lps: list = []
+        plps: list = []
         async with aclosing(c.outputs()) as outs:
             async for out in outs:
-                if c.echo is not None and out.prompt_logprobs is not None:
-                    lps.extend(out.prompt_logprobs)
+                if out.prompt_logprobs is not None:
+                    if c.echo is not None:
+                        lps.extend(top_k(out.prompt_logprobs, c.params.logprobs))
+                    plps.extend(out.prompt_logprobs)
                 if out.text_delta:
                     parts.append(out.text_delta)
                 if out.logprobs:
                     lps.extend(out.logprobs)
         reason = c.check_finished()
-        return "".join(parts), reason, c.lp.shape(lps, c.ids) if c.lp else None
+        return "".join(parts), reason, c.lp.shape(lps, c.ids) if c.lp else None, plps
     results = await _all(collect(c) for c in choices)
-    return web.json_response(shaper.final(results, _usage(choices, n)))
+    body = shaper.final([r[:3] for r in results], _usage(choices, n))
+    if prompt_k is not None:
+        shaped = [vllm_prompt_logprobs(r[3], prompt_k, token_text) for r in results]
+        if shaper.kind == "chat":
+            body["prompt_logprobs"] = shaped[0]
+        else:
+            for choice, pl in zip(body["choices"], shaped):
+                choice["prompt_logprobs"] = pl
+    return web.json_response(body)
 
 
 async def _stream(request: web.Request, choices: list[_Choice], shaper: Shaper, n: int,
@@ -279,8 +293,9 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     prompts = await _prompt_ids(state, req)
     params = req.params
     _check_vocab(state, list(params.logit_bias or ()), "logit_bias")
-    if req.echo:
-        params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
+    want = [k for k in (params.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+    if want:  # echo's logprobs and vLLM's prompt_logprobs come from the same prompt logits
+        params = dataclasses.replace(params, prompt_logprobs=max(want))
     tok = state.engine.tokenizer
     config = getattr(state.engine, "config", None)
     share_prefill = params.prompt_logprobs is None and getattr(config, "enable_prefix_caching", False)
@@ -308,7 +323,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
             choices.append(c)
     if req.stream:
         return await _stream(request, choices, shaper, req.n, req.include_usage)
-    return await _complete(choices, shaper, req.n)
+    return await _complete(choices, shaper, req.n, req.prompt_logprobs, tok.token_text)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

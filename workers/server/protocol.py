@@ -44,6 +44,7 @@ class GenerateRequest:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False                         # completions: prompt text (and logprobs) first
+    prompt_logprobs: int | None = None         # vLLM's extra: the prompt's logprobs (+ top k)
     n: int = 1                                 # choices, each its own engine request
     prompts: list[str | list[int]] = field(default_factory=list)
     messages: list[dict[str, Any]] | None = None
@@ -313,6 +314,14 @@ def parse_request(body: dict[str, Any], kind: str, served_names: list[str]) -> G
     req = GenerateRequest(kind=kind, model=model, params=_sampling(body, kind),
                           max_tokens=_max_tokens(body, kind), stream=stream,
                           include_usage=include_usage, n=n, raw=body)
+    req.prompt_logprobs = _opt_int(body, "prompt_logprobs")
+    if req.prompt_logprobs is not None:
+        if not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"'prompt_logprobs' must be in [0, {MAX_LOGPROBS}], got "
+                           f"{req.prompt_logprobs}", param="prompt_logprobs", code="invalid_value")
+        if stream:  # as vLLM: they would all come before the first token anyway
+            raise ApiError(400, "'prompt_logprobs' are not available when 'stream' is true",
+                           param="prompt_logprobs", code="invalid_value")
     if kind == "chat":
         if body.get("echo") not in (None, False):
             raise ApiError(400, "'echo' is not supported for chat completions", param="echo",

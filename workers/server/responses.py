@@ -133,6 +133,30 @@ class LogprobsShaper:
                 "text_offset": offsets}
 
 
+def top_k(entries: Sequence[TokenLogprob | None], k: int | None) -> list:
+    """`entries` with at most k alternatives each (prompt logits computed for a larger k)."""
+    k = k or 0
+    return [e if e is None or len(e.top) <= k else TokenLogprob(e.token_id, e.logprob, e.top[:k], e.rank)
+            for e in entries]
+
+
+def vllm_prompt_logprobs(entries: Sequence[TokenLogprob | None], k: int,
+                         text: Callable[[int], str]) -> list:
+    """vLLM's `prompt_logprobs` shape: per prompt position None (the first) or
+    {token id: {logprob, rank, decoded_token}} for the prompt token and the k most likely."""
+    out: list = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        d = {str(t): {"logprob": _clamp(lp), "rank": r + 1, "decoded_token": text(t)}
+             for r, (t, lp) in enumerate(e.top[:k])}
+        d[str(e.token_id)] = {"logprob": _clamp(e.logprob), "rank": e.rank,
+                              "decoded_token": text(e.token_id)}
+        out.append(d)
+    return out
+
+
 def _clamp(lp: float) -> float:
     return lp if lp > _MIN_LOGPROB else _MIN_LOGPROB
 
