@@ -238,6 +238,15 @@ def test_constrained_rows_pick_only_allowed_tokens_in_proportion():
     assert free == [9]                               # rows without a constraint are untouched
 
 
+def test_greedy_finds_an_allowed_token_past_the_top_64():
+    x = torch.arange(V, dtype=torch.float32).unsqueeze(0)  # token V-1 most likely
+    s = Sampler(0)
+    want = V - 100                                        # ranked 100th: past the first 64
+    got = s.sample(x.clone(), [SamplingParams(temperature=0.0)], [None], [([], 0)], (),
+                   [_Only({want, 3})])[0]
+    assert got == [want]                                  # the most likely allowed one
+
+
 def test_refused_draws_are_redrawn_from_the_masked_distribution():
     """When the allowed tokens hold real mass, a refused draw is redrawn (rejection
     sampling): the picks follow the allowed tokens' odds, seeded rows repeat."""

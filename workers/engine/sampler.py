@@ -125,12 +125,12 @@ class Sampler:
         every structural character): EOS, or the unconstrained choice."""
         vocab = row.shape[0]
         if p.temperature <= _GREEDY_EPS:
-            for k in (min(64, vocab), vocab):
-                idx = row.topk(k).indices.tolist()
-                for t in idx[64 if k == vocab else 0:]:
-                    if c.allows(t):
-                        return t
-            return next(iter(eos_token_ids), int(row.argmax()))
+            for t in row.topk(min(64, vocab)).indices.tolist():
+                if c.allows(t):
+                    return t
+            rest = row.topk(vocab).indices.numpy()[64:]
+            return next((int(rest[j]) for j in c.prefilter(rest).tolist() if c.allows(int(rest[j]))),
+                        next(iter(eos_token_ids), int(row.argmax())))
         vals, idx = torch.softmax(row / p.temperature, dim=-1).sort(descending=True)
         k = p.top_k if 0 < p.top_k < vocab else vocab
         vals[k:] = 0.0
