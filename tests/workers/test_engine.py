@@ -221,6 +221,20 @@ def test_guided_choice_answers_with_one_of_the_choices(loaded):
     assert outs[0].text == "no" and outs[1].text == "a dark shade of green"
 
 
+def test_guided_regex_outputs_match_the_pattern(loaded):
+    import re
+
+    tok = loaded[2]
+    ask = tok.encode_chat([{"role": "user", "content": "Give me a phone number and a reason."}])
+    pattern = r"(\d{3}-\d{4}|none), because [a-z ]{3,30}\."
+    llm = make(loaded)
+    params = [SamplingParams(temperature=0.0, max_tokens=60, guided_regex=pattern)] + [
+        SamplingParams(temperature=1.2, seed=s, max_tokens=60, guided_regex=pattern)
+        for s in range(4)]
+    for o in llm.generate([ask] * len(params), params):
+        assert re.fullmatch(pattern, o.text) and o.finish_reason == "stop", o.text
+
+
 def test_prefix_cache_counts_hits_in_tokens(loaded, prompts):
     llm = make(loaded)
     events = []

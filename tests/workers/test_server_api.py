@@ -323,6 +323,22 @@ def test_guided_choice_through_the_api(client: openai.OpenAI) -> None:
                                        extra_body={"guided_choice": ["yes"]})
 
 
+def test_guided_regex_through_the_api(client: openai.OpenAI) -> None:
+    import re
+
+    out = client.completions.create(model=MODEL, prompt="My phone number is", max_tokens=20,
+                                    temperature=0, extra_body={"guided_regex": r" \d{3}-\d{4}"})
+    assert re.fullmatch(r" \d{3}-\d{4}", out.choices[0].text)
+    for bad in (r"(a)\1", "", 5):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                      extra_body={"guided_regex": bad})
+        assert e.value.code == "invalid_value"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                  extra_body={"guided_regex": "a", "guided_choice": ["a"]})
+
+
 def test_vllm_prompt_logprobs(client: openai.OpenAI) -> None:
     """vLLM's `prompt_logprobs`: per prompt position None (the first) or the prompt token
     and the k most likely, each with logprob, rank and decoded_token; the numbers are

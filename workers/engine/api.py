@@ -35,6 +35,7 @@ class SamplingParams:
     json_schema: dict | None = None   # response_format json_schema / guided_json: one JSON
                                       # object satisfying this schema (json_schema.py)
     guided_choice: list[str] | None = None  # vLLM's guided_choice: the output is one of these
+    guided_regex: str | None = None   # vLLM's guided_regex: the whole output matches it
 
     @property
     def adjusts_logits(self) -> bool:

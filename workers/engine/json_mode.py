@@ -192,8 +192,8 @@ def number_step(s: int, ch: str, integer: bool = False) -> int | None:
 
 @dataclass(slots=True)
 class JsonConstraint:
-    """A request's guided state (JsonState, json_schema.SchemaState or
-    choice_mode.ChoiceState) plus the token
+    """A request's guided state (JsonState, json_schema.SchemaState,
+    choice_mode.ChoiceState or regex_mode.RegexState) plus the token
     texts it checks candidates with. Which first characters the state accepts is
     memoised until the next token: a scan over thousands of candidates (a schema that
     leaves the model one unlikely way on) then feeds most of them one character."""

@@ -19,6 +19,7 @@ from .block_manager import BlockManager, KVEvent
 from .choice_mode import ChoiceState
 from .config import EngineConfig
 from .model_runner import ModelRunner, num_blocks_for, resolve_dtype
+from .regex_mode import RegexState, compile_regex
 from .json_mode import JsonConstraint, JsonState
 from .json_schema import SchemaState, compile_schema
 from .sampler import Sampler, make_generator
@@ -103,10 +104,12 @@ class LLMEngine:
                        arrival=time.monotonic())
         if params.seed is not None:
             seq.generator = make_generator(params.seed)
-        if params.json_object or params.json_schema is not None or params.guided_choice:
+        if params.json_object or params.json_schema is not None or params.guided_choice \
+                or params.guided_regex:
             if self.tokenizer is None:
-                raise ValueError("guided output (JSON, choices) needs the model's tokenizer")
+                raise ValueError("guided output (JSON, choices, regex) needs the model's tokenizer")
             state = ChoiceState.start(params.guided_choice) if params.guided_choice else \
+                RegexState.start(compile_regex(params.guided_regex)) if params.guided_regex else \
                 SchemaState.start(compile_schema(params.json_schema)) \
                 if params.json_schema is not None else JsonState()
             seq.constraint = JsonConstraint(self._token_text, state, first_codes=self._first_codes())

@@ -1,5 +1,5 @@
 """Guided output fields of a request: `response_format` (text, json_object,
-json_schema), vLLM's `guided_json` and `guided_choice`. Parsed and checked here
+json_schema), vLLM's `guided_json`, `guided_choice` and `guided_regex`. Parsed and checked here
 (a schema is compiled once, so an unsupported keyword is a 400 naming it), then
 handed to the engine as SamplingParams fields; one kind per request."""
 from __future__ import annotations
@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from kvyard.workers.engine.json_schema import SchemaError, compile_schema
+from kvyard.workers.engine.regex_mode import RegexError, compile_regex
 
 from .errors import ApiError
 
@@ -17,7 +18,33 @@ def guided_params(body: dict[str, Any]) -> dict[str, Any]:
     schema = _json_schema(body)
     json_object = schema is None and _json_mode(body)
     choices = _guided_choice(body, schema is not None or json_object)
-    return {"json_object": json_object, "json_schema": schema, "guided_choice": choices}
+    regex = _guided_regex(body, schema is not None or json_object or choices is not None)
+    return {"json_object": json_object, "json_schema": schema, "guided_choice": choices,
+            "guided_regex": regex}
+
+
+MAX_REGEX_CHARS = 4096
+
+
+def _guided_regex(body: dict[str, Any], other: bool) -> str | None:
+    """vLLM's `guided_regex`: the whole output matches it (workers/engine/regex_mode.py);
+    compiled here so an unsupported construct is a 400 naming it."""
+    pattern = body.get("guided_regex")
+    if pattern is None:
+        return None
+    if not isinstance(pattern, str) or not 0 < len(pattern) <= MAX_REGEX_CHARS:
+        raise ApiError(400, f"'guided_regex' must be a pattern of 1 to {MAX_REGEX_CHARS} "
+                       "characters", param="guided_regex", code="invalid_value")
+    if other:
+        raise ApiError(400, "'guided_regex' cannot be combined with another guided output "
+                       "(response_format json, guided_json, guided_choice)",
+                       param="guided_regex", code="invalid_value")
+    try:
+        compile_regex(pattern)
+    except RegexError as e:
+        raise ApiError(400, f"unsupported pattern: {e}", param="guided_regex",
+                       code="invalid_value") from None
+    return pattern
 
 
 def _json_mode(body: dict[str, Any]) -> bool:
