@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 MAX_WS = 24
 _WS = " \t\n\r"
 _ESCAPES = '"\\/bfnrt'
@@ -202,6 +204,7 @@ class JsonConstraint:
     state: Any = field(default_factory=JsonState)
     first_codes: Any = None  # numpy int32 [vocab]: each token's first code point, -1 none
     _first: dict = field(default_factory=dict)
+    _last: tuple | None = None  # (token id, state after it) of the last full check passed
 
     @property
     def complete(self) -> bool:
@@ -214,14 +217,17 @@ class JsonConstraint:
         ok = self._first.get(text[0])
         if ok is None:
             ok = self._first[text[0]] = self.state.feed(text[0]) is not None
-        return ok and (len(text) == 1 or self.state.feed(text) is not None)
+        if not ok or len(text) == 1:
+            return ok
+        nxt = self.state.feed(text)
+        if nxt is not None:  # the sampled token is usually the last one checked:
+            self._last = (token_id, nxt)  # advance then takes this state, not a second feed
+        return nxt is not None
 
     def prefilter(self, ids):
         """The positions in `ids` (numpy int64) whose first character the state accepts,
         in order: one vectorised pass where a scan would call `allows` on thousands of
         tokens (all of them without `first_codes`)."""
-        import numpy as np
-
         if self.first_codes is None:
             return np.arange(len(ids))
         codes = self.first_codes[np.clip(ids, 0, len(self.first_codes) - 1)]
@@ -237,8 +243,11 @@ class JsonConstraint:
         return np.flatnonzero(ok)
 
     def advance(self, token_id: int) -> None:
-        nxt = self.state.feed(self.token_text(token_id))
+        last = self._last
+        nxt = last[1] if last is not None and last[0] == token_id \
+            else self.state.feed(self.token_text(token_id))
         if nxt is None:
             raise ValueError(f"token {token_id} breaks the JSON output")
         self.state = nxt
         self._first = {}
+        self._last = None
