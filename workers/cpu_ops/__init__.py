@@ -34,10 +34,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SRCS = [Path(__file__).with_name(n) for n in ("paged_attention.c", "norm_rope.c", "gemm.c", "pool.c")]
+_SRCS = [Path(__file__).with_name(n) for n in ("paged_attention.c", "norm_rope.c", "gemm.c", "greedy.c", "pool.c")]
 
 # gemm.c's epilogues, applied to the float32 result before it is stored.
 EPI_NONE, EPI_ADD, EPI_MUL, EPI_SILU = 0, 1, 2, 3
+_EPI_OUT_F32 = 16  # bf16 operands, float32 output
 _GEMM_TILE = 64
 
 
@@ -165,6 +166,11 @@ class CpuOps:
             fn.argtypes, fn.restype = gemm_args, ctypes.c_int
             if isa & need == need:
                 self._gemm[dtype] = fn
+        lib.greedy_refine.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                                      ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+        lib.greedy_refine.restype = ctypes.c_int
         self._lib = lib
 
     def has_gemm(self, dtype: torch.dtype) -> bool:
@@ -172,9 +178,10 @@ class CpuOps:
         return dtype in self._gemm
 
     def gemm(self, x: torch.Tensor, w: GemmWeight, bias: torch.Tensor | None = None,
-             other: torch.Tensor | None = None, epi: int = EPI_NONE) -> torch.Tensor:
+             other: torch.Tensor | None = None, epi: int = EPI_NONE, out_f32: bool = False) -> torch.Tensor:
         """epi(x @ W^T + bias) for rows x [M, K] (unit inner stride), with `other` [M, N]
-        the operand of EPI_ADD / EPI_MUL; x's dtype throughout, float32 accumulation."""
+        the operand of EPI_ADD / EPI_MUL; x's dtype throughout (the output float32 with
+        `out_f32`), float32 accumulation."""
         m, k = x.shape
         if k != w.k or x.stride(1) != 1 or x.dtype != (w.dtype or w.packed.dtype) \
                 or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous())) \
@@ -182,16 +189,39 @@ class CpuOps:
                 or (other is not None and (other.dtype != x.dtype or other.stride(1) != 1
                                            or tuple(other.shape) != (m, w.n))):
             raise ValueError("gemm: unexpected operands")
-        out = torch.empty(m, w.n, dtype=x.dtype)
+        out = torch.empty(m, w.n, dtype=torch.float32 if out_f32 else x.dtype)
         if m == 0:
             return out
         rc = self._gemm[x.dtype](x.data_ptr(), x.stride(0), w.packed.data_ptr(), out.data_ptr(), out.stride(0),
                                  None if bias is None else bias.data_ptr(),
                                  None if other is None else other.data_ptr(),
-                                 0 if other is None else other.stride(0), m, w.n, k, epi, w.bits, w.offset,
+                                 0 if other is None else other.stride(0), m, w.n, k,
+                                 epi | (_EPI_OUT_F32 if out_f32 else 0), w.bits, w.offset,
                                  torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"gemm kernel failed ({rc})")
+        return out
+
+    def greedy_refine(self, x: torch.Tensor, scores: torch.Tensor, wn: torch.Tensor, dn: torch.Tensor,
+                      coef: torch.Tensor, w: torch.Tensor, strides: tuple[int, int, int]) -> torch.Tensor:
+        """greedy.c: per row of x [n, K] float32, the argmax of its float32 logits against
+        head w (element (v, k) at w[(v // 64) * ts + (v % 64) * rs + k * ks], `strides` =
+        (ts, rs, ks)), from bf16 screen `scores` [n, V] and the bound's per-token norms
+        wn, dn [V] and per-row coef [n, 3]; -1 where the row needs the full GEMM."""
+        n, k = x.shape
+        v = scores.shape[1]
+        if x.dtype != torch.float32 or x.stride(1) != 1 or scores.dtype != torch.float32 \
+                or scores.stride(1) != 1 or scores.shape[0] != n or wn.shape != (v,) or dn.shape != (v,) \
+                or not (wn.is_contiguous() and dn.is_contiguous() and coef.is_contiguous() and w.is_contiguous()) \
+                or coef.shape != (n, 3) or w.dtype != torch.float32 \
+                or (v - 1) // 64 * strides[0] + (v - 1) % 64 * strides[1] + (k - 1) * strides[2] >= w.numel():
+            raise ValueError("greedy_refine: unexpected operands")
+        out = torch.empty(n, dtype=torch.int64)
+        rc = self._lib.greedy_refine(x.data_ptr(), x.stride(0), scores.data_ptr(), scores.stride(0),
+                                     wn.data_ptr(), dn.data_ptr(), coef.data_ptr(), w.data_ptr(), *strides,
+                                     n, v, k, out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"greedy_refine failed ({rc})")
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -36,7 +36,7 @@
                        * 18.7-19.0 -> 16.3 ms (demo model, float32); 18 or 24 gained nothing at 16-32 rows */
 #endif
 
-enum { EPI_NONE = 0, EPI_ADD = 1, EPI_MUL = 2, EPI_SILU = 3 };
+enum { EPI_NONE = 0, EPI_ADD = 1, EPI_MUL = 2, EPI_SILU = 3, EPI_OUT_F32 = 16 };
 
 typedef struct {
     const void *x; int64_t xs;
@@ -47,6 +47,7 @@ typedef struct {
     int M, N, K, epi;
     int qbits;    /* 0: w is dense tiles; 4 or 8: w is quantized tiles (gemm_quant.h) */
     float qoff;   /* added to every 4-bit code (-8 for Q4_0) */
+    int yf32;     /* bf16 inputs, float32 output (EPI_OUT_F32: greedy.c's screen keeps every bit it can) */
 } Gemm;
 
 static inline __m512 silu16(__m512 v) {  /* v / (1 + exp(-v)) */
@@ -119,7 +120,7 @@ static inline __attribute__((always_inline)) void block(const Gemm *g, const voi
             if (next) prefetch_part(next, next_bytes, kb, nkb);
             const uint8_t *blk = base + kb * bb;
             __m512 d[4], m[4];
-            load_scales(blk, d, m);
+            load_scales(g, blk, d, m);
             for (int k = 0; k < 32; k++) {
                 __m512 w[4];
                 dequant_row(g, blk + 256 + k * row, d, m, w);
@@ -153,9 +154,9 @@ static inline __attribute__((always_inline)) void block(const Gemm *g, const voi
         for (int r = 0; r < mr; r++) {
             const char *other = g->other ? (const char *)g->other + ((int64_t)(m0 + r) * g->os + col) * esz : NULL;
             __m512 v = epilogue(acc[r][c], g->epi, is_bf16, bias, other, k);
-            char *y = (char *)g->y + ((int64_t)(m0 + r) * g->ys + col) * esz;
+            char *y = (char *)g->y + ((int64_t)(m0 + r) * g->ys + col) * (g->yf32 ? 4 : esz);
 #ifdef __AVX512BF16__
-            if (is_bf16) _mm256_mask_storeu_epi16(y, k, (__m256i)_mm512_cvtneps_pbh(v));
+            if (is_bf16 && !g->yf32) _mm256_mask_storeu_epi16(y, k, (__m256i)_mm512_cvtneps_pbh(v));
             else
 #endif
                 _mm512_mask_storeu_ps((float *)y, k, v);
@@ -248,7 +249,7 @@ static int gemm(Gemm *g, int is_bf16, int num_threads) {
                   const void *other, int64_t os, int M, int N, int K, int epi, int qbits, float qoff, int num_threads
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 int gemm_bf16(GEMM_ARGS) {
-    Gemm g = {x, xs, w, y, ys, bias, other, os, M, N, K, epi, qbits, qoff};
+    Gemm g = {x, xs, w, y, ys, bias, other, os, M, N, K, epi & ~EPI_OUT_F32, qbits, qoff, (epi & EPI_OUT_F32) != 0};
     return gemm(&g, 1, num_threads);
 }
 #else
@@ -260,7 +261,7 @@ int gemm_bf16(GEMM_ARGS) {
 #endif
 #ifdef __AVX512F__
 int gemm_f32(GEMM_ARGS) {
-    Gemm g = {x, xs, w, y, ys, bias, other, os, M, N, K, epi, qbits, qoff};
+    Gemm g = {x, xs, w, y, ys, bias, other, os, M, N, K, epi & ~EPI_OUT_F32, qbits, qoff, 1};
     return gemm(&g, 0, num_threads);
 }
 #else

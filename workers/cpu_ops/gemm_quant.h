@@ -22,11 +22,16 @@ static inline int64_t quant_block_bytes(int qbits) { return 256 + 32 * (qbits ==
 
 static int64_t quant_tile_bytes(const Gemm *g) { return (int64_t)(g->K / 32) * quant_block_bytes(g->qbits); }
 
-/* A block's 64 scales and mins (float16) as float32, 16 columns a vector. */
-static inline void load_scales(const uint8_t *blk, __m512 d[4], __m512 m[4]) {
+/* A block's 64 scales and mins (float16) as float32, 16 columns a vector, with the
+ * code offset folded into the mins: m + off * d. Exact, so each weight stays
+ * fma(q, d, m') = the file's value: a format has either off = 0 (Q4_1, Q8_0: m' is m)
+ * or m = 0 (Q4_0: m' = -8 d, and q d - 8 d = (q - 8) d needs 15 bits). One add a
+ * code fewer than adding off to every code. */
+static inline void load_scales(const Gemm *g, const uint8_t *blk, __m512 d[4], __m512 m[4]) {
     for (int c = 0; c < 4; c++) {
         d[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32 * c)));
         m[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c)));
+        if (g->qoff != 0.0f) m[c] = _mm512_fmadd_ps(_mm512_set1_ps(g->qoff), d[c], m[c]);
     }
 }
 
@@ -43,9 +48,7 @@ static inline void dequant_row(const Gemm *g, const uint8_t *codes, const __m512
     } else {
         for (int c = 0; c < 4; c++) q[c] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * c)));
     }
-    const __m512 off = _mm512_set1_ps(g->qoff);
-    for (int c = 0; c < 4; c++)
-        w[c] = _mm512_fmadd_ps(_mm512_add_ps(_mm512_cvtepi32_ps(q[c]), off), d[c], m[c]);
+    for (int c = 0; c < 4; c++) w[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q[c]), d[c], m[c]);
 }
 
 /* Tile t into dst: float32 [K][64], or bf16 [K/2][64][2] (k pairs, gemm.c's layout). */
@@ -55,7 +58,7 @@ static void dequant_tile(const Gemm *g, int t, void *dst, int is_bf16) {
     for (int kb = 0; kb < g->K / 32; kb++) {
         const uint8_t *blk = base + kb * bb;
         __m512 d[4], m[4];
-        load_scales(blk, d, m);
+        load_scales(g, blk, d, m);
         const uint8_t *codes = blk + 256;
         if (!is_bf16) {
             float *out = (float *)dst + (int64_t)kb * 32 * TILE;

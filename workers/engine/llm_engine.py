@@ -22,12 +22,20 @@ from .model_runner import ModelRunner, num_blocks_for, resolve_dtype
 from .regex_mode import RegexState, compile_regex
 from .json_mode import JsonConstraint, JsonState
 from .json_schema import SchemaState, compile_schema
-from .sampler import Sampler, make_generator
+from .sampler import GREEDY_EPS, Sampler, make_generator
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .stopping import append_token
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs and OpenAI's top_logprobs limit
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    """Whether the sequence's next token is the bare argmax of its logits (no sampling,
+    adjustment, constraint or logprobs), so the runner may pick it without them."""
+    p = seq.params
+    return p.temperature <= GREEDY_EPS and p.logprobs is None and not p.adjusts_logits \
+        and seq.constraint is None
 
 
 class LLMEngine:
@@ -142,14 +150,17 @@ class LLMEngine:
                 raise RuntimeError("scheduler stalled: nothing runs and the queue head cannot start")
             return []
         t0 = time.perf_counter()
-        logits, samplers = self.runner.execute(sched, self._prompt_logits)
+        logits, samplers, picked = self.runner.execute(sched, self._prompt_logits, _plain_greedy)
         tokens: list[int] = []
         lps: list = []
-        if samplers:
-            tokens, lps = self.sampler.sample(
-                logits, [s.params for s in samplers], [s.generator for s in samplers],
-                [(s.token_ids, s.num_prompt_tokens) for s in samplers], self.eos_token_ids,
-                [s.constraint for s in samplers] if any(s.constraint for s in samplers) else None)
+        if picked is not None:  # the screened greedy rows have their tokens; sample the rest
+            tokens, lps = list(picked), [None] * len(picked)
+            rest = [i for i, tok in enumerate(picked) if tok < 0]
+            if rest:
+                for i, tok, lp in zip(rest, *self._sample(logits, [samplers[i] for i in rest])):
+                    tokens[i], lps[i] = tok, lp
+        elif samplers:
+            tokens, lps = self._sample(logits, samplers)
         for seq, n in zip(sched.seqs, sched.num_new_tokens):
             seq.num_computed_tokens += n
             newly = self.block_manager.cache_blocks(seq)
@@ -169,6 +180,12 @@ class LLMEngine:
             outputs.append(out)
         self.last_step_time = time.perf_counter() - t0
         return outputs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]:
+        return self.sampler.sample(
+            logits, [s.params for s in seqs], [s.generator for s in seqs],
+            [(s.token_ids, s.num_prompt_tokens) for s in seqs], self.eos_token_ids,
+            [s.constraint for s in seqs] if any(s.constraint for s in seqs) else None)
 
     def _first_codes(self) -> np.ndarray:
         """Each token's first character (code point; -1 for no text), for the constrained

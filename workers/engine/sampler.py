@@ -23,7 +23,7 @@ import torch
 from .api import SamplingParams, TokenLogprob
 from .logits_process import adjust_row
 
-_GREEDY_EPS = 1e-5
+GREEDY_EPS = 1e-5  # temperatures at or below are greedy
 
 
 def make_generator(seed: int) -> torch.Generator:
@@ -73,7 +73,7 @@ class Sampler:
         if logits.dtype != torch.float32:
             logits = logits.float()
         tokens = logits.argmax(dim=-1)
-        rows = [i for i, p in enumerate(params) if p.temperature > _GREEDY_EPS]
+        rows = [i for i, p in enumerate(params) if p.temperature > GREEDY_EPS]
         if rows:
             picked = self._sample(logits[rows], [params[i] for i in rows],
                                   [generators[i] for i in rows])
@@ -124,7 +124,7 @@ class Sampler:
         "color"). No allowed token at all (cannot happen for JSON, whose vocabulary has
         every structural character): EOS, or the unconstrained choice."""
         vocab = row.shape[0]
-        if p.temperature <= _GREEDY_EPS:
+        if p.temperature <= GREEDY_EPS:
             for t in row.topk(min(64, vocab)).indices.tolist():
                 if c.allows(t):
                     return t

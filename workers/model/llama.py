@@ -17,6 +17,7 @@ from torch import nn
 from .. import cpu_ops
 from ..attention import AttentionBackend, AttentionMetadata
 from .config import ModelConfig
+from .greedy_screen import GreedyScreen
 from .rope import apply_rope
 
 
@@ -78,8 +79,10 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: torch.Tensor, rope: torch.Tensor,
-                 backend: AttentionBackend, int4_max_tokens: int = 8) -> None:
+                 backend: AttentionBackend, int4_max_tokens: int = 8, tied: bool = False) -> None:
         super().__init__()
+        self.tied = tied  # the head's values are the embedding's (whatever form lm_head takes)
+        self.greedy = None  # greedy_screen.GreedyScreen, once `pack` built one (float32 + bf16 GEMM)
         self.config = cfg
         self.embed = nn.Parameter(embed, requires_grad=False)
         # The head may be packed (an opaque oneDNN tensor): a plain attribute, not a parameter.
@@ -179,9 +182,12 @@ class LlamaForCausalLM(nn.Module):
                 self._buffers.pop(f"layer{i}_int4_{j}_packed", None)
                 self._buffers.pop(f"layer{i}_int4_{j}_sz", None)
         self.int4_max_tokens = 0
+        dense = self.lm_head if isinstance(self.lm_head, torch.Tensor) else self.embed if self.tied else None
         head = pack(self.lm_head)
         self._parameters.pop("lm_head", None)
         self.lm_head = head
+        if dense is not None and self.dtype == torch.float32:
+            self.greedy = GreedyScreen.build(self.gemm, dense.detach(), head if dense is not self.embed else None)
         gemm = self.gemm
         self.linear = lambda x, w, b: gemm.gemm(x, w, b)
 
@@ -265,3 +271,15 @@ class LlamaForCausalLM(nn.Module):
         """Final norm + LM head on the sampled rows only; float32 for the sampler."""
         h = F.rms_norm(hidden, (self.config.hidden_size,), self.final_norm, self.config.rms_norm_eps)
         return self.linear(h, self.lm_head, None).float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """compute_logits(hidden).argmax(-1), the same tokens (first maximum), through the
+        bf16 screen where the model has one (float32, see greedy_screen.py)."""
+        if self.greedy is None:
+            return self.compute_logits(hidden).argmax(dim=-1)
+        h = F.rms_norm(hidden, (self.config.hidden_size,), self.final_norm, self.config.rms_norm_eps).contiguous()
+        tokens = self.greedy.tokens(h)
+        redo = (tokens < 0).nonzero().flatten()
+        if redo.numel():
+            tokens[redo] = self.linear(h[redo], self.lm_head, None).float().argmax(dim=-1)
+        return tokens

@@ -206,7 +206,7 @@ def build(cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, max_len: int 
     lm_head = (_quant(src, [head_name], dtype) if quant_tiles else None) or (embed if tied else w(head_name).contiguous())
     rope = rope_table(cfg, max_len or cfg.max_position_embeddings, dtype, freq_factors)
     model = LlamaForCausalLM(cfg, embed, layers, w("model.norm.weight"), lm_head, rope, TorchCPUBackend(),
-                             int4_max_tokens)
+                             int4_max_tokens, tied=tied)
     model.eval().requires_grad_(False)
     model.use_cpu_ops(cpu_kernels)
     model.pack()
