@@ -91,6 +91,24 @@ def test_model_on_gemm_matches_torch_path(dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_out_rows_are_the_full_forwards_rows_bit_for_bit(dtype) -> None:
+    """forward(out_rows=...) skips the last layer's MLP for the other rows: the kept rows
+    and every K/V written to the cache are exactly those of the full forward."""
+    _need(dtype)
+    model, cfg = load_model(resolve_model("demo"), dtype)
+    ids = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    meta = build_metadata([SeqStep([2, 0, 3], 0, 40)], 16, 0)
+    runs = []
+    for rows in (None, torch.tensor([39, 7]), torch.tensor([], dtype=torch.int64)):
+        caches = [torch.zeros(kv_cache_shape(cfg, 4, 16), dtype=dtype) for _ in range(cfg.num_layers)]
+        with torch.inference_mode():
+            runs.append((model(ids, torch.arange(40), caches, meta, rows), caches))
+    (full, c0), (two, c1), (none, c2) = runs
+    assert torch.equal(two, full[[39, 7]]) and none.shape == (0, cfg.hidden_size)
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(c0, c1, c2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_tiles_hold_the_dequantized_weights_exactly(dtype) -> None:
     """GGUF-block tiles (Q4_0, Q4_1, Q8_0) expand to exactly the loader's dense weights:
     x = I makes y = W^T, element for element (float32 bit-identical; bf16 the same RNE)."""

@@ -156,7 +156,11 @@ class ModelRunner:
         if before != threads:
             torch.set_num_threads(threads)
         try:
-            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+            # Only the sampled rows' hidden states are needed unless prompt logprobs are
+            # (the model may then skip the other rows' last-layer MLP).
+            narrow = not prompt_spans and len(sample_rows) < len(ids)
+            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta,
+                                        torch.tensor(sample_rows) if narrow else None)
             for seq, p0, r0, n in prompt_spans:
                 for j in range(0, n, PROMPT_LOGITS_ROWS):
                     k = min(PROMPT_LOGITS_ROWS, n - j)
