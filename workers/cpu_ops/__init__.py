@@ -167,9 +167,9 @@ class CpuOps:
             if isa & need == need:
                 self._gemm[dtype] = fn
         lib.greedy_refine.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                      ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
-                                      ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                      ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
         lib.greedy_refine.restype = ctypes.c_int
         self._lib = lib
 
@@ -202,24 +202,24 @@ class CpuOps:
             raise RuntimeError(f"gemm kernel failed ({rc})")
         return out
 
-    def greedy_refine(self, x: torch.Tensor, scores: torch.Tensor, wn: torch.Tensor, dn: torch.Tensor,
-                      coef: torch.Tensor, w: torch.Tensor, strides: tuple[int, int, int]) -> torch.Tensor:
+    def greedy_refine(self, x: torch.Tensor, xb: torch.Tensor, scores: torch.Tensor, wn: torch.Tensor,
+                      dn: torch.Tensor, w: torch.Tensor, strides: tuple[int, int, int]) -> torch.Tensor:
         """greedy.c: per row of x [n, K] float32, the argmax of its float32 logits against
         head w (element (v, k) at w[(v // 64) * ts + (v % 64) * rs + k * ks], `strides` =
-        (ts, rs, ks)), from bf16 screen `scores` [n, V] and the bound's per-token norms
-        wn, dn [V] and per-row coef [n, 3]; -1 where the row needs the full GEMM."""
+        (ts, rs, ks)), from the bf16 screen `scores` [n, V] of the rows xb (x in bf16) and
+        the per-token norms wn, dn [V] of the bound; -1 where the row needs the full GEMM."""
         n, k = x.shape
         v = scores.shape[1]
-        if x.dtype != torch.float32 or x.stride(1) != 1 or scores.dtype != torch.float32 \
-                or scores.stride(1) != 1 or scores.shape[0] != n or wn.shape != (v,) or dn.shape != (v,) \
-                or not (wn.is_contiguous() and dn.is_contiguous() and coef.is_contiguous() and w.is_contiguous()) \
-                or coef.shape != (n, 3) or w.dtype != torch.float32 \
+        if x.dtype != torch.float32 or x.stride(1) != 1 or xb.dtype != torch.bfloat16 or xb.shape != x.shape \
+                or xb.stride(1) != 1 or scores.dtype != torch.float32 or scores.stride(1) != 1 \
+                or scores.shape[0] != n or wn.shape != (v,) or dn.shape != (v,) or w.dtype != torch.float32 \
+                or not (wn.is_contiguous() and dn.is_contiguous() and w.is_contiguous()) \
                 or (v - 1) // 64 * strides[0] + (v - 1) % 64 * strides[1] + (k - 1) * strides[2] >= w.numel():
             raise ValueError("greedy_refine: unexpected operands")
         out = torch.empty(n, dtype=torch.int64)
         rc = self._lib.greedy_refine(x.data_ptr(), x.stride(0), scores.data_ptr(), scores.stride(0),
-                                     wn.data_ptr(), dn.data_ptr(), coef.data_ptr(), w.data_ptr(), *strides,
-                                     n, v, k, out.data_ptr(), torch.get_num_threads())
+                                     wn.data_ptr(), dn.data_ptr(), xb.data_ptr(), xb.stride(0), w.data_ptr(),
+                                     *strides, n, v, k, out.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"greedy_refine failed ({rc})")
         return out

@@ -24,6 +24,7 @@
  * ks = 64) work without a copy. */
 #include <math.h>
 #include <stdint.h>
+#include "bf16.h"
 #include "pool.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -35,7 +36,7 @@ typedef struct {
     const float *x; int64_t xs;      /* [n][K] float32 rows, as the full GEMM gets them */
     const float *s; int64_t ss;      /* [n][V] screen scores */
     const float *wn, *dn;            /* [V] */
-    const float *coef;               /* [n][3]: alpha, beta, absolute slack */
+    const uint16_t *xb; int64_t xbs; /* [n][K] the rows as the screen got them (bf16) */
     const float *w; int64_t ts, rs, ks;
     int n, V, K, idx32;
     int64_t *out;
@@ -75,9 +76,35 @@ static void exact_logits(const Refine *r, const float *x, const int32_t *cand, i
     }
 }
 
+/* The bound's per-row factors (kvyard.workers.model.greedy_screen derives them), in
+ * double, inflated by 0.1% for their own rounding and for float32's in B_v = alpha wn_v
+ * + beta dn_v: alpha = |x - x^| + gamma (|x^| + |x|), beta = |x^| (1 + gamma), where x^
+ * is the bf16 row with denormals flushed (vdpbf16ps reads them as zero) and gamma
+ * covers one float32 chain of K additions. */
+static void row_bound(const Refine *r, int i, float *alpha, float *beta) {
+    const float *x = r->x + (int64_t)i * r->xs;
+    const uint16_t *xb = r->xb + (int64_t)i * r->xbs;
+    double ex = 0.0, xn = 0.0, xbn = 0.0;
+    for (int k = 0; k < r->K; k++) {
+        float b = bf16_to_f32(xb[k]);
+        if (fabsf(b) < 0x1p-126f) b = 0.0f;
+        const double d = (double)x[k] - b;
+        ex += d * d;
+        xn += (double)x[k] * x[k];
+        xbn += (double)b * b;
+    }
+    const double u = 0x1p-24, g = r->K * u / (1.0 - r->K * u), safe = 1.001;
+    ex = sqrt(ex), xn = sqrt(xn), xbn = sqrt(xbn);
+    *alpha = (float)((ex + g * (xbn + xn)) * safe);
+    *beta = (float)(xbn * (1.0 + g) * safe);
+}
+
 static int64_t refine_row(const Refine *r, int i, int32_t *cand, float *logit) {
     const float *s = r->s + (int64_t)i * r->ss, *x = r->x + (int64_t)i * r->xs;
-    const __m512 alpha = _mm512_set1_ps(r->coef[3 * i]), beta = _mm512_set1_ps(r->coef[3 * i + 1]);
+    float a1, b1;
+    row_bound(r, i, &a1, &b1);
+    if (!isfinite(a1) || !isfinite(b1)) return -1;
+    const __m512 alpha = _mm512_set1_ps(a1), beta = _mm512_set1_ps(b1);
     const int V = r->V, V16 = V / 16 * 16;
     /* pass 1: lo = max (s - B); any NaN/inf in s fails the row */
     __m512 lo = _mm512_set1_ps(-INFINITY), big = _mm512_setzero_ps();
@@ -93,15 +120,15 @@ static int64_t refine_row(const Refine *r, int i, int32_t *cand, float *logit) {
     float low = _mm512_reduce_max_ps(lo), mag = _mm512_reduce_max_ps(big);
     int nonfinite = bad != 0;
     for (int v = V16; v < V; v++) {
-        const float b = r->coef[3 * i] * r->wn[v] + r->coef[3 * i + 1] * r->dn[v];
+        const float b = a1 * r->wn[v] + b1 * r->dn[v];
         if (!isfinite(s[v])) nonfinite = 1;
         if (s[v] - b > low) low = s[v] - b;
         if (fabsf(s[v]) + b > mag) mag = fabsf(s[v]) + b;
     }
     if (nonfinite || !isfinite(low) || !isfinite(mag)) return -1;
-    /* s - B and s + B were rounded (<= 2^-24 of mag each): 2^-20 of mag covers both,
-     * plus the caller's absolute slack */
-    low -= mag * 0x1p-20f + r->coef[3 * i + 2];
+    /* s - B and s + B were rounded (<= 2^-24 of mag each): 2^-20 of mag covers both;
+     * products vdpbf16ps flushed as denormals add at most K * 2^-126 */
+    low -= mag * 0x1p-20f + (float)r->K * 0x1p-100f;
     /* pass 2: the candidates, in vocabulary order */
     int nc = 0;
     const int cap = V / MAX_CAND_FRACTION > 64 ? V / MAX_CAND_FRACTION : 64;
@@ -118,7 +145,7 @@ static int64_t refine_row(const Refine *r, int i, int32_t *cand, float *logit) {
         }
     }
     for (int v = V16; v < V; v++) {
-        const float b = r->coef[3 * i] * r->wn[v] + r->coef[3 * i + 1] * r->dn[v];
+        const float b = a1 * r->wn[v] + b1 * r->dn[v];
         if (s[v] + b >= low) {
             if (nc + 1 > cap) return -1;
             cand[nc++] = v;
@@ -142,19 +169,19 @@ static void refine_task(void *arg, int tid, int nt) {
 }
 
 int greedy_refine(const float *x, int64_t xs, const float *s, int64_t ss, const float *wn, const float *dn,
-                  const float *coef, const float *w, int64_t ts, int64_t rs, int64_t ks, int n, int V, int K,
-                  int64_t *out, int num_threads) {
+                  const uint16_t *xb, int64_t xbs, const float *w, int64_t ts, int64_t rs, int64_t ks, int n,
+                  int V, int K, int64_t *out, int num_threads) {
     if (n <= 0 || V <= 0 || K <= 0) return -1;
     const int64_t last = (int64_t)((V - 1) / 64) * ts + (int64_t)((V - 1) % 64) * rs + (int64_t)(K - 1) * ks;
-    Refine r = {x, xs, s, ss, wn, dn, coef, w, ts, rs, ks, n, V, K, last < INT32_MAX, out};
+    Refine r = {x, xs, s, ss, wn, dn, xb, xbs, w, ts, rs, ks, n, V, K, last < INT32_MAX, out};
     kv_parallel(refine_task, &r, num_threads < n ? num_threads : n);
     return 0;
 }
 #else
 int greedy_refine(const float *x, int64_t xs, const float *s, int64_t ss, const float *wn, const float *dn,
-                  const float *coef, const float *w, int64_t ts, int64_t rs, int64_t ks, int n, int V, int K,
-                  int64_t *out, int num_threads) {
-    (void)x; (void)xs; (void)s; (void)ss; (void)wn; (void)dn; (void)coef; (void)w; (void)ts; (void)rs;
+                  const uint16_t *xb, int64_t xbs, const float *w, int64_t ts, int64_t rs, int64_t ks, int n,
+                  int V, int K, int64_t *out, int num_threads) {
+    (void)x; (void)xs; (void)s; (void)ss; (void)wn; (void)dn; (void)xb; (void)xbs; (void)w; (void)ts; (void)rs;
     (void)ks; (void)n; (void)V; (void)K; (void)out; (void)num_threads;
     return -2;  /* not built here: callers keep the full GEMM */
 }

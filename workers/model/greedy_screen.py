@@ -17,8 +17,9 @@ u = 2^-24 covers one float32 chain of K additions):
                  + gamma |w_v^| |x^| + gamma |w_v| |x|        (the screen's and the exact chain's sums)
               <= alpha wn_v + beta dn_v,
     alpha = |x - x^| + gamma (|x^| + |x|),  beta = |x^| (1 + gamma)
-(|w_v^| <= wn_v + dn_v), both inflated by 0.1% for their own float rounding.
-greedy.c adds 2^-20 of the row's magnitude for its float32 comparisons.
+(|w_v^| <= wn_v + dn_v); wn, dn (here) and alpha, beta (greedy.c, per row) are each
+inflated by 0.1% for their own float rounding. greedy.c adds 2^-20 of the row's
+magnitude for its float32 comparisons, and K 2^-100 for products flushed as denormals.
 """
 from __future__ import annotations
 
@@ -56,8 +57,6 @@ class GreedyScreen:
             dn[i:i + 4096] = (rows - _bf16_flushed(dense[i:i + 4096])).norm(dim=1)
         self.wn = (wn * _SAFE).float().contiguous()
         self.dn = (dn * _SAFE).float().contiguous()
-        u = 2.0 ** -24
-        self.gamma = k * u / (1 - k * u)
 
     @classmethod
     def build(cls, ops, dense: torch.Tensor, packed: "cpu_ops.GemmWeight | None") -> "GreedyScreen | None":
@@ -79,17 +78,8 @@ class GreedyScreen:
 
     def tokens(self, x: torch.Tensor) -> torch.Tensor:
         """The float32 argmax of x @ head^T per row of x [n, K] (float32, the normed hidden
-        states); -1 where the row needs the full GEMM (non-finite scores)."""
+        states); -1 where the row needs the full GEMM (non-finite scores). greedy.c derives
+        each row's alpha and beta from x and its bf16 copy."""
         xb = x.to(torch.bfloat16)
         scores = self.ops.gemm(xb, self.head_bf16, out_f32=True)
-        xd = x.double()
-        xbd = xb.double()
-        xbd = torch.where(xbd.abs() < _TINY, torch.zeros_like(xbd), xbd)
-        xn, xbn = xd.norm(dim=1), xbd.norm(dim=1)
-        g = self.gamma
-        coef = torch.zeros(x.shape[0], 3, dtype=torch.float64)
-        coef[:, 0] = ((xd - xbd).norm(dim=1) + g * (xbn + xn)) * _SAFE
-        coef[:, 1] = xbn * (1 + g) * _SAFE
-        coef[:, 2] = self.k * 2.0 ** -100  # flushed tiny products: far below any float32 logit's ulp
-        return self.ops.greedy_refine(x, scores, self.wn, self.dn, coef.float().contiguous(), self.exact,
-                                      self.strides)
+        return self.ops.greedy_refine(x, xb, scores, self.wn, self.dn, self.exact, self.strides)
