@@ -121,12 +121,12 @@ def test_decode_kernel_long_contexts_and_big_heads(dtype: torch.dtype, portable:
 @pytest.mark.parametrize("hd,nkv,grp", [(64, 3, 3), (128, 2, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_prefill_tiles_match_reference(dtype: torch.dtype, hd: int, nkv: int, grp: int) -> None:
-    """bf16 prefill chunks go through the tiled path (runs of a sequence's consecutive
+    """Prefill chunks go through the tiled path (runs of a sequence's consecutive
     queries): after a cached prefix, off block and tile boundaries, more than one
     tile per sequence, next to decodes and a one-token chunk (per-query path). Each
     query's output matches the dense reference, and the same query run alone (the
-    per-query path) to within rounding; float32 prefill stays on the per-query
-    path's exact sums (the mode whose greedy tokens must equal HF's)."""
+    per-query path) to within rounding: in float32 only q.k's summation order
+    differs (the HF parity tests check the tokens)."""
     k = cpu_kernel.load()
     g = torch.Generator().manual_seed(2)
     bs, nb = 16, 64
@@ -153,5 +153,3 @@ def test_kernel_prefill_tiles_match_reference(dtype: torch.dtype, hd: int, nkv: 
         alone = torch.empty(1, nkv * grp, hd, dtype=dtype)
         k.attend(q[i:i + 1], cache, tables, rows[i:i + 1], lens[i:i + 1], L, hd ** -0.5, alone)
         assert (out[i].float() - alone[0].float()).abs().max().item() < tol, f"query {i} vs per-query"
-        if dtype == torch.float32:
-            assert torch.equal(out[i], alone[0]), f"query {i}: float32 prefill != per-query path"

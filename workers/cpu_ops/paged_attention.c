@@ -13,8 +13,10 @@
  * arithmetic. No -ffast-math: it would set flush-to-zero process-wide when
  * the library loads.
  *
- * bf16 prefill chunks (runs of a sequence's consecutive queries) go through
- * paged_attention_tiles.h instead, up to 16 queries per item: see there.
+ * Prefill chunks (runs of a sequence's consecutive queries) go through tiles
+ * instead, up to 16 queries per item, where the CPU has AVX512-BF16 (the tile
+ * machinery lives there): paged_attention_tiles.h (bf16) and
+ * paged_attention_tiles_f32.h (float32).
  *
  * Work item = (sequence, kv head): the `group` query heads sharing a KV head
  * are scored together, so each K/V row is loaded once. Two passes over
@@ -171,6 +173,7 @@ static int run(Args *a, int num_seqs, int num_threads, item_fn fn, const int *qu
 
 #ifdef __AVX512BF16__
 #include "paged_attention_tiles.h"  /* bf16 prefill tiles: runs of a sequence's consecutive queries */
+#include "paged_attention_tiles_f32.h"  /* the same for float32 */
 
 typedef struct {
     const Args *a;
@@ -196,7 +199,8 @@ static void tile_job_run(void *arg, int tid, int nt) {
 
 /* Queries that continue their predecessor (same sequence, length + 1) form tiles of
  * up to QT; tiles run as tiles, lone queries (decodes) as per-query items. */
-static int run_tiled(Args *a, int num_q, int num_threads, item_fn fn, tile_fn tf) {
+static int run_tiled(Args *a, int num_q, int num_threads, item_fn fn, tile_fn tf,
+                     size_t (*bytes_of)(int rows, int lpad, int hd)) {
     if (!tf || num_q < 2) return run(a, num_q, num_threads, fn, NULL);
     int *idx = malloc(sizeof(int) * 3 * (size_t)num_q);
     if (!idx) return run(a, num_q, num_threads, fn, NULL);
@@ -208,7 +212,7 @@ static int run_tiled(Args *a, int num_q, int num_threads, item_fn fn, tile_fn tf
         while (j < num_q && j - i < QT && a->q_rows[j] == a->q_rows[i] && a->seq_lens[j] == a->seq_lens[j - 1] + 1)
             j++;
         const int lmax = a->seq_lens[j - 1];
-        const size_t b = tile_bytes((j - i) * a->group, (lmax + 15) & ~15, a->head_dim);
+        const size_t b = bytes_of((j - i) * a->group, (lmax + 15) & ~15, a->head_dim);
         if (j - i >= 2 && a->seq_lens[i] >= 1 && lmax <= a->max_len && b <= TILE_SCRATCH_MAX) {
             q0[tiles] = i;
             n[tiles++] = j - i;
@@ -252,13 +256,17 @@ int NAME(const void *q, int64_t q_tok_stride, int64_t q_head_stride,            
 #ifdef __AVX512F__
 #ifdef __AVX512BF16__
 DEFINE_ENTRY(paged_attention_bf16, pick_512(TABLE_BF16, item_512_bf16_any, &a),
-             run_tiled(&a, num_seqs, num_threads, fast ? fast : item_c_bf16_range, fast ? pick_tile(&a) : NULL))
+             run_tiled(&a, num_seqs, num_threads, fast ? fast : item_c_bf16_range, fast ? pick_tile(&a) : NULL,
+                       tile_bytes))
+DEFINE_ENTRY(paged_attention_f32, pick_512(TABLE_F32, item_512_f32_any, &a),
+             run_tiled(&a, num_seqs, num_threads, fast ? fast : item_c_f32_range, fast ? pick_tile_f32(&a) : NULL,
+                       tile_bytes_f32))
 #else
 DEFINE_ENTRY(paged_attention_bf16, pick_512(TABLE_BF16, item_512_bf16_any, &a),
              run(&a, num_seqs, num_threads, fast ? fast : item_c_bf16_range, NULL))
-#endif
 DEFINE_ENTRY(paged_attention_f32, pick_512(TABLE_F32, item_512_f32_any, &a),
              run(&a, num_seqs, num_threads, fast ? fast : item_c_f32_range, NULL))
+#endif
 #else
 DEFINE_ENTRY(paged_attention_bf16, NULL, run(&a, num_seqs, num_threads, fast ? fast : item_c_bf16_range, NULL))
 DEFINE_ENTRY(paged_attention_f32, NULL, run(&a, num_seqs, num_threads, fast ? fast : item_c_f32_range, NULL))
