@@ -153,3 +153,39 @@ def test_kernel_prefill_tiles_match_reference(dtype: torch.dtype, hd: int, nkv: 
         alone = torch.empty(1, nkv * grp, hd, dtype=dtype)
         k.attend(q[i:i + 1], cache, tables, rows[i:i + 1], lens[i:i + 1], L, hd ** -0.5, alone)
         assert (out[i].float() - alone[0].float()).abs().max().item() < tol, f"query {i} vs per-query"
+
+
+def test_float32_tiles_need_no_avx512_bf16(tmp_path) -> None:
+    """AVX-512 CPUs without BF16 (Skylake/Cascade Lake servers, where `--dtype auto` is
+    float32) get the same float32 prefill tiles: a build with -mno-avx512bf16 gives
+    bit-identical outputs to this machine's native build."""
+    import shutil
+    import subprocess
+
+    native = cpu_kernel.load()
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if native is None or cc is None or native.isa != "avx512+avx512bf16":
+        pytest.skip("needs a compiler and an AVX512-BF16 CPU to compare against")
+    so = tmp_path / "nobf16.so"
+    subprocess.run([cc, *cpu_kernel._FLAGS, "-mno-avx512bf16", *map(str, cpu_kernel._SRCS), "-o", str(so), "-lm"],
+                   check=True, capture_output=True, timeout=120)
+    plain = cpu_kernel.CpuOps(so)
+    assert plain.isa == "avx512"
+    g = torch.Generator().manual_seed(5)
+    bs, nb, nkv, grp, hd = 16, 32, 3, 3, 64
+    cache = torch.randn(2, nb, bs, nkv, hd, generator=g)
+    tables = torch.randperm(nb, generator=g).view(2, 16).to(torch.int64)
+    runs = [(0, list(range(30, 70))), (1, list(range(1, 34)))]  # after a cached prefix; from scratch
+    rows = torch.tensor([r for r, lens in runs for _ in lens], dtype=torch.int32)
+    lens = torch.tensor([x for _, ls in runs for x in ls], dtype=torch.int32)
+    q = torch.randn(len(lens), nkv * grp, hd, generator=g)
+    a, b = torch.empty_like(q), torch.empty_like(q)
+    native.attend(q, cache, tables, rows, lens, int(lens.max()), hd ** -0.5, a)
+    plain.attend(q, cache, tables, rows, lens, int(lens.max()), hd ** -0.5, b)
+    assert torch.equal(a, b)
+    for i in (0, 39, 40, len(lens) - 1):
+        r, L = int(rows[i]), int(lens[i])
+        slots = (tables[r][:, None] * bs + torch.arange(bs)).reshape(-1)[:L]
+        want = dense_attention(q[i:i + 1], cache[0].reshape(-1, nkv, hd)[slots],
+                               cache[1].reshape(-1, nkv, hd)[slots], L - 1, hd ** -0.5)
+        assert (b[i] - want[0]).abs().max().item() < 1e-5, i

@@ -14,9 +14,8 @@
  * the library loads.
  *
  * Prefill chunks (runs of a sequence's consecutive queries) go through tiles
- * instead, up to 16 queries per item, where the CPU has AVX512-BF16 (the tile
- * machinery lives there): paged_attention_tiles.h (bf16) and
- * paged_attention_tiles_f32.h (float32).
+ * instead, up to 16 queries per item: paged_attention_tiles.h (bf16, with
+ * AVX512-BF16) and paged_attention_tiles_f32.h (float32, any AVX-512).
  *
  * Work item = (sequence, kv head): the `group` query heads sharing a KV head
  * are scored together, so each K/V row is loaded once. Two passes over
@@ -171,9 +170,9 @@ static int run(Args *a, int num_seqs, int num_threads, item_fn fn, const int *qu
     return atomic_load(&j.failed) ? -2 : 0;
 }
 
-#ifdef __AVX512BF16__
+#ifdef __AVX512F__
 #include "paged_attention_tiles.h"  /* bf16 prefill tiles: runs of a sequence's consecutive queries */
-#include "paged_attention_tiles_f32.h"  /* the same for float32 */
+#include "paged_attention_tiles_f32.h"  /* the same for float32 (AVX-512F is enough) */
 
 typedef struct {
     const Args *a;
@@ -258,15 +257,13 @@ int NAME(const void *q, int64_t q_tok_stride, int64_t q_head_stride,            
 DEFINE_ENTRY(paged_attention_bf16, pick_512(TABLE_BF16, item_512_bf16_any, &a),
              run_tiled(&a, num_seqs, num_threads, fast ? fast : item_c_bf16_range, fast ? pick_tile(&a) : NULL,
                        tile_bytes))
-DEFINE_ENTRY(paged_attention_f32, pick_512(TABLE_F32, item_512_f32_any, &a),
-             run_tiled(&a, num_seqs, num_threads, fast ? fast : item_c_f32_range, fast ? pick_tile_f32(&a) : NULL,
-                       tile_bytes_f32))
 #else
 DEFINE_ENTRY(paged_attention_bf16, pick_512(TABLE_BF16, item_512_bf16_any, &a),
              run(&a, num_seqs, num_threads, fast ? fast : item_c_bf16_range, NULL))
-DEFINE_ENTRY(paged_attention_f32, pick_512(TABLE_F32, item_512_f32_any, &a),
-             run(&a, num_seqs, num_threads, fast ? fast : item_c_f32_range, NULL))
 #endif
+DEFINE_ENTRY(paged_attention_f32, pick_512(TABLE_F32, item_512_f32_any, &a),
+             run_tiled(&a, num_seqs, num_threads, fast ? fast : item_c_f32_range, fast ? pick_tile_f32(&a) : NULL,
+                       tile_bytes_f32))
 #else
 DEFINE_ENTRY(paged_attention_bf16, NULL, run(&a, num_seqs, num_threads, fast ? fast : item_c_bf16_range, NULL))
 DEFINE_ENTRY(paged_attention_f32, NULL, run(&a, num_seqs, num_threads, fast ? fast : item_c_f32_range, NULL))

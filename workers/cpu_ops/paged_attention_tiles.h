@@ -1,4 +1,5 @@
-/* Prefill tiles for paged_attention.c (AVX512-BF16), which includes it after the
+/* Prefill tiles for paged_attention.c (the bf16 ones need AVX512-BF16; the helpers
+ * up to tile_scores serve the float32 tiles too), which includes it after the
  * per-query path. Not a standalone header: it uses that file's Args and the
  * AVX-512 helpers (softmax_exp, store16_bf16).
  *
@@ -21,8 +22,9 @@
  * bf16 here; float32 tiles are in paged_attention_tiles_f32.h (values read in
  * place, two 16-key chunks per pass over the dims). An earlier float32 tile attempt
  * (not kept) had gained only 1.14x; those gain 1.66x at 4x256, 2.1x at 1x2048. */
-#ifdef __AVX512BF16__
+#ifdef __AVX512F__
 
+typedef void (*tile_fn)(const Args *, int, int, int, void *);
 #define QT 16                          /* queries per tile */
 #define TILE_SCRATCH_MAX ((size_t)64 << 20) /* bytes per thread; bigger tiles go per query */
 
@@ -102,6 +104,7 @@ static inline void chunk_rows(const void *cache, const int64_t *bt, int t0, int 
     }
 }
 
+#ifdef __AVX512BF16__
 /* Scores of every row (masked past its length), then softmax: normalized p in
  * probs as bf16, zero past each row's length. */
 static inline __attribute__((always_inline)) void tile_scores(const Args *a, const TileScratch *sc, const int64_t *bt,
@@ -224,7 +227,6 @@ static inline __attribute__((always_inline)) void tile_body(const Args *a, int q
     tile_pv_bf16(a, &sc, bt, q0, h, R, len0, lmax, lpad, g, hd);
 }
 
-typedef void (*tile_fn)(const Args *, int, int, int, void *);
 #define TILE_SPEC(G, HD) \
 static void tile_##G##_##HD(const Args *a, int q0, int nq, int h, void *buf) { tile_body(a, q0, nq, h, buf, G, HD); }
 #define TILE_SPEC_G(HD) TILE_SPEC(1, HD) TILE_SPEC(2, HD) TILE_SPEC(3, HD) TILE_SPEC(4, HD) \
@@ -240,3 +242,4 @@ static tile_fn pick_tile(const Args *a) {
     return TILES[row][a->group - 1];
 }
 #endif /* __AVX512BF16__ */
+#endif /* __AVX512F__ */
