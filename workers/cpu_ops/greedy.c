@@ -32,6 +32,9 @@
 
 #define MAX_CAND_FRACTION 16  /* more than V / this candidates: not worth it, fall back */
 
+/* Candidates a row may keep: sizes the scratch and bounds the collection alike. */
+static inline int cand_cap(int V) { return V / MAX_CAND_FRACTION > 64 ? V / MAX_CAND_FRACTION : 64; }
+
 typedef struct {
     const float *x; int64_t xs;      /* [n][K] float32 rows, as the full GEMM gets them */
     const float *s; int64_t ss;      /* [n][V] screen scores */
@@ -131,7 +134,7 @@ static int64_t refine_row(const Refine *r, int i, int32_t *cand, float *logit) {
     low -= mag * 0x1p-20f + (float)r->K * 0x1p-100f;
     /* pass 2: the candidates, in vocabulary order */
     int nc = 0;
-    const int cap = V / MAX_CAND_FRACTION > 64 ? V / MAX_CAND_FRACTION : 64;
+    const int cap = cand_cap(V);
     const __m512 thr = _mm512_set1_ps(low);
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int v = 0; v < V16; v += 16) {
@@ -162,7 +165,7 @@ static int64_t refine_row(const Refine *r, int i, int32_t *cand, float *logit) {
 
 static void refine_task(void *arg, int tid, int nt) {
     const Refine *r = (const Refine *)arg;
-    const int cap = r->V / MAX_CAND_FRACTION > 64 ? r->V / MAX_CAND_FRACTION : 64;
+    const int cap = cand_cap(r->V);
     char *buf = (char *)kv_scratch((size_t)(cap + 16) * 8);
     for (int i = (int)((int64_t)r->n * tid / nt); i < (int)((int64_t)r->n * (tid + 1) / nt); i++)
         r->out[i] = buf ? refine_row(r, i, (int32_t *)buf, (float *)(buf + (size_t)(cap + 16) * 4)) : -1;

@@ -255,14 +255,14 @@ int NAME(const void *q, int64_t q_tok_stride, int64_t q_head_stride,            
 #ifdef __AVX512F__
 #ifdef __AVX512BF16__
 DEFINE_ENTRY(paged_attention_bf16, pick_512(TABLE_BF16, item_512_bf16_any, &a),
-             run_tiled(&a, num_seqs, num_threads, fast ? fast : item_c_bf16_range, fast ? pick_tile(&a) : NULL,
+             run_tiled(&a, num_seqs, num_threads, fast ? fast : item_c_bf16_range, fast ? pick_tile_in(TILES, &a) : NULL,
                        tile_bytes))
 #else
 DEFINE_ENTRY(paged_attention_bf16, pick_512(TABLE_BF16, item_512_bf16_any, &a),
              run(&a, num_seqs, num_threads, fast ? fast : item_c_bf16_range, NULL))
 #endif
 DEFINE_ENTRY(paged_attention_f32, pick_512(TABLE_F32, item_512_f32_any, &a),
-             run_tiled(&a, num_seqs, num_threads, fast ? fast : item_c_f32_range, fast ? pick_tile_f32(&a) : NULL,
+             run_tiled(&a, num_seqs, num_threads, fast ? fast : item_c_f32_range, fast ? pick_tile_in(TILES_F32, &a) : NULL,
                        tile_bytes_f32))
 #else
 DEFINE_ENTRY(paged_attention_bf16, NULL, run(&a, num_seqs, num_threads, fast ? fast : item_c_bf16_range, NULL))

@@ -25,6 +25,24 @@
 #ifdef __AVX512F__
 
 typedef void (*tile_fn)(const Args *, int, int, int, void *);
+
+/* One tile function per (group 1..8, head_dim 64 | 128), constants for the compiler,
+ * from a body(a, q0, nq, h, buf, group, head_dim); a table of them; the pick. */
+#define TILE_SPEC(PFX, BODY, G, HD) \
+static void PFX##_##G##_##HD(const Args *a, int q0, int nq, int h, void *buf) { BODY(a, q0, nq, h, buf, G, HD); }
+#define TILE_SPECS(PFX, BODY, HD) TILE_SPEC(PFX, BODY, 1, HD) TILE_SPEC(PFX, BODY, 2, HD) \
+    TILE_SPEC(PFX, BODY, 3, HD) TILE_SPEC(PFX, BODY, 4, HD) TILE_SPEC(PFX, BODY, 5, HD) \
+    TILE_SPEC(PFX, BODY, 6, HD) TILE_SPEC(PFX, BODY, 7, HD) TILE_SPEC(PFX, BODY, 8, HD)
+#define TILE_ROW(PFX, HD) {PFX##_1_##HD, PFX##_2_##HD, PFX##_3_##HD, PFX##_4_##HD, \
+    PFX##_5_##HD, PFX##_6_##HD, PFX##_7_##HD, PFX##_8_##HD}
+
+/* The tile function for this call from `table`, or NULL (per-query items only). */
+static inline tile_fn pick_tile_in(const tile_fn table[2][8], const Args *a) {
+    const int row = a->head_dim == 64 ? 0 : a->head_dim == 128 ? 1 : -1;
+    if (row < 0 || a->group < 1 || a->group > 8) return NULL;
+    return table[row][a->group - 1];
+}
+
 #define QT 16                          /* queries per tile */
 #define TILE_SCRATCH_MAX ((size_t)64 << 20) /* bytes per thread; bigger tiles go per query */
 
@@ -227,19 +245,7 @@ static inline __attribute__((always_inline)) void tile_body(const Args *a, int q
     tile_pv_bf16(a, &sc, bt, q0, h, R, len0, lmax, lpad, g, hd);
 }
 
-#define TILE_SPEC(G, HD) \
-static void tile_##G##_##HD(const Args *a, int q0, int nq, int h, void *buf) { tile_body(a, q0, nq, h, buf, G, HD); }
-#define TILE_SPEC_G(HD) TILE_SPEC(1, HD) TILE_SPEC(2, HD) TILE_SPEC(3, HD) TILE_SPEC(4, HD) \
-    TILE_SPEC(5, HD) TILE_SPEC(6, HD) TILE_SPEC(7, HD) TILE_SPEC(8, HD)
-#define TILE_ROW(HD) {tile_1_##HD, tile_2_##HD, tile_3_##HD, tile_4_##HD, tile_5_##HD, tile_6_##HD, tile_7_##HD, tile_8_##HD}
-TILE_SPEC_G(64) TILE_SPEC_G(128)
-static const tile_fn TILES[2][8] = {TILE_ROW(64), TILE_ROW(128)};
-
-/* The tile function for this call, or NULL (per-query items only). */
-static tile_fn pick_tile(const Args *a) {
-    const int row = a->head_dim == 64 ? 0 : a->head_dim == 128 ? 1 : -1;
-    if (row < 0 || a->group < 1 || a->group > 8) return NULL;
-    return TILES[row][a->group - 1];
-}
+TILE_SPECS(tile, tile_body, 64) TILE_SPECS(tile, tile_body, 128)
+static const tile_fn TILES[2][8] = {TILE_ROW(tile, 64), TILE_ROW(tile, 128)};
 #endif /* __AVX512BF16__ */
 #endif /* __AVX512F__ */

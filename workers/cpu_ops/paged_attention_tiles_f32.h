@@ -140,17 +140,5 @@ static inline __attribute__((always_inline)) void tile_body_f32(const Args *a, i
     tile_pv_f32(a, scores, inv, bt, q0, h, R, len0, lpad, g, hd);
 }
 
-#define TILE_SPEC_F32(G, HD) \
-static void tile_f32_##G##_##HD(const Args *a, int q0, int nq, int h, void *buf) { tile_body_f32(a, q0, nq, h, buf, G, HD); }
-#define TILE_SPEC_F32_G(HD) TILE_SPEC_F32(1, HD) TILE_SPEC_F32(2, HD) TILE_SPEC_F32(3, HD) TILE_SPEC_F32(4, HD) \
-    TILE_SPEC_F32(5, HD) TILE_SPEC_F32(6, HD) TILE_SPEC_F32(7, HD) TILE_SPEC_F32(8, HD)
-#define TILE_ROW_F32(HD) {tile_f32_1_##HD, tile_f32_2_##HD, tile_f32_3_##HD, tile_f32_4_##HD, tile_f32_5_##HD, \
-    tile_f32_6_##HD, tile_f32_7_##HD, tile_f32_8_##HD}
-TILE_SPEC_F32_G(64) TILE_SPEC_F32_G(128)
-static const tile_fn TILES_F32[2][8] = {TILE_ROW_F32(64), TILE_ROW_F32(128)};
-
-static tile_fn pick_tile_f32(const Args *a) {
-    const int row = a->head_dim == 64 ? 0 : a->head_dim == 128 ? 1 : -1;
-    if (row < 0 || a->group < 1 || a->group > 8) return NULL;
-    return TILES_F32[row][a->group - 1];
-}
+TILE_SPECS(tile_f32, tile_body_f32, 64) TILE_SPECS(tile_f32, tile_body_f32, 128)
+static const tile_fn TILES_F32[2][8] = {TILE_ROW(tile_f32, 64), TILE_ROW(tile_f32, 128)};

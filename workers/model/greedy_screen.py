@@ -39,14 +39,14 @@ def _bf16_flushed(t: torch.Tensor) -> torch.Tensor:
 
 class GreedyScreen:
     """Built once per model (float32 weights, bf16 GEMM available): the head's bf16
-    tiles and per-row norms. `head` is where greedy.c reads exact rows: a row-major
-    [V, K] float32 tensor (a tied embedding) or gemm.c's float32 tiles."""
+    tiles and per-row norms. `exact` is where greedy.c reads exact rows, through
+    `strides`: a row-major [V, K] float32 tensor (a tied embedding) or gemm.c's float32
+    tiles."""
 
     def __init__(self, ops: "cpu_ops.CpuOps", dense: torch.Tensor, exact: torch.Tensor,
                  strides: tuple[int, int, int]) -> None:
-        v, k = dense.shape
+        v = dense.shape[0]
         self.ops = ops
-        self.vocab, self.k = v, k
         self.exact, self.strides = exact, strides
         self.head_bf16 = cpu_ops.GemmWeight.pack(dense.to(torch.bfloat16))
         wn = torch.empty(v, dtype=torch.float64)
