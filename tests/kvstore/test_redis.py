@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import redis
 
 from kvyard.kvstore import KVStore
@@ -165,26 +166,30 @@ def test_get_into_redis_only_reads_into_outs_and_rejects_corrupt(ns, layout, mak
     st.close()
 
 
-def test_big_blocks_get_their_headers_one_value_ahead(redis_server):
-    """Values of AHEAD_BYTES and more are checksummed on a helper thread one value
-    ahead of the send: every header must still be right (read back verified)."""
+@pytest.mark.parametrize("dims,count", [((32, 8, 128), 5), ((30, 3, 64), 23)])
+def test_put_checksums_run_a_group_ahead_and_every_header_is_right(redis_server, dims, count):
+    """Checksums run on a helper thread a group (~GROUP_BYTES) ahead of the send,
+    the first group on the sender: 2 MiB blocks one per group, 360 KiB blocks five
+    (23 blocks: a short last group). Every header must still be right (read back
+    verified), whichever thread wrote it."""
     import os
 
     from kvyard.kvstore import KVLayout, Namespace
     from kvyard.kvstore.codec import HEADER_BYTES
-    from kvyard.kvstore.redis_tier import AHEAD_BYTES
+    from kvyard.kvstore.redis_tier import GROUP_BYTES
 
-    big = KVLayout("bfloat16", 16, 32, 8, 128)  # 2 MiB blocks
-    assert big.nbytes >= AHEAD_BYTES
-    ns = Namespace("model-big@0123", big)
+    layout = KVLayout("bfloat16", 16, *dims)
+    assert count * layout.nbytes > 2 * GROUP_BYTES  # at least three groups
+    ns = Namespace("model-groups@0123", layout)
     red = _tier(redis_server.url, redis_server.password, timeout_s=5.0)
     st = KVStore(ns, redis=red)
-    frames = [bytearray(HEADER_BYTES) + os.urandom(big.nbytes) for _ in range(5)]
-    assert st.put([1, 2, 3, 4, 5], frames) == 5
+    keys = list(range(1, count + 1))
+    frames = [bytearray(HEADER_BYTES) + os.urandom(layout.nbytes) for _ in keys]
+    assert st.put(keys, frames) == count
     assert st.flush()
-    assert red._ahead is not None  # the helper thread did the checksums
-    outs = [bytearray(big.nbytes) for _ in range(5)]
-    assert st.get_into([1, 2, 3, 4, 5], outs) == 5
+    assert red._ahead is not None  # the helper thread did some of the checksums
+    outs = [bytearray(layout.nbytes) for _ in keys]
+    assert st.get_into(keys, outs) == count
     assert [bytes(o) for o in outs] == [bytes(f[HEADER_BYTES:]) for f in frames]
-    assert red.stats.errors == 0 and red.stats.hits == 5
+    assert red.stats.errors == 0 and red.stats.hits == count
     st.close()
