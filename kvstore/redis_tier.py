@@ -60,6 +60,7 @@ class RedisTier:
         self._node_breakers: dict[str, CircuitBreaker] = {}  # cluster: one per master
         self._stale_slots = False  # cluster: refresh the slot map before the next call
         self._ahead: ThreadPoolExecutor | None = None  # checksums one group ahead (put)
+        self.group_bytes = GROUP_BYTES
         self._opts = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                           retry=Retry(NoBackoff(), 0), retry_on_timeout=False)
         if password is None:
@@ -278,7 +279,7 @@ class RedisTier:
         if prepare is None:
             yield from values
             return
-        per = max(1, GROUP_BYTES // max(1, values[0].nbytes)) if values else 1
+        per = max(1, self.group_bytes // max(1, values[0].nbytes)) if values else 1
         if len(values) <= per:
             for i, v in zip(idx, values):
                 prepare(i, True)
