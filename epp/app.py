@@ -21,7 +21,7 @@ from kvyard.common import wire
 from .discovery_file import FileDiscovery
 from .discovery_k8s import K8sDiscovery
 from .endpoints import EndpointPool, EndpointSpec
-from .health import HealthServer
+from .health import SERVER_OPTIONS, HealthServer, bind
 from .observability import EppMetrics, debug_app
 from .prompt import PromptHasher
 from .router import Finisher, Router
@@ -104,13 +104,10 @@ class EppApp:
 
     async def start(self) -> None:
         c = self.cfg
-        self._grpc = grpc.aio.server()
+        self._grpc = grpc.aio.server(options=SERVER_OPTIONS)
         ep_grpc.add_ExternalProcessorServicer_to_server(
             ExtProcServicer(self.router, self.metrics, self.finisher, c.max_body_bytes), self._grpc)
-        port = self._grpc.add_insecure_port(f"{c.host}:{c.ext_proc_port}")
-        if port == 0:
-            raise OSError(f"cannot bind ext_proc port {c.ext_proc_port}")
-        self.ports["ext_proc"] = port
+        self.ports["ext_proc"] = bind(self._grpc, c.host, c.ext_proc_port, "ext_proc")
         await self._grpc.start()
         self._health = HealthServer(c.health_port, self.is_ready, host=c.host)
         await self._health.start()

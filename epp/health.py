@@ -15,6 +15,23 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+# gRPC servers bind with SO_REUSEPORT unless told otherwise: a second server on the same
+# port (another process of the same user, or this one's ext_proc and health servers
+# handed one port twice) then binds too and silently takes a share of the connections
+# (seen in CI: ext_proc calls answered UNIMPLEMENTED by the health server). Off: a taken
+# port fails to bind, loudly.
+SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
+
+
+def bind(server: grpc.aio.Server, host: str, port: int, what: str) -> int:
+    """The bound port, or OSError naming `what` (grpcio returns 0 or raises, by version)."""
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as e:
+        raise OSError(f"cannot bind {what} port {port}: {e}") from None
+    if bound == 0:
+        raise OSError(f"cannot bind {what} port {port}")
+    return bound
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -32,10 +49,9 @@ class HealthServer:
 
     async def start(self) -> None:
         self._servicer = health.aio.HealthServicer()
-        self._server = grpc.aio.server()
+        self._server = grpc.aio.server(options=SERVER_OPTIONS)
         health_pb2_grpc.add_HealthServicer_to_server(self._servicer, self._server)
-        if self._server.add_insecure_port(f"{self.host}:{self.port}") == 0:
-            raise OSError(f"cannot bind health port {self.port}")
+        bind(self._server, self.host, self.port, "health")
         for name in ("liveness", EXT_PROC_SERVICE):
             await self._servicer.set(name, _SERVING)
         await self._update()

@@ -19,10 +19,20 @@ from typing import Callable
 import pytest
 
 
+_GIVEN: set[int] = set()
+
+
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port not handed out before in this session. A port is released
+    as soon as it is known, so the kernel may offer the same one again to the next
+    call: one test's two servers then share a port (seen in CI)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 @pytest.fixture

@@ -54,3 +54,23 @@ async def test_debug_endpoints_and_prometheus(fake_vllm, epp, xp):
     assert "kvyard_epp_decision_seconds_count 1.0" in prom
     assert f'kvyard_epp_picks_total{{endpoint="{w.address}"}} 1.0' in prom
     assert "kvyard_epp_prefix_hit_ratio_bucket" in prom
+
+
+async def test_a_taken_grpc_port_fails_to_bind_instead_of_sharing(free_port):
+    """gRPC's default SO_REUSEPORT would let a second server bind the EPP's port and take
+    a share of its connections (CI once saw ext_proc calls answered by the health
+    server); ours are bound exclusively, so the second bind fails loudly."""
+    import pytest
+
+    from kvyard.epp.health import HealthServer
+
+    port = free_port()
+    first = HealthServer(port, lambda: True, host="127.0.0.1")
+    await first.start()
+    try:
+        second = HealthServer(port, lambda: True, host="127.0.0.1")
+        with pytest.raises(OSError, match="cannot bind health port"):
+            await second.start()
+        assert await _status(port, "liveness") == SERVING  # the first still serves
+    finally:
+        await first.stop()
