@@ -11,28 +11,23 @@ import os
 # the servers' own threads on small machines (see kvyard/cli.py).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import socket
 import time
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
+from kvyard.stack.procs import free_port as _any_free_port
 
+
+# Ports handed out in this session: a port is released as soon as it is known, so the
+# kernel may offer the same one to the next call, and one test's two servers would share
+# it (seen in CI).
 _GIVEN: set[int] = set()
 
 
 def _free_port() -> int:
-    """A free loopback port not handed out before in this session. A port is released
-    as soon as it is known, so the kernel may offer the same one again to the next
-    call: one test's two servers then share a port (seen in CI)."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _GIVEN:
-            _GIVEN.add(port)
-            return port
+    return _any_free_port(taken=_GIVEN)
 
 
 @pytest.fixture
