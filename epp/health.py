@@ -15,6 +15,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # gRPC servers bind with SO_REUSEPORT unless told otherwise: a second server on the same
 # port (another process of the same user, or this one's ext_proc and health servers
 # handed one port twice) then binds too and silently takes a share of the connections
@@ -32,8 +34,6 @@ def bind(server: grpc.aio.Server, host: str, port: int, what: str) -> int:
     if bound == 0:
         raise OSError(f"cannot bind {what} port {port}")
     return bound
-_SERVING = health_pb2.HealthCheckResponse.SERVING
-_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @dataclass(slots=True)
