@@ -281,18 +281,13 @@ class RedisTier:
             yield from values
             return
         per = max(1, self.group_bytes // max(1, values[0].nbytes)) if values else 1
-        if len(values) <= per:
-            for i, v in zip(idx, values):
-                prepare(i, True)
-                yield v
-            return
 
         def run(lo: int) -> None:
             for j in range(lo, min(lo + per, len(values))):
                 prepare(idx[j], False)
-        nxt = self._helper().submit(run, per)
+        nxt = self._helper().submit(run, per) if len(values) > per else None
         try:
-            for j in range(per):
+            for j in range(min(per, len(values))):  # the first group: on the sender
                 prepare(idx[j], True)
                 yield values[j]
             for lo in range(per, len(values), per):

@@ -286,7 +286,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the sampled rows only; float32 for the sampler."""
-        h = F.rms_norm(hidden, (self.config.hidden_size,), self.final_norm, self.config.rms_norm_eps)
+        return self._head(self._normed(hidden))
+
+    def _normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(hidden, (self.config.hidden_size,), self.final_norm, self.config.rms_norm_eps)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
         return self.linear(h, self.lm_head, None).float()
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -294,9 +299,9 @@ class LlamaForCausalLM(nn.Module):
         bf16 screen where the model has one (float32, see greedy_screen.py)."""
         if self.greedy is None:
             return self.compute_logits(hidden).argmax(dim=-1)
-        h = F.rms_norm(hidden, (self.config.hidden_size,), self.final_norm, self.config.rms_norm_eps).contiguous()
+        h = self._normed(hidden).contiguous()
         tokens = self.greedy.tokens(h)
         redo = (tokens < 0).nonzero().flatten()
         if redo.numel():
-            tokens[redo] = self.linear(h[redo], self.lm_head, None).float().argmax(dim=-1)
+            tokens[redo] = self._head(h[redo]).argmax(dim=-1)
         return tokens
