@@ -16,9 +16,12 @@
 #       carry=[".devkit"])
 # (x2: a Firecracker VM with a Linux kernel; the one-GPU kind runs gVisor, whose
 # loopback is another network stack). Each run prints one line of ratios; the JSON
-# reports land in $OUT. Env: RUNS (4), TIERS (dram,ssd,redis), EXTRA (more flags).
+# reports land in $OUT. Env: RUNS (4), TIERS (dram,ssd,redis), EXTRA (more flags),
+# CPUS (a taskset CPU list, e.g. 0,1: the bench and its redis-server on those only;
+# how the Redis put row depends on spare cores, docs/benchmarks.md).
 set -e
 PY=${PY:-python3}
+if [ -n "$CPUS" ]; then PY="taskset -c $CPUS $PY"; fi
 cd "$(dirname "$0")/.."
 $PY -m pip install -q --no-index --no-deps .devkit/wheels/*.whl 2>&1 | tail -2
 # kvyard.kvstore and friends map to top-level folders (setup.py's package-dir): a shim
@@ -29,7 +32,7 @@ for d in epp workers kvstore operator; do ln -s "$PWD/$d" "$SHIM/kvyard/$d"; don
 export PATH=$PWD/.devkit/bin:$PATH PYTHONPATH=$SHIM OMP_WAIT_POLICY=PASSIVE
 OUT=${OUT:-$(mktemp -d)}
 cd "$SHIM"
-echo "cpus $(nproc), kernel $(uname -r), $(redis-server --version | cut -d' ' -f1-3)"
+echo "cpus $($PY -c 'import os; print(len(os.sched_getaffinity(0)))') of $(nproc --all), kernel $(uname -r), $(redis-server --version | cut -d' ' -f1-3)"
 B='import argparse,sys; from kvyard.bench import kvstore as k; p=argparse.ArgumentParser(); k.add_arguments(p); k.run(p.parse_args(sys.argv[1:]))'
 for i in $(seq "${RUNS:-4}"); do
   $PY -c "$B" --tiers "${TIERS:-dram,ssd,redis}" --no-ttft --json $EXTRA > "$OUT/kvstore_$i.json"

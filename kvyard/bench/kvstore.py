@@ -41,6 +41,10 @@ import time
 from typing import Callable
 
 TARGETS = {"dram": 0.70, "ssd": 0.70, "redis": 0.90, "redis-cluster": 0.90}
+# Fewer usable CPUs than this and the report says the Redis put row is CPU-bound
+# (measured on one 32-core host under taskset: 2 CPUs 0.70-0.90 of raw SET, 4 CPUs
+# 0.85-1.11, 8 and 32 CPUs 0.97-1.17; docs/benchmarks.md, eighth session)
+SPARE_CPUS = 4
 LAYOUTS = {  # name -> (layers, kv heads, head dim); bf16, 16-token blocks
     "demo": (30, 3, 64),
     "8b": (32, 8, 128),
@@ -67,6 +71,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="part 2: TTFT on the demo model, cold vs a hit from each tier")
     p.add_argument("--prompt-tokens", type=int, default=2000)
     p.add_argument("--json", action="store_true")
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (a taskset or cgroup cpuset narrows it), which
+    is what the Redis put row depends on, not the host's total."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def _timed(fn: Callable[[], None], setup: Callable[[], None] | None) -> float:
@@ -347,13 +360,19 @@ def run(args: argparse.Namespace) -> int:
             layers, heads, dim = LAYOUTS[lname]
             _throughput(report, args, lname, KVLayout("bfloat16", 16, layers, heads, dim), tmp,
                         redis_url, redis_pw, cluster)
-        report.meta.update(mb=args.mb, batch=args.batch, cpus=os.cpu_count(),
-                           load=os.getloadavg()[0])
+        cpus = usable_cpus()
+        report.meta.update(mb=args.mb, batch=args.batch, cpus=cpus, load=os.getloadavg()[0])
         report.notes.append("ratio = median over interleaved pairs of store rate / reference rate "
                             "(spread: min..max of those ratios; GB/s columns: medians); reads "
                             "of SSD files come from the page cache in both columns (software "
                             "overhead, not the device); file I/O starts after a sync; writes make "
                             "new files on both sides")
+        if cpus < SPARE_CPUS and any(r["tier"].startswith("redis") for r in report.rows):
+            report.notes.append(
+                f"only {cpus} usable CPUs: a raw pipelined SET stream keeps the client's core "
+                "and redis-server's busy, so the store's checksum pass has no core of its "
+                "own and the Redis put ratio measures that contention (same host and code: "
+                f"~0.7-0.9 on 2 CPUs, ~1.0 on {SPARE_CPUS} or more; docs/benchmarks.md)")
         if args.ttft:
             ttft = _ttft(args, tmp, redis_url, redis_pw)
     finally:
