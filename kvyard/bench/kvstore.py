@@ -41,9 +41,8 @@ import time
 from typing import Callable
 
 TARGETS = {"dram": 0.70, "ssd": 0.70, "redis": 0.90, "redis-cluster": 0.90}
-# Fewer usable CPUs than this and the report says the Redis put row is CPU-bound
-# (measured on one 32-core host under taskset: 2 CPUs 0.70-0.90 of raw SET, 4 CPUs
-# 0.85-1.11, 8 and 32 CPUs 0.97-1.17; docs/benchmarks.md, eighth session)
+# Fewer usable CPUs than this and the report says the Redis put row is CPU-bound:
+# the smallest count at which it was ~1.0 of raw SET (docs/benchmarks.md, eighth session)
 SPARE_CPUS = 4
 LAYOUTS = {  # name -> (layers, kv heads, head dim); bf16, 16-token blocks
     "demo": (30, 3, 64),
@@ -71,15 +70,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="part 2: TTFT on the demo model, cold vs a hit from each tier")
     p.add_argument("--prompt-tokens", type=int, default=2000)
     p.add_argument("--json", action="store_true")
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (a taskset or cgroup cpuset narrows it), which
-    is what the Redis put row depends on, not the host's total."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
 
 
 def _timed(fn: Callable[[], None], setup: Callable[[], None] | None) -> float:
@@ -360,7 +350,7 @@ def run(args: argparse.Namespace) -> int:
             layers, heads, dim = LAYOUTS[lname]
             _throughput(report, args, lname, KVLayout("bfloat16", 16, layers, heads, dim), tmp,
                         redis_url, redis_pw, cluster)
-        cpus = usable_cpus()
+        cpus = len(os.sched_getaffinity(0))  # not os.cpu_count(): a taskset/cpuset counts
         report.meta.update(mb=args.mb, batch=args.batch, cpus=cpus, load=os.getloadavg()[0])
         report.notes.append("ratio = median over interleaved pairs of store rate / reference rate "
                             "(spread: min..max of those ratios; GB/s columns: medians); reads "
