@@ -1,31 +1,42 @@
 """Turns an OpenAI request body into what scheduling needs, or a client error.
 
 Only the fields routing depends on are checked (model, messages/prompt); the
-worker validates the rest. Errors carry the HTTP status and an OpenAI-style
-JSON body so that Envoy can return them to the client unchanged.
+worker validates the rest. The body is parsed by the same code as the
+worker's (`kvyard.common.api`), so both refuse the same bodies. Errors carry
+the HTTP status and an OpenAI-style JSON body so that Envoy can return them
+to the client unchanged.
+
+A request without `model` is routed as the pool's (first) served model, as
+vLLM serves it with its default model: gateway and worker agree.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Iterable
+
+from kvyard.common.api import CHAT_ROLES, BodyError, error_json, parse_json_object
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 
 
 @dataclass(slots=True)
 class RequestError(Exception):
-    """A request the EPP answers itself (status, OpenAI error body, reason label)."""
+    """A request the EPP answers itself (status, OpenAI error body, reason label).
+
+    `reason` labels the error metric and is the body's `code` unless `code` is given.
+    """
 
     status: int
     message: str
-    reason: str  # short label for metrics, e.g. "bad_json"
-    err_type: str = "invalid_request_error"
+    reason: str  # short label for metrics, e.g. "invalid_json"
+    err_type: str | None = None  # None: OpenAI's type for the status
     headers: tuple[tuple[str, str], ...] = ()
+    code: str | None = None
+    param: str | None = None
 
     def body(self) -> bytes:
-        return json.dumps({"error": {"message": self.message, "type": self.err_type,
-                                     "param": None, "code": self.status}}).encode()
+        return error_json(self.status, self.message, self.code or self.reason, self.param,
+                          self.err_type)
 
 
 @dataclass(slots=True)
@@ -36,8 +47,8 @@ class ParsedRequest:
     priority: int
 
 
-def _bad(message: str, reason: str) -> RequestError:
-    return RequestError(400, message, reason)
+def _bad(message: str, reason: str, param: str | None = None) -> RequestError:
+    return RequestError(400, message, reason, param=param)
 
 
 def priority_of(headers: dict[str, str], objectives: dict[str, int]) -> int:
@@ -62,34 +73,37 @@ def parse_request(body: bytes, path: str, headers: dict[str, str],
                   objectives: dict[str, int] | None = None) -> ParsedRequest:
     """Validates the body; raises RequestError (400/404)."""
     try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError:
-        raise _bad("request body is not valid UTF-8", "bad_utf8") from None
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        raise _bad("request body is not valid JSON", "bad_json") from None
-    if not isinstance(obj, dict):
-        raise _bad("request body must be a JSON object", "bad_json")
-    model = obj.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("missing 'model'", "missing_model")
+        obj = parse_json_object(body)
+    except BodyError as e:
+        raise _bad(e.message, e.code) from None
     served = list(served_models or ())
-    if served and model not in served:
-        raise RequestError(404, f"The model '{model}' does not exist", "unknown_model",
-                           err_type="NotFoundError")
+    model = obj.get("model")
+    if model is None:
+        model = served[0] if served else ""
+    elif not isinstance(model, str) or not model:
+        raise RequestError(400, "'model' must be a non-empty string", "invalid_model",
+                           param="model")
+    elif served and model not in served:
+        raise RequestError(404, f"The model '{model}' does not exist", "model_not_found",
+                           param="model")
     route = path.split("?", 1)[0]
     messages = prompt = None
     if route.endswith("/chat/completions") or ("messages" in obj and "prompt" not in obj):
         messages = obj.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise _bad("'messages' must be a non-empty list", "missing_messages")
-        if not all(isinstance(m, dict) for m in messages):
-            raise _bad("each message must be an object", "bad_messages")
+            raise _bad("'messages' must be a non-empty list", "missing_messages", "messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                raise _bad("each message must be an object", "invalid_messages",
+                           f"messages[{i}]")
+            role = m.get("role")
+            if role not in CHAT_ROLES:
+                raise _bad(f"messages[{i}].role must be one of {', '.join(sorted(CHAT_ROLES))}, "
+                           f"got {str(role)[:40]!r}", "invalid_role", f"messages[{i}].role")
     else:
         prompt = obj.get("prompt", obj.get("input"))
         if prompt is None or prompt == "" or prompt == []:
-            raise _bad("missing 'prompt'", "missing_prompt")
+            raise _bad("missing 'prompt'", "missing_prompt", "prompt")
         if not isinstance(prompt, (str, list)):
-            raise _bad("'prompt' must be a string or a list", "bad_prompt")
+            raise _bad("'prompt' must be a string or a list", "invalid_prompt", "prompt")
     return ParsedRequest(model, messages, prompt, priority_of(headers, objectives or {}))

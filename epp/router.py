@@ -43,12 +43,14 @@ class Router:
             cands = self.scheduler.candidates(req, eps)
             if cands and pool_saturation(cands) >= 1.0:
                 raise RequestError(429, "the pool is saturated; sheddable request dropped",
-                                   "shed", err_type="rate_limit_error",
-                                   headers=((DROPPED_REASON_HEADER, "saturated"),))
+                                   "shed", code="rejected-saturated",
+                                   headers=((DROPPED_REASON_HEADER, "rejected-saturated"),))
         decision = self.scheduler.schedule(req, eps)
         if decision is None:
             raise RequestError(503, "no ready endpoint for this request", "no_endpoint",
-                               err_type="service_unavailable")
+                               code="rejected-no-endpoints",
+                               headers=((DROPPED_REASON_HEADER, "rejected-no-endpoints"),
+                                        ("retry-after", "1")))
         return decision
 
 

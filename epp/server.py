@@ -18,11 +18,16 @@ has end_of_stream, e.g. GET /v1/models, which is routed at once); when the
 body arrives we decide, then answer the headers message with the routing
 mutation and the body message with an empty "continue". Every failure,
 including our own bugs, becomes an ImmediateResponse: Envoy is never left
-waiting on the stream.
+waiting on the stream. A stream that breaks that order (a body or a second
+headers message before the request's headers were answered, which Envoy never
+sends) is a protocol error: it ends with gRPC INVALID_ARGUMENT, never with a
+routing decision made on half a request.
 """
 from __future__ import annotations
 
 import logging
+
+import grpc
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -90,8 +95,14 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         size = 0
         decided = False
         async for msg in request_iterator:
+            kind = msg.WhichOneof("request")
+            if (kind == "request_headers" and headers is not None) or (
+                    kind in ("request_body", "request_trailers") and headers is None):
+                self.metrics.error("protocol")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"ext_proc: {kind} out of order (request headers come "
+                                    "first, once)")
             try:
-                kind = msg.WhichOneof("request")
                 if kind == "request_headers":
                     headers = _headers(msg.request_headers)
                     if msg.request_headers.end_of_stream:
@@ -103,7 +114,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                     if size > self.max_body_bytes:
                         self.metrics.error("body_too_large")
                         err = RequestError(413, f"request body exceeds {self.max_body_bytes} bytes",
-                                           "body_too_large")
+                                           "body_too_large", code="request_too_large")
                         yield responses.immediate(413, err.body(), details=err.reason)
                         return
                     chunks.append(msg.request_body.body)
@@ -126,7 +137,6 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             except Exception:  # noqa: BLE001 - answer 500, keep serving
                 log.exception("ext_proc: internal error")
                 self.metrics.error("internal")
-                err = RequestError(500, "internal error in the endpoint picker", "internal",
-                                   err_type="internal_error")
+                err = RequestError(500, "internal error in the endpoint picker", "internal")
                 yield responses.immediate(500, err.body(), details="internal")
                 return

@@ -24,6 +24,21 @@ are answered, a deadlock. So the request body is mode STREAMED with
 buffer filter holds the whole body (and enforces the limit with 413), so the
 EPP receives it as exactly one chunk with end_of_stream, right after the
 headers, and answers headers then body, in order.
+
+Failure mode: closed. If the EPP is unreachable, fails, or answers slower
+than `ext_proc_timeout_s`, Envoy answers 503 itself (code
+`endpoint_picker_unavailable`, `retry-after: 1`). Failing open would not
+help: the upstream route needs the EPP's pick (there is no destination to
+fall back to), and routing around the EPP would skip shedding, prompt
+validation and the P/D choice. OpenAI SDKs retry a 503 with backoff, and the
+EPP is restarted within about a second (`kvyard up`'s supervisor, a
+Deployment in Kubernetes, where two replicas avoid the gap altogether).
+
+Error bodies: every reply Envoy makes itself (413 over the body limit, 503
+with the EPP down, upstream connect failures) is rewritten by the local
+reply mapper into OpenAI's `{"error": {message, type, param, code}}`; the
+EPP's and workers' own JSON errors are recognised by their content type and
+pass through untouched.
 """
 from __future__ import annotations
 
@@ -149,8 +164,49 @@ def _routes(cfg: GatewayConfig) -> list[dict[str, Any]]:
          "route": upstream},
         # Reached only if the EPP let a request through without a pick.
         {"match": {"prefix": "/"},
-         "direct_response": {"status": 503, "body": {"inline_string": "no endpoint picked\n"}}},
+         "direct_response": {"status": 503, "body": {"inline_string": "no endpoint picked"}}},
     ]
+
+
+# Envoy's own replies (no content type set, or not JSON) are rewritten; the EPP's
+# and the workers' JSON errors pass through untouched.
+_NOT_JSON = ("!('content-type' in response.headers && "
+             "response.headers['content-type'].startsWith('application/json'))")
+
+
+def _local_reply(when: str, status_type: str, code: str, message: str,
+                 headers: dict[str, str] | None = None) -> dict[str, Any]:
+    mapper: dict[str, Any] = {
+        "filter": {"extension_filter": {
+            "name": "envoy.access_loggers.extension_filters.cel",
+            "typed_config": {"@type": _T + "envoy.extensions.access_loggers.filters.cel.v3."
+                                           "ExpressionFilter",
+                             "expression": f"{_NOT_JSON} && ({when})"}}},
+        "body_format_override": {"json_format": {"error": {
+            "message": message, "type": status_type, "param": None, "code": code}}},
+    }
+    if headers:
+        mapper["headers_to_add"] = [{"header": {"key": k, "value": v},
+                                     "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+                                    for k, v in headers.items()]
+    return mapper
+
+
+def _local_replies(cfg: GatewayConfig) -> dict[str, Any]:
+    """Every error Envoy itself answers gets OpenAI's error shape (first match wins)."""
+    return {"mappers": [
+        _local_reply("response.code == 413", "invalid_request_error", "request_too_large",
+                     f"request body exceeds {cfg.body_limit_bytes} bytes"),
+        # The EPP unreachable, failing or too slow: fail closed (see module docstring).
+        _local_reply("response.code_details.startsWith('ext_proc')", "server_error",
+                     "endpoint_picker_unavailable",
+                     "the endpoint picker is unavailable; retry shortly",
+                     headers={"retry-after": "1"}),
+        _local_reply("response.code >= 500", "server_error", "gateway_error",
+                     "%LOCAL_REPLY_BODY%"),
+        _local_reply("response.code >= 400", "invalid_request_error", "bad_request",
+                     "%LOCAL_REPLY_BODY%"),
+    ]}
 
 
 def _connection_manager(cfg: GatewayConfig) -> dict[str, Any]:
@@ -173,6 +229,7 @@ def _connection_manager(cfg: GatewayConfig) -> dict[str, Any]:
             "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": _routes(cfg)}],
         },
         "http_filters": _http_filters(cfg),
+        "local_reply_config": _local_replies(cfg),
     }
 
 

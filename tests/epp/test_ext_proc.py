@@ -64,7 +64,8 @@ async def test_client_errors_are_immediate_responses(fake_vllm, epp, xp):
     cases = [
         (b"{not json", 400, "not valid JSON"),
         (b'{"model": "m", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "UTF-8"),
-        (json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), 400, "model"),
+        (json.dumps({"model": 7, "messages": [{"role": "user", "content": "x"}]}).encode(), 400,
+         "model"),
         (json.dumps({"model": "m"}).encode(), 400, "messages"),
         (json.dumps({"model": "m", "messages": []}).encode(), 400, "messages"),
         (json.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}]}).encode(),
@@ -79,13 +80,16 @@ async def test_client_errors_are_immediate_responses(fake_vllm, epp, xp):
         assert code == status, (body[:40], code)
         assert text in err["error"]["message"]
         assert hdrs["content-type"] == "application/json"
+        assert set(err["error"]) == {"message", "type", "param", "code"}
+        assert err["error"]["type"] == "invalid_request_error"
+        assert isinstance(err["error"]["code"], str)
     comp = {":method": "POST", ":path": "/v1/completions"}
     resps = await xp.exchange(app.ports["ext_proc"], [
         xp.headers_msg(comp), xp.body_msg(json.dumps({"model": "m"}).encode())])
     assert _immediate(resps)[0] == 400
     errors = app.metrics.registry.get_sample_value
-    assert errors("kvyard_epp_errors_total", {"reason": "bad_json"}) == 1
-    assert errors("kvyard_epp_errors_total", {"reason": "unknown_model"}) == 1
+    assert errors("kvyard_epp_errors_total", {"reason": "invalid_json"}) == 1
+    assert errors("kvyard_epp_errors_total", {"reason": "model_not_found"}) == 1
 
 
 async def test_no_endpoint_is_503_and_server_keeps_serving(epp, xp, free_port):
@@ -93,8 +97,10 @@ async def test_no_endpoint_is_503_and_server_keeps_serving(epp, xp, free_port):
     for _ in range(2):
         resps = await xp.exchange(app.ports["ext_proc"],
                                   [xp.headers_msg(xp.chat_headers()), xp.body_msg(CHAT)])
-        code, err, _ = _immediate(resps)
-        assert code == 503 and err["error"]["type"] == "service_unavailable"
+        code, err, hdrs = _immediate(resps)
+        assert code == 503 and err["error"]["type"] == "server_error"
+        assert err["error"]["code"] == "rejected-no-endpoints"
+        assert hdrs[DROPPED_REASON_HEADER] == "rejected-no-endpoints" and hdrs["retry-after"]
 
 
 async def test_internal_error_is_500_and_next_request_is_served(fake_vllm, epp, xp):
@@ -125,7 +131,9 @@ async def test_sheddable_request_gets_429_when_saturated(fake_vllm, epp, xp):
     shed = xp.chat_headers(**{"x-gateway-inference-objective": "-1"})
     code, err, hdrs = _immediate(await xp.exchange(
         app.ports["ext_proc"], [xp.headers_msg(shed), xp.body_msg(CHAT)]))
-    assert code == 429 and hdrs[DROPPED_REASON_HEADER] == "saturated"
+    assert code == 429 and hdrs[DROPPED_REASON_HEADER] == "rejected-saturated"
+    assert err["error"]["type"] == "rate_limit_error"
+    assert err["error"]["code"] == "rejected-saturated"
     # Critical traffic is still routed to the saturated pool.
     resps = await xp.exchange(app.ports["ext_proc"],
                               [xp.headers_msg(xp.chat_headers()), xp.body_msg(CHAT)])

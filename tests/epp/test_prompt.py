@@ -79,7 +79,11 @@ def test_bad_chat_messages_are_400(tok):
     from kvyard.common.tokenizer import ChatTemplateError
     h = PromptHasher()
     h.set_tokenizer(tok, ChatTemplateError)
-    req = parse_request(b'{"model": "m", "messages": [{"content": "no role"}]}',
+    with pytest.raises(RequestError) as e:  # refused before any templating
+        parse_request(b'{"model": "m", "messages": [{"content": "no role"}]}',
+                      "/v1/chat/completions", {}, None)
+    assert e.value.status == 400 and e.value.param == "messages[0].role"
+    req = parse_request(b'{"model": "m", "messages": [{"role": "user", "content": {"a": 1}}]}',
                         "/v1/chat/completions", {}, None)
     try:
         h.hashes(req)

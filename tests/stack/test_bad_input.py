@@ -8,10 +8,17 @@ def test_non_json_body_is_rejected(stack, h) -> None:
     assert r.seconds < 5
 
 
-def test_json_without_model_or_messages_is_rejected(stack, h) -> None:
-    for body in ({"messages": [{"role": "user", "content": "hi"}]}, {"model": "x"}, {}, []):
+def test_json_without_messages_is_rejected(stack, h) -> None:
+    for body in ({"model": "x"}, {}, []):
         r = h.request(stack.gateway_url, body)
         assert 400 <= r.status < 500, (body, r.status, r.body)
+
+
+def test_request_without_model_is_served_as_the_default_model(stack, h) -> None:
+    # vLLM's behaviour, the same through the gateway as at a worker directly.
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    assert h.request(stack.gateway_url, body).status == 200
+    assert h.request("http://" + stack.endpoints[0], body).status == 200
 
 
 def test_body_over_the_limit_is_413(stack, h) -> None:
