@@ -1,8 +1,9 @@
 """Start and stop a private redis-server, or a real Redis Cluster of them: used by
 the tests and `kvyard bench kvstore`.
 
-Binds loopback only, requires a password, persists nothing, and is reaped by
-`stop()`. Readiness is polled with a deadline, never slept for.
+Binds loopback only, requires a password, persists nothing, is capped with LRU
+eviction (`redis_conf.py`), and is reaped by `stop()`. Readiness is polled with
+a deadline, never slept for.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import tempfile
 import time
 
 import redis
+
+from kvyard.kvstore.redis_conf import DEFAULT_MAX_MEMORY_BYTES, cli_args, scratch_directives
 
 
 def free_port() -> int:
@@ -37,11 +40,15 @@ def free_ports(n: int) -> list[int]:
 
 
 class RedisServer:
+    """One redis-server, bounded like every Redis kvyard starts (`redis_conf.py`):
+    `max_memory_bytes` with allkeys-lru, 1 GiB unless given."""
+
     def __init__(self, port: int | None = None, password: str = "kvyard-test",
-                 maxmemory: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
+                 max_memory_bytes: int = DEFAULT_MAX_MEMORY_BYTES,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.port = port or free_port()
         self.password = password
-        self.maxmemory = maxmemory
+        self.max_memory_bytes = max_memory_bytes
         self.extra_args = extra_args
         self.proc: subprocess.Popen | None = None
         self._dir: str | None = None
@@ -54,12 +61,9 @@ class RedisServer:
     def start(self, timeout: float = 10.0) -> "RedisServer":
         exe = shutil.which("redis-server") or "/usr/bin/redis-server"
         self._dir = tempfile.mkdtemp(prefix="kvyard-redis-")
-        args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--requirepass",
-                self.password, "--save", "", "--appendonly", "no", "--dir", self._dir,
-                "--protected-mode", "yes"]
-        if self.maxmemory:
-            args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
-        args += list(self.extra_args)
+        args = [exe, *cli_args(scratch_directives(self.port, self.password,
+                                                  self.max_memory_bytes)),
+                "--dir", self._dir, *self.extra_args]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
                              socket_timeout=0.5, socket_connect_timeout=0.5)

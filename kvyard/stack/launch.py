@@ -21,11 +21,17 @@ from typing import Callable
 
 from kvyard.common import wire
 from kvyard.gateway.config import GatewayConfig
+from kvyard.kvstore.redis_conf import DEFAULT_MAX_MEMORY_BYTES, conf_text, scratch_directives
 from kvyard.gateway.envoy import envoy_command, write_config
 from kvyard.stack import procs
 from kvyard.stack.procs import Proc
 
 STATE_FILE = "state.json"
+# "ssd": a directory in the run dir, pool-wide because every local worker runs on
+# this machine, and faster than Redis; "redis": a loopback redis-server, the
+# authenticated pool-wide path Kubernetes takes across nodes; "none": DRAM only.
+POOL_TIERS = ("ssd", "redis", "none")
+REDIS_PASSWORD_ENV = "KVYARD_REDIS_PASSWORD"
 
 
 @dataclass(slots=True)
@@ -58,12 +64,14 @@ class StackSpec:
     body_limit_bytes: int = 4 * 1024 * 1024
     ready_timeout_s: float = 180.0
     extras: list[ServiceSpec] = field(default_factory=list)
-    # The workers' kvstore tiers: DRAM and a node-shared SSD directory in the run
-    # dir, plus a local authenticated redis-server as the pool-wide tier.
+    # The workers' kvstore: a DRAM tier each plus one pool tier that all of them
+    # share (`POOL_TIERS`; docs/gateway-and-stack.md, "Store layout"). Never both
+    # pool tiers: the one answering second would be written and never read.
     kv_tiers: bool = True
     kv_dram_gb: float = 1.0
+    kv_pool_tier: str = "ssd"
     kv_ssd_gb: float = 4.0
-    kv_redis: bool = False
+    kv_redis_max_memory: int = DEFAULT_MAX_MEMORY_BYTES
     worker_args: list[str] = field(default_factory=list)
     epp_args: list[str] = field(default_factory=list)
 
@@ -79,12 +87,15 @@ class StackState:
     endpoints: list[str]
     procs: list[Proc]
     spec: dict = field(default_factory=dict)
+    # `kvyard up`'s supervisor (kvyard.stack.supervise), which restarts what dies
+    supervisor: Proc | None = None
 
     def save(self) -> None:
         data = {"run_dir": self.run_dir, "gateway_url": self.gateway_url,
                 "admin_url": self.admin_url, "epp_metrics_url": self.epp_metrics_url,
                 "endpoints": self.endpoints, "procs": [p.to_json() for p in self.procs],
-                "spec": self.spec}
+                "spec": self.spec,
+                "supervisor": self.supervisor.to_json() if self.supervisor else None}
         path = Path(self.run_dir) / STATE_FILE
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=2))
@@ -96,26 +107,37 @@ class StackState:
             d = json.loads((run_dir / STATE_FILE).read_text())
         except (OSError, ValueError):
             return None
+        sup = d.get("supervisor")
         return cls(run_dir=d["run_dir"], gateway_url=d["gateway_url"], admin_url=d["admin_url"],
                    epp_metrics_url=d["epp_metrics_url"], endpoints=d["endpoints"],
-                   procs=[Proc(**p) for p in d["procs"]], spec=d.get("spec", {}))
+                   procs=[Proc(**p) for p in d["procs"]], spec=d.get("spec", {}),
+                   supervisor=Proc(**sup) if sup else None)
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
 
-def redis_service(port: int, run: Path) -> tuple[ServiceSpec, str]:
-    """Loopback-only, nothing persisted, password required: a scratch tier that
-    dies with the stack. The password sits in a 0600 config file and reaches
-    the workers through their environment, never on a command line (`ps`)."""
-    password = secrets.token_urlsafe(24)
-    conf = run / "redis.conf"
-    fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def private_file(path: Path, text: str) -> Path:
+    """Written 0600 from the start (never world-readable, not even briefly)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
-        fh.write(f"port {port}\nbind 127.0.0.1\nprotected-mode yes\nsave \"\"\n"
-                 f"appendonly no\nrequirepass {password}\n")
+        fh.write(text)
+    return path
+
+
+def redis_service(port: int, run: Path, max_memory_bytes: int = DEFAULT_MAX_MEMORY_BYTES
+                  ) -> tuple[ServiceSpec, Path]:
+    """Loopback-only, nothing persisted, password required, capped with LRU eviction
+    (`kvstore/redis_conf.py`): a scratch tier that dies with the stack. The password
+    sits in 0600 files (the config, and `redis.password` that workers' environments
+    are built from, at start and at every restart), never on a command line (`ps`)
+    nor in the state file."""
+    password = secrets.token_urlsafe(24)
+    conf = private_file(run / "redis.conf",
+                        conf_text(scratch_directives(port, password, max_memory_bytes)))
+    secret = private_file(run / "redis.password", password)
     return ServiceSpec(name="redis", ready=f"tcp:{port}", ports={"redis": port},
-                       cmd=["redis-server", str(conf)]), password
+                       cmd=["redis-server", str(conf)]), secret
 
 
 def redis_available() -> bool:
@@ -126,16 +148,37 @@ def py_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def worker_cmd(spec: StackSpec, port: int, extra: list[str] | None = None) -> list[str]:
+def worker_cmd(spec: StackSpec, port: int, extra: list[str] | None = None,
+               kv_args: list[str] | None = None) -> list[str]:
     addr = f"127.0.0.1:{port}"
-    if spec.standin:  # stand-ins take only their own flags (e.g. --token-delay)
+    if spec.standin:  # stand-ins take their own flags (e.g. --token-delay) and the kv ones
         return py_module("kvyard.stack.standin", "--port", str(port), "--advertise-address", addr,
-                         *spec.standin_args)
+                         *spec.standin_args, *(kv_args or []))
     cmd = py_module("kvyard.cli", "worker", "--model", spec.model, "--host", "127.0.0.1",
                     "--port", str(port), "--advertise-address", addr)
     if spec.dtype:
         cmd += ["--dtype", spec.dtype]
-    return cmd + (spec.worker_args if extra is None else extra)
+    return cmd + (kv_args or []) + (spec.worker_args if extra is None else extra)
+
+
+def kv_layout(spec: StackSpec, run: Path, taken: set[int]
+              ) -> tuple[list[str], dict[str, str], list[ServiceSpec]]:
+    """The workers' kvstore flags, the files their secret environment comes from,
+    and the services the layout needs (the redis-server of the "redis" pool tier)."""
+    if spec.kv_pool_tier not in POOL_TIERS:
+        raise ValueError(f"kv_pool_tier must be one of {POOL_TIERS}, not {spec.kv_pool_tier!r}")
+    if not spec.kv_tiers:
+        return [], {}, []
+    args = ["--kv-dram-gb", str(spec.kv_dram_gb)]
+    if spec.kv_pool_tier == "ssd":
+        return args + ["--kv-ssd-dir", str(run / "kvcache"), "--kv-ssd-gb", str(spec.kv_ssd_gb)], \
+            {}, []
+    if spec.kv_pool_tier == "redis":
+        rport = procs.free_port(6379, taken)
+        service, secret = redis_service(rport, run, spec.kv_redis_max_memory)
+        return args + ["--kv-redis-url", f"redis://127.0.0.1:{rport}"], \
+            {REDIS_PASSWORD_ENV: str(secret)}, [service]
+    return args, {}, []
 
 
 def write_endpoints(path: Path, addresses: list[str], role: str = "both") -> Path:
@@ -216,20 +259,8 @@ def start_stack(spec: StackSpec) -> StackState:
     started = _Started(run)
     try:
         checks: list[tuple[Proc, Callable[[], bool]]] = []
-        extras = list(spec.extras)
-        worker_args = list(spec.worker_args)
-        worker_env: dict[str, str] = {}
-        if spec.kv_tiers and not spec.standin:
-            worker_args += ["--kv-dram-gb", str(spec.kv_dram_gb),
-                            "--kv-ssd-dir", str(run / "kvcache"), "--kv-ssd-gb", str(spec.kv_ssd_gb)]
-        if spec.kv_redis:
-            rport = procs.free_port(6379, taken)
-            service, password = redis_service(rport, run)
-            extras.append(service)
-            if not spec.standin:  # stand-ins take no KV flags
-                worker_args += ["--kv-redis-url", f"redis://127.0.0.1:{rport}"]
-                worker_env["KVYARD_REDIS_PASSWORD"] = password
-        for ex in extras:
+        kv_args, kv_env_files, kv_services = kv_layout(spec, run, taken)
+        for ex in [*spec.extras, *kv_services]:
             p = procs.spawn(ex.name, ex.cmd, logs / f"{ex.name}.log", ports=ex.ports)
             started.add(p)
             checks.append((p, _ready_check(ex.ready)))
@@ -238,8 +269,8 @@ def start_stack(spec: StackSpec) -> StackState:
             base = spec.worker_base_port
             port = procs.free_port(None if base is None else base + i, taken)
             addresses.append(f"127.0.0.1:{port}")
-            p = procs.spawn(f"worker-{i}", worker_cmd(spec, port, worker_args),
-                            logs / f"worker-{i}.log", env=worker_env,
+            p = procs.spawn(f"worker-{i}", worker_cmd(spec, port, kv_args=kv_args),
+                            logs / f"worker-{i}.log", env_files=kv_env_files,
                             ports={"http": port})
             started.add(p)
             checks.append((p, _ready_check(f"http://127.0.0.1:{port}/health")))
@@ -271,7 +302,8 @@ def start_stack(spec: StackSpec) -> StackState:
                        admin_url=admin_url, epp_metrics_url=metrics_url, endpoints=addresses,
                        procs=list(started), spec={"workers": spec.workers, "model": spec.model,
                                             "dtype": spec.dtype, "standin": spec.standin,
-                                            "started": time.time()})
+                                            "kv_pool_tier": spec.kv_pool_tier if spec.kv_tiers
+                                            else None, "started": time.time()})
     state.save()
     return state
 

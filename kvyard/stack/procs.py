@@ -20,27 +20,41 @@ from typing import Callable, Iterable
 
 @dataclass(slots=True)
 class Proc:
-    """One started process as recorded in the state file."""
+    """One started process as recorded in the state file: enough to start it again
+    the same way. `env_files` maps environment variables to the (0600) files their
+    values are read from, so secrets stay out of the state file and command lines.
+    `restarts` and `last_exit` are the supervisor's record."""
 
     name: str
     pid: int
     log: str
     cmd: list[str]
     ports: dict[str, int] = field(default_factory=dict)
+    env_files: dict[str, str] = field(default_factory=dict)
+    restarts: int = 0
+    last_exit: str | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
+def file_env(env_files: dict[str, str]) -> dict[str, str]:
+    """The variables `env_files` names, each the content of its file."""
+    return {k: Path(f).read_text().strip() for k, f in env_files.items()}
+
+
 def spawn(name: str, cmd: list[str], log: Path, env: dict[str, str] | None = None,
-          ports: dict[str, int] | None = None) -> Proc:
-    """Start `cmd` detached (new session), stdout+stderr appended to `log`."""
+          ports: dict[str, int] | None = None,
+          env_files: dict[str, str] | None = None) -> Proc:
+    """Start `cmd` detached (new session), stdout+stderr appended to `log`.
+    `env` is not recorded (a restart would not have it); `env_files` is."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    full = {**os.environ, **(env or {}), **file_env(env_files or {})}
     with open(log, "ab") as fh:
         p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True, env={**os.environ, **(env or {})},
-                             close_fds=True)
-    return Proc(name=name, pid=p.pid, log=str(log), cmd=cmd, ports=dict(ports or {}))
+                             start_new_session=True, env=full, close_fds=True)
+    return Proc(name=name, pid=p.pid, log=str(log), cmd=cmd, ports=dict(ports or {}),
+                env_files=dict(env_files or {}))
 
 
 def alive(pid: int) -> bool:

@@ -7,14 +7,17 @@ chat/completions (streaming and not), `/health`, `/metrics` with vLLM names,
 and `x-kvyard-endpoint` on every response. Each answer echoes the last user
 message, so callers can match responses to requests.
 
-`POST /standin/queue {"waiting": N}` sets the reported queue depth.
-Run: `python -m kvyard.stack.standin --port P`.
+`POST /standin/queue {"waiting": N}` sets the reported queue depth. The worker's
+`--kv-*` flags give it a real kvstore (`standin_kv.py`): one small block per
+request, its tiers' series on `/metrics`.
+Run: `python -m kvyard.stack.standin --port P [--kv-dram-gb 1 ...]`.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass
 
@@ -22,6 +25,8 @@ from aiohttp import web
 
 from kvyard.common import wire
 from kvyard.common.models import DEMO_SERVED_NAME
+from kvyard.kvstore.flags import add_kv_arguments
+from kvyard.stack.standin_kv import KV_HEADER, StandinKV
 
 
 @dataclass(slots=True)
@@ -65,14 +70,25 @@ def _bad(msg: str, st: StandinState) -> web.Response:
                              status=400, headers={wire.ENDPOINT_HEADER: st.address})
 
 
-def make_app(st: StandinState) -> web.Application:
+def make_app(st: StandinState, kv: StandinKV | None = None) -> web.Application:
     hdr = {wire.ENDPOINT_HEADER: st.address}
+    registry = None
+    if kv is not None and kv.collector() is not None:
+        from prometheus_client import CollectorRegistry
+
+        registry = CollectorRegistry()
+        registry.register(kv.collector())
 
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="ok", headers=hdr)
 
     async def metrics(_: web.Request) -> web.Response:
-        return web.Response(body=_metrics(st), content_type="text/plain", headers=hdr)
+        body = _metrics(st)
+        if registry is not None:
+            from prometheus_client import generate_latest
+
+            body += generate_latest(registry)
+        return web.Response(body=body, content_type="text/plain", headers=hdr)
 
     async def models(_: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": st.model, "object": "model"}]},
@@ -101,6 +117,8 @@ def make_app(st: StandinState) -> web.Application:
             rid = f"standin-{st.served}"
             # Lets tests see routing headers as the worker received them.
             rh = {**hdr, "x-standin-prefiller": req.headers.get(wire.PREFILLER_HEADER, "-")}
+            if kv is not None:
+                rh[KV_HEADER] = await kv.atouch(_last_user_text(body))
             if body.get("stream"):
                 return await _stream(req, st, rid, text, chat, rh)
             if st.token_delay_s:
@@ -163,11 +181,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--waiting", type=int, default=0, help="initial reported queue depth")
     p.add_argument("--tokens", type=int, default=4, help="chunks per streamed answer")
     p.add_argument("--token-delay", type=float, default=0.0, help="seconds between chunks")
+    add_kv_arguments(p)
     a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     st = StandinState(address=a.advertise_address or f"{a.host}:{a.port}", model=a.model,
                       waiting=a.waiting, tokens=a.tokens, token_delay_s=a.token_delay)
-    web.run_app(make_app(st), host=a.host, port=a.port, access_log=None, print=None,
-                handle_signals=True)
+    kv = StandinKV(a)
+    try:
+        web.run_app(make_app(st, kv), host=a.host, port=a.port, access_log=None, print=None,
+                    handle_signals=True)
+    finally:
+        kv.close()
     return 0
 
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvyard.kvstore.redis_conf import DEFAULT_MAX_MEMORY_BYTES
+from kvyard.stack.launch import POOL_TIERS
 from kvyard.stack.rundir import add_run_dir, kvyard_command, run_dir
+from kvyard.workers.server.cli import parse_size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,11 +21,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8080, help="gateway port (another free one if taken)")
     p.add_argument("--model", default="demo")
     p.add_argument("--dtype", default=None, help="worker dtype (passed to kvyard worker)")
-    p.add_argument("--kv-redis", action=argparse.BooleanOptionalAction, default=None,
-                   help="start a loopback, password-protected redis-server as the workers' "
-                        "pool-wide KV tier (default: when redis-server is installed)")
+    p.add_argument("--kv-pool-tier", choices=POOL_TIERS, default="ssd",
+                   help="the kvstore tier all workers share, behind each one's DRAM tier: "
+                        "ssd (a directory in the run dir; default), redis (a loopback, "
+                        "password-protected redis-server: the path Kubernetes uses across "
+                        "nodes) or none")
+    p.add_argument("--kv-redis", dest="kv_pool_tier", action="store_const", const="redis",
+                   help="same as --kv-pool-tier redis")
+    p.add_argument("--kv-redis-max-memory", type=parse_size, default=DEFAULT_MAX_MEMORY_BYTES,
+                   metavar="SIZE", help="the redis-server's maxmemory (allkeys-lru), e.g. 1GiB, "
+                                        "512MiB (default 1GiB)")
     p.add_argument("--kv-tiers", action=argparse.BooleanOptionalAction, default=True,
-                   help="give workers a DRAM and a shared SSD kvstore tier (default on)")
+                   help="give workers a kvstore at all (default on)")
     p.add_argument("--restart", action="store_true", help="stop a running stack first")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for readiness")
     # Model-free workers, for tests and routing benchmarks.
@@ -48,10 +58,14 @@ def run(args: argparse.Namespace) -> int:
         stop_stack(old)
     from kvyard.stack.launch import redis_available
 
-    kv_redis = redis_available() if args.kv_redis is None else args.kv_redis
+    if args.kv_tiers and args.kv_pool_tier == "redis" and not redis_available():
+        print("kvyard up: --kv-pool-tier redis needs redis-server (apt-get install "
+              "redis-server)", file=sys.stderr)
+        return 1
     spec = StackSpec(run_dir=rd, workers=args.workers, gateway_port=args.port, model=args.model,
                      dtype=args.dtype, standin=args.standin_workers, ready_timeout_s=args.timeout,
-                     kv_redis=kv_redis, kv_tiers=args.kv_tiers)
+                     kv_tiers=args.kv_tiers, kv_pool_tier=args.kv_pool_tier,
+                     kv_redis_max_memory=args.kv_redis_max_memory)
     print(f"kvyard: starting {args.workers} worker(s), the EPP and Envoy (logs in {rd}/logs)",
           flush=True)
     try:

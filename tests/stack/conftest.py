@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,10 +110,53 @@ def own_stack(tmp_path: Path) -> Iterator[Callable[[int], StackState]]:
             stop_stack(s)
 
 
+def kvyard(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The `kvyard` command as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "kvyard.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def every_pid(state: StackState | None) -> list[int]:
+    """Every process a state file names, the supervisor included."""
+    if state is None:
+        return []
+    sup = getattr(state, "supervisor", None)
+    return state.pids() + ([sup.pid] if sup else [])
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Iterator[Callable[..., StackState]]:
+    """`kvyard up --standin-workers ARGS` in a private run dir; `kvyard down` at the end,
+    and then no process any state file of the test named may be left running."""
+    rd = tmp_path / "run"
+    seen: set[int] = set()
+
+    def start(*args: str) -> StackState:
+        done = kvyard("up", "--standin-workers", "--port", str(procs.free_port()),
+                      "--run-dir", str(rd), *args)
+        assert done.returncode == 0, done.stdout + done.stderr
+        state = StackState.load(rd)
+        seen.update(every_pid(state))
+        return state
+
+    start.run_dir = rd  # type: ignore[attr-defined]
+    start.seen = seen  # type: ignore[attr-defined]
+    try:
+        yield start
+    finally:
+        seen.update(every_pid(StackState.load(rd)))
+        down = kvyard("down", "--run-dir", str(rd))
+        assert down.returncode == 0, down.stdout + down.stderr
+        left = [p for p in seen if procs.alive(p)]
+        procs.stop(left, timeout_s=2)
+        assert not left, f"left running after down: {left}"
+
+
 @pytest.fixture
 def h():
     """The helpers above, for test modules (which cannot import conftest)."""
     import types
 
     return types.SimpleNamespace(request=request, chat_body=chat_body, epp_rows=epp_rows,
-                                 set_queue=set_queue, served=served)
+                                 set_queue=set_queue, served=served, kvyard=kvyard,
+                                 every_pid=every_pid)

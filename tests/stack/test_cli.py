@@ -66,7 +66,7 @@ def test_down_after_a_crash_stops_the_rest(tmp_path: Path) -> None:
         assert state.gateway_url != f"http://127.0.0.1:{taken}"
         redis = next(p for p in state.procs if p.name == "redis")
         worker = next(p for p in state.procs if p.name == "worker-0")
-        assert f"redis://127.0.0.1:{redis.ports['redis']}" not in worker.cmd  # stand-ins take no KV flags
+        assert f"redis://127.0.0.1:{redis.ports['redis']}" in worker.cmd
         assert procs.alive(redis.pid)
         # Redis is authenticated by default; its password file is private.
         import redis as redis_py
