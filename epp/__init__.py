@@ -5,9 +5,14 @@ Layout (one job per module):
 * `server` — the ext_proc stream handler; `responses` builds its messages.
 * `request` — parses and validates the OpenAI body; `prompt` turns it into
   chained block hashes (tokenize once, with a chunk cache).
-* `scheduler` — filters → weighted scorers → picker, built from YAML;
-  `plugins` holds the filters and scorers, `prefix_index` the per-endpoint
-  LRU of block hashes, `saturation` the shedding rule.
+* `router` — the director: a request's lifecycle (admission → scheduling →
+  headers → post-response teaching); `saturation` is today's admission rule.
+* `scheduler` — the profile handler and its profiles plus pre-request hooks,
+  built from YAML (`scheduler.example.yaml` documents every plugin);
+  `profile` holds profiles, pickers and profile handlers, `plugins` the
+  filters and scorers, `plugin_config` their typed, validated parameters,
+  `cycle` the per-request state plugins share, `prefix_index` the
+  per-endpoint LRU of block hashes.
 * `endpoints` — the live pool; `discovery_file` / `discovery_k8s` feed it,
   `scraper` keeps its metrics fresh (`metrics_parse` reads vLLM text).
 * `health`, `observability` — gRPC health and Prometheus + /debug/endpoints.
@@ -15,12 +20,11 @@ Layout (one job per module):
 
 Extension points, deliberately not implemented yet:
 
-* Decode-first P/D profile: a second scheduling profile run after the decode
-  pick, over `role in (prefill, both)` endpoints, whose result would set
-  `x-prefiller-host-port` when the decode pod's uncached tokens (total blocks
-  minus its prefix match) exceed a threshold. `Decision` already carries the
-  matched block count that this needs, and `responses.routing_response` takes
-  an optional prefiller address.
+* Decode-first P/D profile handler: a `profile.PROFILE_HANDLERS` entry that
+  runs a decode profile, reads that pick's prefix match from the cycle state
+  (`cycle.PREFIX_MATCHES`) and, when the uncached tokens exceed a threshold,
+  runs a prefill profile over `role in (prefill, both)` endpoints;
+  `responses.routing_response` takes the prefiller address.
 * Precise prefix scorer: a scorer with the same interface as
   `plugins.PrefixCacheScorer` whose index is fed by vLLM KV events (ZMQ,
   protocols §4) instead of by our own routing decisions. Because both use

@@ -6,6 +6,7 @@ Heavy imports (grpc, protobuf classes, aiohttp) happen in `run`, so
 from __future__ import annotations
 
 import argparse
+import sys
 
 from kvyard.common import wire
 
@@ -74,8 +75,15 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    async def main() -> None:
+    from .plugin_config import ConfigError
+
+    try:
         app = EppApp(config_from_args(args))
+    except (ConfigError, OSError) as e:  # a bad --config: say where, don't start
+        print(f"kvyard epp: bad scheduler config {args.config}: {e}", file=sys.stderr)
+        return 2
+
+    async def main() -> None:
         await app.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -1,15 +1,25 @@
 """Filters and scorers: small, stateless where possible, each one idea.
 
 A filter narrows the candidate list; a scorer returns one value in [0, 1]
-per candidate (higher is better) and is weighted by the scheduler. Plugins
-are looked up by the names used in the YAML config (`FILTERS`, `SCORERS`).
+per candidate (higher is better) and is weighted by its profile. Both get the
+request, whose `cycle` (`cycle.CycleState`) is the state plugins share for
+this request: what one plugin computes (the prefix scorer's matches) is
+written there for the others. Optional hooks, found by name, not by type:
+`pre_request(req, ep)` once an endpoint is picked, `learn(address,
+hashes)` once the whole prompt is hashed after the answer, `forget(address)`
+when an endpoint leaves the pool.
+
+Plugins are looked up by the names the YAML config uses (`REGISTRY`), each
+with a parameters dataclass validated at load (`plugin_config`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from .cycle import PREFIX_MATCHES, CycleState
 from .endpoints import Endpoint
+from .plugin_config import NoParams, param
 from .prefix_index import PrefixIndex
 from .prompt import LazyPrompt
 
@@ -21,7 +31,7 @@ class SchedRequest:
     priority: int = 0
     now: float = 0.0  # monotonic time of the decision
     stale_after: float = 2.0
-    matched: dict[str, int] = field(default_factory=dict)  # address -> matched blocks
+    cycle: CycleState = field(default_factory=CycleState)  # this request's shared plugin state
 
 
 class Filter(Protocol):
@@ -34,8 +44,6 @@ class Scorer(Protocol):
     name: str
 
     def score(self, req: SchedRequest, eps: list[Endpoint]) -> list[float]: ...
-
-    def on_pick(self, req: SchedRequest, ep: Endpoint) -> None: ...
 
 
 @dataclass(slots=True)
@@ -63,7 +71,7 @@ class PreferFreshFilter:
 @dataclass(slots=True)
 class DecodeRoleFilter:
     """The destination is a decode (or both) pod; prefill-only pods are for
-    the future P/D profile. A pool with none of those still serves."""
+    the P/D profile. A pool with none of those still serves."""
 
     name: str = "role"
 
@@ -87,9 +95,6 @@ class QueueScorer:
         span = hi - lo
         return [(hi - q) / span for q in qs]
 
-    def on_pick(self, req: SchedRequest, ep: Endpoint) -> None:
-        pass
-
 
 @dataclass(slots=True)
 class KvUtilizationScorer:
@@ -98,13 +103,11 @@ class KvUtilizationScorer:
     def score(self, req: SchedRequest, eps: list[Endpoint]) -> list[float]:
         return [1.0 - e.kv_usage for e in eps]
 
-    def on_pick(self, req: SchedRequest, ep: Endpoint) -> None:
-        pass
-
 
 @dataclass(slots=True)
 class PrefixCacheScorer:
-    """Matched leading blocks / total blocks; learns from each pick."""
+    """Matched leading blocks / total blocks; learns from each pick. Writes the
+    matches per endpoint to the cycle state (`PREFIX_MATCHES`)."""
 
     index: PrefixIndex
     name: str = "prefix-cache"
@@ -114,29 +117,48 @@ class PrefixCacheScorer:
         total = max(req.prompt.estimated_blocks(), max(matched))
         if total == 0:
             return [0.0] * len(eps)
-        for e, n in zip(eps, matched):
-            req.matched[e.address] = n
+        seen = req.cycle.read(PREFIX_MATCHES)
+        if seen is None:
+            req.cycle.write(PREFIX_MATCHES, seen := {})
+        seen.update((e.address, n) for e, n in zip(eps, matched))
         return [n / total for n in matched]
 
-    def on_pick(self, req: SchedRequest, ep: Endpoint) -> None:
-        # What is hashed so far; the rest arrives via Scheduler.learn after the answer.
+    def pre_request(self, req: SchedRequest, ep: Endpoint) -> None:
+        # What is hashed so far; the rest arrives via `learn` after the answer.
         if req.prompt.hashes:
             self.index.record(ep.address, req.prompt.hashes)
 
+    def learn(self, address: str, hashes: list[int]) -> None:
+        if hashes:
+            self.index.record(address, hashes)
 
-FILTERS: dict[str, Callable[[dict[str, Any]], Filter]] = {
-    "healthy": lambda p: HealthyFilter(),
-    "prefer-fresh": lambda p: PreferFreshFilter(),
-    "role": lambda p: DecodeRoleFilter(),
+    def forget(self, address: str) -> None:
+        self.index.remove(address)
+
+
+@dataclass(slots=True, frozen=True)
+class PrefixCacheParams:
+    lruCapacityPerServer: int = param(31_250, min=1,
+                                      doc="block hashes remembered per endpoint (LRU)")
+
+
+@dataclass(slots=True, frozen=True)
+class PluginType:
+    """A plugin as the config names it: its parameters and how to build it."""
+
+    factory: Callable[[Any], Any]
+    params: type = NoParams
+    doc: str = ""
+
+
+FILTERS: dict[str, PluginType] = {
+    "healthy": PluginType(lambda p: HealthyFilter(), doc=HealthyFilter.__doc__ or ""),
+    "prefer-fresh": PluginType(lambda p: PreferFreshFilter(), doc=PreferFreshFilter.__doc__ or ""),
+    "role": PluginType(lambda p: DecodeRoleFilter(), doc=DecodeRoleFilter.__doc__ or ""),
 }
-
-
-def _prefix(p: dict[str, Any]) -> PrefixCacheScorer:
-    return PrefixCacheScorer(PrefixIndex(int(p.get("lruCapacityPerServer", 31_250))))
-
-
-SCORERS: dict[str, Callable[[dict[str, Any]], Scorer]] = {
-    "queue": lambda p: QueueScorer(),
-    "kv-cache-utilization": lambda p: KvUtilizationScorer(),
-    "prefix-cache": _prefix,
+SCORERS: dict[str, PluginType] = {
+    "queue": PluginType(lambda p: QueueScorer(), doc=QueueScorer.__doc__ or ""),
+    "kv-cache-utilization": PluginType(lambda p: KvUtilizationScorer(), doc="1 - kv_usage"),
+    "prefix-cache": PluginType(lambda p: PrefixCacheScorer(PrefixIndex(p.lruCapacityPerServer)),
+                               PrefixCacheParams, PrefixCacheScorer.__doc__ or ""),
 }

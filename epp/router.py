@@ -1,6 +1,14 @@
-"""One request's decision: parse, hash, shed, schedule. Synchronous CPU work,
-so `bench_api` can time exactly what the ext_proc server runs; `Finisher`
-does the part that can wait until Envoy has its answer."""
+"""The director: one request's lifecycle in the EPP.
+
+    parse + hash → admission (shedding) → scheduling (profile handler,
+    pre-request hooks) → the answer's headers → post-response (teaching)
+
+`Router.route` is the synchronous CPU part, so `bench_api` can time exactly
+what the ext_proc server runs; `Finisher` is the post-response part, which
+can wait until Envoy has its answer. Each request gets its own cycle state
+(`SchedRequest.cycle`), shared by the plugins that schedule it. Admission is
+today's saturation shedding; flow control plugs in at the same stage.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +18,7 @@ from dataclasses import dataclass, field
 
 from kvyard.common.wire import DROPPED_REASON_HEADER
 
-from .endpoints import EndpointPool
+from .endpoints import Endpoint, EndpointPool
 from .plugins import SchedRequest
 from .prompt import LazyPrompt, PromptHasher
 from .request import RequestError, parse_request, priority_of
@@ -39,12 +47,7 @@ class Router:
             req = SchedRequest(parsed.model, self.hasher.prompt(parsed), parsed.priority, now,
                                self.pool.stale_after)
         eps = self.pool.all()
-        if req.priority < 0:
-            cands = self.scheduler.candidates(req, eps)
-            if cands and pool_saturation(cands) >= 1.0:
-                raise RequestError(429, "the pool is saturated; sheddable request dropped",
-                                   "shed", code="rejected-saturated",
-                                   headers=((DROPPED_REASON_HEADER, "rejected-saturated"),))
+        self.admit(req, eps)
         decision = self.scheduler.schedule(req, eps)
         if decision is None:
             raise RequestError(503, "no ready endpoint for this request", "no_endpoint",
@@ -52,6 +55,15 @@ class Router:
                                headers=((DROPPED_REASON_HEADER, "rejected-no-endpoints"),
                                         ("retry-after", "1")))
         return decision
+
+    def admit(self, req: SchedRequest, eps: list[Endpoint]) -> None:
+        """Admission: sheddable requests (priority < 0) get 429 while the pool is saturated."""
+        if req.priority < 0:
+            cands = self.scheduler.candidates(req, eps)
+            if cands and pool_saturation(cands) >= 1.0:
+                raise RequestError(429, "the pool is saturated; sheddable request dropped",
+                                   "shed", code="rejected-saturated",
+                                   headers=((DROPPED_REASON_HEADER, "rejected-saturated"),))
 
 
 @dataclass(slots=True)
