@@ -13,11 +13,13 @@ from prometheus_client.registry import Collector
 
 from kvyard.kvstore.store import KVStore
 
+TIER_UP = "kvyard:kvstore_tier_up"
+ERRORS = "kvyard:kvstore_errors_total"
 _COUNTERS = (
     ("hits", "kvyard:kvstore_hits_total", "Blocks served by this tier"),
     ("misses", "kvyard:kvstore_misses_total", "Block reads this tier could not serve"),
     ("evictions", "kvyard:kvstore_evictions_total", "Blocks evicted from this tier"),
-    ("errors", "kvyard:kvstore_errors_total",
+    ("errors", ERRORS,
      "Failed operations or corrupt blocks detected in this tier"),
 )
 
@@ -44,6 +46,11 @@ class KVStoreCollector(Collector):
         for tier, s in stats.items():
             g.add_metric([tier], s["bytes"])
         yield g
+        up = GaugeMetricFamily(TIER_UP, "1 while this tier is served, 0 while it is skipped "
+                               "after a failure (Redis unreachable)", labels=["tier"])
+        for tier, t in store.tiers.items():
+            up.add_metric([tier], 1.0 if getattr(t, "available", True) else 0.0)
+        yield up
         yield CounterMetricFamily("kvyard:kvstore_dropped_writes_total",
                                   "Block writes dropped because the writer queue was full",
                                   value=store.dropped_writes)

@@ -55,7 +55,9 @@ class RedisTier:
         self.prefix = prefix
         self.ttl_s = ttl_s or None
         self.stats = TierStats()
-        self.breaker = CircuitBreaker(*backoff_s)
+        where = urlsplit(url)
+        self.where = f"{where.hostname}:{where.port or 6379}"  # never the password
+        self.breaker = CircuitBreaker(*backoff_s, name=f"redis ({self.where})")
         self._backoff = backoff_s
         self._node_breakers: dict[str, CircuitBreaker] = {}  # cluster: one per master
         self._stale_slots = False  # cluster: refresh the slot map before the next call
@@ -94,8 +96,8 @@ class RedisTier:
             return False, None
         try:
             out = fn(self._redis())
-        except FAILURES:
-            self.breaker.failure()
+        except FAILURES as e:
+            self.breaker.failure(e)
             with self._lock:
                 self.stats.errors += 1
             return False, None
@@ -104,6 +106,8 @@ class RedisTier:
 
     @property
     def available(self) -> bool:
+        """Up as far as this client knows: its last call went through (`tier_up`). On a
+        cluster, the client and its slot map; each master's loss is logged by name."""
         return not self.breaker.is_open
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
@@ -142,13 +146,14 @@ class RedisTier:
             with self._lock:
                 br = self._node_breakers.get(name)
                 if br is None:
-                    br = self._node_breakers[name] = CircuitBreaker(*self._backoff)
+                    br = self._node_breakers[name] = CircuitBreaker(
+                        *self._backoff, name=f"redis master {name}")
             if not br.allow():
                 continue
             try:
                 res = fn(r.get_redis_connection(node), [rkeys[i] for i in idx], idx)
             except FAILURES as e:
-                br.failure()
+                br.failure(e)
                 with self._lock:
                     self.stats.errors += 1
                 if not isinstance(e, redis.ResponseError) or isinstance(e, AskError):

@@ -1,13 +1,17 @@
-"""`kvyard status`: what the EPP currently believes about each endpoint.
+"""`kvyard status`: what the EPP currently believes about each endpoint, each
+worker's kvstore tiers, and the supervisor.
 
-It reads the EPP's `/debug/endpoints`, not the workers, because routing
-decisions are made on the EPP's view (scrape age and all).
+Routing columns come from the EPP's `/debug/endpoints`, not the workers, because
+routing decisions are made on the EPP's view (scrape age and all). The kvstore
+column comes from each worker's own `/metrics` (`kvyard:kvstore_tier_up`,
+`kvyard:kvstore_errors_total`): only the worker knows whether its Redis answers.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from kvyard.stack.rundir import add_run_dir, run_dir
 
@@ -15,6 +19,8 @@ COLUMNS = ("address", "role", "queue", "kv_usage", "picks", "prefix_hits")
 # The EPP's own names for the same things, if it uses different ones.
 ALIASES = {"queue": ("queue", "waiting", "num_requests_waiting"),
            "kv_usage": ("kv_usage", "kv_cache_usage", "kv_cache_usage_perc")}
+TIER_UP = "kvyard:kvstore_tier_up"
+TIER_ERRORS = "kvyard:kvstore_errors_total"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,6 +33,58 @@ def normalise(row: dict) -> dict:
     for c in COLUMNS:
         out[c] = next((row[k] for k in ALIASES.get(c, (c,)) if k in row), None)
     return out
+
+
+def kvstore_tiers(metrics_text: str) -> dict[str, dict]:
+    """{tier: {"up": bool, "errors": int}} from a worker's Prometheus text; {} for a
+    worker without a kvstore."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    tiers: dict[str, dict] = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        for s in fam.samples:
+            tier = s.labels.get("tier")
+            if tier is None:
+                continue
+            if s.name == TIER_UP:
+                tiers.setdefault(tier, {"up": True, "errors": 0})["up"] = s.value >= 1
+            elif s.name == TIER_ERRORS:
+                tiers.setdefault(tier, {"up": True, "errors": 0})["errors"] = int(s.value)
+    return tiers
+
+
+def worker_kvstore(address: str) -> dict[str, dict] | None:
+    """The worker's tiers, or None when its /metrics does not answer."""
+    from kvyard.stack import procs
+
+    try:
+        code, body = procs.http_get(f"http://{address}/metrics", 2.0)
+        return kvstore_tiers(body.decode()) if code == 200 else None
+    except (OSError, ValueError):
+        return None
+
+
+def fmt_kvstore(tiers: dict[str, dict] | None) -> str:
+    if tiers is None:
+        return "unreachable"
+    if not tiers:
+        return "-"
+    cells = []
+    for name, t in tiers.items():
+        errors = t["errors"]
+        cells.append(f"{name}:{'up' if t['up'] else 'down'}"
+                     + (f"({errors} error{'' if errors == 1 else 's'})" if errors else ""))
+    return " ".join(cells)
+
+
+def supervisor_view(state) -> dict:
+    """Whether `kvyard up`'s supervisor runs, and how often it restarted what."""
+    from kvyard.stack import procs
+
+    sup = state.supervisor
+    return {"running": bool(sup and procs.is_ours(sup)), "pid": sup.pid if sup else None,
+            "restarts": {p.name: {"count": p.restarts, "last_exit": p.last_exit}
+                         for p in state.procs if p.restarts}}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,16 +105,31 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvyard: the EPP at {state.epp_metrics_url} does not answer; "
               "see its log, or restart with `kvyard up --restart`", file=sys.stderr)
         return 1
+    with ThreadPoolExecutor(min(8, max(1, len(rows)))) as pool:
+        for r, kv in zip(rows, pool.map(worker_kvstore, [r["address"] for r in rows])):
+            r["kvstore"] = kv
+    sup = supervisor_view(state)
     if args.json:
-        print(json.dumps({"gateway": state.gateway_url, "endpoints": rows}, indent=2))
+        print(json.dumps({"gateway": state.gateway_url, "endpoints": rows, "supervisor": sup},
+                         indent=2))
         return 0
     print(f"gateway: {state.gateway_url}")
-    cells = [[_fmt(r[c]) for c in COLUMNS] for r in rows]
-    widths = [max([len(c)] + [len(x[i]) for x in cells]) for i, c in enumerate(COLUMNS)]
-    print("  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths)))
+    cols = (*COLUMNS, "kvstore")
+    cells = [[_fmt(r[c]) for c in COLUMNS] + [fmt_kvstore(r["kvstore"])] for r in rows]
+    widths = [max([len(c)] + [len(x[i]) for x in cells]) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip())
     for x in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(x, widths)))
+        print("  ".join(v.ljust(w) for v, w in zip(x, widths)).rstrip())
+    print(_fmt_supervisor(sup))
     return 0
+
+
+def _fmt_supervisor(sup: dict) -> str:
+    if not sup["running"]:
+        return "supervisor: not running (nothing restarts what dies; `kvyard up --restart`)"
+    restarts = ", ".join(f"{n} {r['count']}x (last: {r['last_exit']})"
+                         for n, r in sup["restarts"].items()) or "none"
+    return f"supervisor: running (pid {sup['pid']}); restarts: {restarts}"
 
 
 def _fmt(v: object) -> str:

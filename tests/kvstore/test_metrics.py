@@ -23,6 +23,8 @@ def test_collector_exports_per_tier_series(ns, layout, make_blocks, tmp_path):
     assert f'kvyard:kvstore_bytes{{tier="dram"}} {float(2 * layout.nbytes)}' in text
     assert 'kvyard:kvstore_errors_total{tier="ssd"} 0.0' in text
     assert "kvyard:kvstore_dropped_writes_total 0.0" in text
+    assert 'kvyard:kvstore_tier_up{tier="dram"} 1.0' in text
+    assert 'kvyard:kvstore_tier_up{tier="ssd"} 1.0' in text
     lazy = CollectorRegistry()
     holder: dict = {}
     lazy.register(KVStoreCollector(lambda: holder.get("s")))

@@ -35,7 +35,10 @@ def test_up_status_down(tmp_path: Path, h) -> None:
         assert doc["gateway"] == state.gateway_url
         assert sorted(e["address"] for e in doc["endpoints"]) == sorted(state.endpoints)
         for e in doc["endpoints"]:
-            assert set(e) == {"address", "role", "queue", "kv_usage", "picks", "prefix_hits"}
+            assert set(e) == {"address", "role", "queue", "kv_usage", "picks", "prefix_hits",
+                              "kvstore"}
+            assert e["kvstore"] == {"dram": {"up": True, "errors": 0},
+                                    "ssd": {"up": True, "errors": 0}}
         assert sum(e["picks"] for e in doc["endpoints"]) >= 1
 
         table = kvyard("status", "--run-dir", rd)
