@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 from aiohttp import web
+from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from kvyard.common import wire
@@ -25,9 +26,10 @@ from .health import SERVER_OPTIONS, HealthServer, bind
 from .observability import EppMetrics, debug_app
 from .prompt import PromptHasher
 from .router import Finisher, Router
-from .scheduler import build_scheduler, load_config
+from .scheduler import build_scheduler, load_config, with_fallbacks
 from .scraper import Scraper
 from .server import ExtProcServicer
+from .xds import EdsServicer
 
 log = logging.getLogger("kvyard.epp")
 
@@ -51,6 +53,9 @@ class EppConfig:
     served_model_names: list[str] = field(default_factory=list)
     max_body_bytes: int = 4 * 1024 * 1024
     config: str | None = None  # scheduler YAML
+    # Endpoints listed after the pick, for the gateway to retry on (0: the pick alone, which
+    # any ORIGINAL_DST gateway understands; kvyard's gateway retries along the list).
+    destination_fallbacks: int = 0
     seed: int | None = None
 
 
@@ -74,6 +79,7 @@ class EppApp:
     metrics: EppMetrics = field(init=False)
     router: Router = field(init=False)
     finisher: Finisher = field(init=False)
+    eds: EdsServicer = field(init=False)
     tokenizer_state: str = "none"  # none | loading | loaded | failed
     _grpc: grpc.aio.Server | None = None
     _health: HealthServer | None = None
@@ -86,12 +92,17 @@ class EppApp:
         c = self.cfg
         self.pool = EndpointPool(stale_after=c.stale_after)
         self.metrics = EppMetrics()
-        sched = build_scheduler(load_config(c.config), seed=c.seed)
+        sched_cfg = load_config(c.config)
+        if c.destination_fallbacks:
+            sched_cfg = with_fallbacks(sched_cfg, c.destination_fallbacks)
+        sched = build_scheduler(sched_cfg, seed=c.seed)
         self.pool.on_remove(sched.forget)
         self.pool.on_remove(self.metrics.forget)
         hasher = PromptHasher(block_size=sched.block_size)
         self.router = Router(self.pool, sched, hasher, _served_names(c))
         self.finisher = Finisher(self.pool, sched)
+        self.eds = EdsServicer(self.pool)
+        self.pool.on_change(self.eds.notify)
 
     def is_ready(self) -> bool:
         return self.tokenizer_state in ("none", "loaded", "failed") and self.pool.ready()
@@ -107,6 +118,7 @@ class EppApp:
         self._grpc = grpc.aio.server(options=SERVER_OPTIONS)
         ep_grpc.add_ExternalProcessorServicer_to_server(
             ExtProcServicer(self.router, self.metrics, self.finisher, c.max_body_bytes), self._grpc)
+        eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self.eds, self._grpc)
         self.ports["ext_proc"] = bind(self._grpc, c.host, c.ext_proc_port, "ext_proc")
         await self._grpc.start()
         self._health = HealthServer(c.health_port, self.is_ready, host=c.host)

@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model name(s) clients may ask for (default: the --model's name)")
     g.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     g.add_argument("--config", help="scheduler YAML (filters, scorers, weights, objectives)")
+    g.add_argument("--destination-fallbacks", type=int, default=0, metavar="N",
+                   help="list N more endpoints after the pick in x-gateway-destination-endpoint, "
+                        "for a gateway that retries along the list (kvyard's does; default 0)")
     g.add_argument("--seed", type=int, default=None, help="tie-break RNG seed")
     p.add_argument("--log-level", default="info")
 
@@ -62,7 +65,7 @@ def config_from_args(args: argparse.Namespace):
         scrape_interval=args.scrape_interval, scrape_timeout=args.scrape_timeout,
         stale_after=args.stale_after, fail_threshold=args.fail_threshold, model=args.model,
         served_model_names=list(args.served_model_name), max_body_bytes=args.max_body_bytes,
-        config=args.config, seed=args.seed)
+        config=args.config, seed=args.seed, destination_fallbacks=args.destination_fallbacks)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -73,15 +73,22 @@ def parse_spec(entry: object) -> EndpointSpec:
 
 @dataclass(slots=True)
 class EndpointPool:
-    """Union of discovery sources; notifies listeners when an endpoint leaves."""
+    """Union of discovery sources; notifies listeners when an endpoint leaves
+    and when membership changes. `generation` counts discovery updates (0:
+    discovery has not run yet) and changes whenever membership does."""
 
     stale_after: float = 2.0
+    generation: int = 0
     _sources: dict[str, dict[str, EndpointSpec]] = field(default_factory=dict)
     _endpoints: dict[str, Endpoint] = field(default_factory=dict)
     _on_remove: list[Callable[[str], None]] = field(default_factory=list)
+    _on_change: list[Callable[[], None]] = field(default_factory=list)
 
     def on_remove(self, fn: Callable[[str], None]) -> None:
         self._on_remove.append(fn)
+
+    def on_change(self, fn: Callable[[], None]) -> None:
+        self._on_change.append(fn)
 
     def set_source(self, source: str, specs: Iterable[EndpointSpec]) -> None:
         """Replaces what `source` contributes; endpoints join and leave live."""
@@ -89,16 +96,23 @@ class EndpointPool:
         wanted: dict[str, EndpointSpec] = {}
         for owned in self._sources.values():
             wanted.update(owned)
+        changed = self.generation == 0
         for addr in [a for a in self._endpoints if a not in wanted]:
             del self._endpoints[addr]
+            changed = True
             for fn in self._on_remove:
                 fn(addr)
         for addr, spec in wanted.items():
             ep = self._endpoints.get(addr)
             if ep is None:
                 self._endpoints[addr] = Endpoint(addr, spec.role)
+                changed = True
             else:
                 ep.role = spec.role
+        if changed:
+            self.generation += 1
+            for fn in self._on_change:
+                fn()
 
     def all(self) -> list[Endpoint]:
         return list(self._endpoints.values())

@@ -62,6 +62,13 @@ class Decision:
     fallbacks: list[Endpoint] = field(default_factory=list)
     result: SchedulingResult | None = None
 
+    @property
+    def destination(self) -> str:
+        """`x-gateway-destination-endpoint`: the pick, then fallbacks, comma-separated."""
+        if not self.fallbacks:
+            return self.endpoint.address
+        return ",".join([self.endpoint.address, *(e.address for e in self.fallbacks)])
+
 
 def count_pick(req: SchedRequest, ep: Endpoint) -> None:
     """Our own picks since the last scrape (the queue scorer adds them) and hit counts."""
@@ -205,6 +212,17 @@ def build_scheduler(cfg: dict[str, Any] | None = None, seed: int | None = None) 
             raise ConfigError(f"objectives.{k}", f"must be an integer priority, got {v!r}")
     return Scheduler(profiles, handler, block_size, {str(k): v for k, v in objectives.items()},
                      random.Random(seed))
+
+
+def with_fallbacks(cfg: dict[str, Any], fallbacks: int) -> dict[str, Any]:
+    """`cfg` with every profile's picker listing `fallbacks` more endpoints after its pick."""
+    def picker(p: dict[str, Any]) -> dict[str, Any]:
+        raw = p.get("picker") or {"type": "max-score"}
+        return {**p, "picker": {**raw, "maxEndpoints": fallbacks + 1}}
+    if isinstance(cfg.get("profiles"), dict):
+        return {**cfg, "profiles": {n: picker(p) if isinstance(p, dict) else p
+                                    for n, p in cfg["profiles"].items()}}
+    return picker(cfg)
 
 
 def load_config(path: str | Path | None) -> dict[str, Any]:

@@ -68,7 +68,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             self.metrics.error(e.reason)
             return [responses.immediate(e.status, e.body(), e.headers, e.reason)], None
         self.metrics.decision(time.perf_counter() - t0, d)
-        out = [responses.routing_response(d.endpoint.address)]
+        out = [responses.routing_response(d.destination)]
         if body is not None:
             out.append(responses.body_continue())
         return out, d

@@ -12,6 +12,9 @@ PREFILLER_HEADER = "x-prefiller-host-port"
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 ROUTING_HEADERS = (DESTINATION_HEADER, PREFILLER_HEADER)
 
+# The gateway's cluster of workers, as the EPP's EDS service names it.
+WORKERS_CLUSTER = "kvyard_workers"
+
 # Every worker response names the worker that served it.
 ENDPOINT_HEADER = "x-kvyard-endpoint"
 

@@ -2,17 +2,21 @@
 
 Envoy does the bytes (HTTP/1.1 and h2, streaming, limits); the EPP does the
 choosing. The EPP sees every request over ext_proc and answers with
-`x-gateway-destination-endpoint`, which an ORIGINAL_DST cluster turns into the
-upstream address. Three things matter for correctness and are easy to get
+`x-gateway-destination-endpoint` (one endpoint, or an ordered list: the pick
+then fallbacks). The workers cluster gets its hosts from the EPP's EDS
+service and is balanced by Envoy's override-host policy, which sends the
+request to the first listed host and each retry (connect failure, reset or
+refused stream before the response starts) to the next; only pool members
+can ever be reached. Three things matter for correctness and are easy to get
 wrong, so they are spelled out here:
 
 * Client-supplied routing headers are removed by the connection manager's
   *early* header mutation, which runs before any HTTP filter. A route-level
   `request_headers_to_remove` would run after ext_proc and delete the EPP's
   own answer.
-* The upstream route only matches when the destination header is present.
-  Without it an ORIGINAL_DST cluster would fall back to the downstream
-  connection's original destination, i.e. the gateway itself (a loop).
+* The upstream route only matches when the destination header is present:
+  a request the EPP let through without a pick gets a 503, never a random
+  worker.
 * Responses are never sent to the EPP and never buffered, and generation can
   be long, so the route has no overall timeout, only a stream idle timeout.
 
@@ -45,10 +49,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvyard.common.wire import DESTINATION_HEADER, ROUTING_HEADERS
+from kvyard.common.wire import DESTINATION_HEADER, ROUTING_HEADERS, WORKERS_CLUSTER
 
 _T = "type.googleapis.com/"
-WORKERS_CLUSTER = "kvyard_workers"
 EPP_CLUSTER = "kvyard_epp"
 
 
@@ -67,6 +70,8 @@ class GatewayConfig:
     # Generation can run for minutes, but a silent stream is dead.
     stream_idle_timeout_s: float = 300.0
     upstream_connect_timeout_s: float = 2.0
+    # Retries on the EPP's fallback endpoints (connect failure or reset before a response).
+    upstream_retries: int = 2
     epp_connect_timeout_s: float = 1.0
     # Status Envoy returns when the EPP is unreachable or errors (fail closed).
     status_on_epp_error: int = 503
@@ -109,12 +114,28 @@ def _workers_cluster(cfg: GatewayConfig) -> dict[str, Any]:
     if cfg.direct_upstream:
         return _static_cluster(WORKERS_CLUSTER, cfg.direct_upstream,
                                cfg.upstream_connect_timeout_s, http2=False)
+    # Hosts from the EPP's EDS service (epp/xds.py); the EPP's answer picks among them,
+    # in order (override host), so a retry goes to the next endpoint it listed.
+    lb = _T + "envoy.extensions.load_balancing_policies."
     return {
         "name": WORKERS_CLUSTER,
-        "type": "ORIGINAL_DST",
-        "lb_policy": "CLUSTER_PROVIDED",
+        "type": "EDS",
         "connect_timeout": _duration(cfg.upstream_connect_timeout_s),
-        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
+        "eds_cluster_config": {"eds_config": {
+            "resource_api_version": "V3",
+            "api_config_source": {
+                "api_type": "GRPC", "transport_api_version": "V3",
+                "grpc_services": [{"envoy_grpc": {"cluster_name": EPP_CLUSTER}}]}}},
+        "load_balancing_policy": {"policies": [{"typed_extension_config": {
+            "name": "envoy.load_balancing_policies.override_host",
+            "typed_config": {
+                "@type": lb + "override_host.v3.OverrideHost",
+                "override_host_sources": [{"header": DESTINATION_HEADER}],
+                # Only when none of the listed hosts is known (EDS not caught up yet).
+                "fallback_policy": {"policies": [{"typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.random",
+                    "typed_config": {"@type": lb + "random.v3.Random"}}}]},
+            }}}]},
     }
 
 
@@ -155,10 +176,13 @@ def _http_filters(cfg: GatewayConfig) -> list[dict[str, Any]]:
 
 
 def _routes(cfg: GatewayConfig) -> list[dict[str, Any]]:
-    upstream = {"cluster": WORKERS_CLUSTER, "timeout": "0s",
-                "idle_timeout": _duration(cfg.stream_idle_timeout_s)}
+    upstream: dict[str, Any] = {"cluster": WORKERS_CLUSTER, "timeout": "0s",
+                                "idle_timeout": _duration(cfg.stream_idle_timeout_s)}
     if cfg.direct_upstream:
         return [{"match": {"prefix": "/"}, "route": upstream}]
+    # A request whose response has not started is retried on the EPP's next endpoint.
+    upstream["retry_policy"] = {"retry_on": "connect-failure,refused-stream,reset",
+                                "num_retries": cfg.upstream_retries}
     return [
         {"match": {"prefix": "/", "headers": [{"name": DESTINATION_HEADER, "present_match": True}]},
          "route": upstream},
@@ -248,6 +272,8 @@ def render(cfg: GatewayConfig) -> dict[str, Any]:
         }]}],
     }
     return {
+        # xDS needs a node identity; the EPP serves every gateway the same pool.
+        "node": {"id": f"kvyard-gateway-{cfg.listen_port}", "cluster": "kvyard-gateway"},
         "admin": {"address": _socket_address(f"127.0.0.1:{cfg.admin_port}")},
         "static_resources": {"listeners": [listener], "clusters": clusters},
         "overload_manager": {"resource_monitors": [{

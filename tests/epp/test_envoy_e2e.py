@@ -119,3 +119,28 @@ async def test_requests_reach_the_picked_worker_through_envoy(fake_vllm, epp, en
         bad_model = {"model": "other", "messages": [{"role": "user", "content": "x"}]}
         async with s.post(base + "/v1/chat/completions", json=bad_model) as r:
             assert r.status == 404
+
+
+async def test_a_worker_dead_since_the_decision_costs_no_request(fake_vllm, epp, envoy, xp):
+    """The EPP lists a fallback after its pick; Envoy (hosts from the EPP's EDS) retries
+    on it when the pick refuses the connection, before the EPP has noticed anything."""
+    w1, w2 = await fake_vllm(), await fake_vllm(waiting=3)
+    app = await epp([w1, w2], destination_fallbacks=1, scrape_interval=0.05)
+    port, admin = await envoy(app.ports["ext_proc"])
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession() as s:
+        await _envoy_ready(s, admin)
+        await xp.wait_for(lambda: app.pool.get(w2.address).waiting == 3, what="scrape")
+        async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat) as r:
+            got = await r.json()
+        assert got["served_by"] == w1.address  # the shorter queue
+        assert got["headers"]["x-gateway-destination-endpoint"] == f"{w1.address},{w2.address}"
+        app.cfg.scrape_interval = 3600  # the EPP must not learn of the death before the request
+        for task in app._tasks:
+            task.cancel()
+        await w1.stop()
+        for _ in range(5):
+            async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat) as r:
+                assert r.status == 200
+                assert (await r.json())["served_by"] == w2.address
+        assert not app.pool.get(w1.address).down
