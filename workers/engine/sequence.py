@@ -42,6 +42,7 @@ class Sequence:
     num_emitted_chars: int = 0           # of output_text already streamed
     prompt_logprobs: list[Any] = field(default_factory=list)  # [None, TokenLogprob, ...] as computed
     constraint: Any = None               # json_mode.JsonConstraint for JSON-mode requests
+    stop_scan: Any = None                # stopping.StopScan: this sequence's stop-string automaton state
 
     @property
     def num_tokens(self) -> int:
