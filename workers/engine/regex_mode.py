@@ -16,6 +16,7 @@ backreferences, lookarounds, other `(?...)` groups.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 MAX_REPEAT = 256
 MAX_STATES = 20000
@@ -52,6 +53,17 @@ class _Nfa:
         self.edges.append([])
         self.eps.append([])
         return len(self.edges) - 1
+
+    def clone(self, lo: int, hi: int, frag: tuple[int, int]) -> tuple[int, int]:
+        """A copy of the fragment made of states lo..hi-1, which point only at each
+        other (so far): renumbered, not re-parsed."""
+        if len(self.edges) + hi - lo > MAX_STATES:
+            raise RegexError(f"pattern too large (more than {MAX_STATES} states)")
+        off = len(self.edges) - lo
+        for i in range(lo, hi):
+            self.edges.append([(cs, n + off) for cs, n in self.edges[i]])
+            self.eps.append([n + off for n in self.eps[i]])
+        return frag[0] + off, frag[1] + off
 
 
 class _Parser:
@@ -90,16 +102,16 @@ class _Parser:
         return s, e
 
     def repeat(self) -> tuple[int, int]:
-        start = self.i
+        first = len(self.nfa.edges)
         frag = self.atom()
-        end = self.i
+        states = (first, len(self.nfa.edges))
         if self.peek() in ("*", "+", "?", "{"):
             lo, hi = self.quantifier()
             if self.peek() == "?":  # lazy: the same language
                 self.take()
             if self.peek() in ("*", "+", "?", "{"):
                 raise RegexError(f"multiple repeat at {self.i}: group the inner one")
-            frag = self.repeated(frag, lo, hi, self.p[start:end])
+            frag = self.repeated(frag, lo, hi, states)
         return frag
 
     def quantifier(self) -> tuple[int, int | None]:
@@ -123,18 +135,18 @@ class _Parser:
         self.i = close + 1
         return lo, hi
 
-    def repeated(self, frag, lo: int, hi: int | None, src: str) -> tuple[int, int]:
-        """frag{lo,hi}: copies are rebuilt by re-parsing the atom's source text."""
-        def copy():
-            return _Parser(src, self.nfa).atom()
-        copies = [frag] + [copy() for _ in range(max(lo, 1 if hi is None else hi) - 1)]
+    def repeated(self, frag, lo: int, hi: int | None, states: tuple[int, int]) -> tuple[int, int]:
+        """frag{lo,hi}: every copy is cloned before any is wired (then frag points outside
+        its states); with no upper bound, copy `lo` is the loop."""
+        copies = [frag] + [self.nfa.clone(*states, frag)
+                           for _ in range((lo + 1 if hi is None else max(hi, 1)) - 1)]
         s = e = self.nfa.new()
         for k in range(lo):
             a, b = copies[k]
             self.nfa.eps[e].append(a)
             e = b
         if hi is None:  # then any number more: a loop over one more copy
-            a, b = copies[lo] if lo < len(copies) else copy()
+            a, b = copies[lo]
             self.nfa.eps[e].append(a)
             self.nfa.eps[b].append(a)
             out = self.nfa.new()
@@ -242,7 +254,10 @@ class Regex:
         return frozenset(seen)
 
 
+@lru_cache(maxsize=32)
 def compile_regex(pattern: str) -> Regex:
+    """The pattern's NFA, compiled once: the server's validation and the engine thread's
+    add_request get the same (read-only) object, so the engine never compiles it."""
     if not isinstance(pattern, str) or not pattern:
         raise RegexError("the pattern must be a non-empty string")
     nfa = _Nfa()
