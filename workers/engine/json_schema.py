@@ -24,6 +24,7 @@ Decisions (what a demanding user needs to know; the server says it in its 400s):
   min/maxProperties, not, if/then/else, dependent*, remote `$ref`s.
 - Annotations (title, description, default, examples, ...) are ignored.
 - Whitespace outside strings: runs of at most MAX_WS, as in JSON mode.
+- Size: bounded while compiling (schema_limits.py), SchemaError beyond.
 """
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .json_mode import _HEX, _N_DONE_OK, _N_INT, _N_SIGN, _N_ZERO, _WS, MAX_WS, number_step
+from .schema_limits import SchemaBudget, SchemaError, check_alternatives
+
+__all__ = ["Node", "SchemaError", "SchemaState", "compile_schema"]  # SchemaError's home is schema_limits
 
 _ESC = '"\\/bfnrt'
 _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
@@ -42,10 +46,6 @@ _REFUSED = {"pattern", "format", "minimum", "maximum", "exclusiveMinimum", "excl
             "minProperties", "maxProperties", "not", "if", "then", "else", "dependentRequired",
             "dependentSchemas", "unevaluatedItems", "contentEncoding", "contentMediaType"}
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
-
-
-class SchemaError(ValueError):
-    """The schema uses something this automaton cannot enforce, or is malformed."""
 
 
 @dataclass(eq=False, slots=True)
@@ -87,24 +87,30 @@ def compile_schema(schema: Any) -> Node:
     defs: dict[str, Node] = {}
     sources = {}
     for section in ("$defs", "definitions"):
-        for name, sub in (schema.get(section) or {}).items():
+        subs = schema.get(section) or {}
+        if not isinstance(subs, dict):
+            raise SchemaError(f"{section} must be an object of schemas")
+        for name, sub in subs.items():
             sources[f"#/{section}/{name}"] = sub
     sources["#"] = schema
     for ref, sub in sources.items():
         defs[ref] = Node("ref")  # placeholders first: refs may point anywhere, recursively
+    budget = SchemaBudget()
     for ref, sub in sources.items():
-        defs[ref] = _compile(sub, defs, f"{ref}")
+        defs[ref] = _compile(sub, defs, f"{ref}", budget)
+    check_alternatives(defs)
     root = defs["#"].resolve()
     if root.kind != "object":
         raise SchemaError("the root of the schema must be an object (type: object)")
     return defs["#"]
 
 
-def _compile(s: Any, defs: dict, where: str) -> Node:
+def _compile(s: Any, defs: dict, where: str, b: SchemaBudget) -> Node:
     if s is True or s == {}:
         return ANY
     if not isinstance(s, dict):
         raise SchemaError(f"{where}: a schema must be an object")
+    b.spend(where, subschemas=1)
     bad = sorted(k for k in s if k in _REFUSED)
     if bad:
         raise SchemaError(f"{where}: keyword {bad[0]!r} is not supported by structured output")
@@ -121,19 +127,24 @@ def _compile(s: Any, defs: dict, where: str) -> Node:
         rest = {k: v for k, v in s.items() if k != "allOf"}
         if set(rest) - _ANNOTATIONS:
             raise SchemaError(f"{where}: allOf next to other constraints is not supported")
-        return _compile(parts[0], defs, f"{where}/allOf/0")
+        return _compile(parts[0], defs, f"{where}/allOf/0", b)
     if "const" in s:
-        return Node("choice", literals=(_lit(s["const"]),))
+        lit = _lit(s["const"])
+        b.spend(where, chars=len(lit))
+        return Node("choice", literals=(lit,))
     if "enum" in s:
         if not isinstance(s["enum"], list) or not s["enum"]:
             raise SchemaError(f"{where}: enum must be a non-empty list")
-        return Node("choice", literals=tuple(dict.fromkeys(_lit(v) for v in s["enum"])))
+        b.spend(where, enum_values=len(s["enum"]))
+        lits = tuple(dict.fromkeys(_lit(v) for v in s["enum"]))
+        b.spend(where, chars=sum(map(len, lits)))
+        return Node("choice", literals=lits)
     for key in ("anyOf", "oneOf"):
         if key in s:
             alts = s[key]
             if not isinstance(alts, list) or not alts:
                 raise SchemaError(f"{where}: {key} must be a non-empty list")
-            return Node("union", options=tuple(_compile(a, defs, f"{where}/{key}/{i}")
+            return Node("union", options=tuple(_compile(a, defs, f"{where}/{key}/{i}", b)
                                                for i, a in enumerate(alts)))
     types = s.get("type")
     if types is None:
@@ -145,11 +156,11 @@ def _compile(s: Any, defs: dict, where: str) -> Node:
         raise SchemaError(f"{where}: type must be one of {', '.join(_TYPES)} (or a list of them)")
     if s.get("nullable") is True and "null" not in types:
         types = [*types, "null"]
-    nodes = [_typed(t, s, defs, where) for t in dict.fromkeys(types)]
+    nodes = [_typed(t, s, defs, where, b) for t in dict.fromkeys(types)]
     return nodes[0] if len(nodes) == 1 else Node("union", options=tuple(nodes))
 
 
-def _typed(t: str, s: dict, defs: dict, where: str) -> Node:
+def _typed(t: str, s: dict, defs: dict, where: str, b: SchemaBudget) -> Node:
     if t == "boolean":
         return Node("choice", literals=("true", "false"))
     if t == "null":
@@ -162,7 +173,8 @@ def _typed(t: str, s: dict, defs: dict, where: str) -> Node:
     if t == "array":
         lo, hi = _bounds(s, "minItems", "maxItems", where)
         items = s.get("items", True)
-        return Node("array", items=_compile(items, defs, f"{where}/items"), min_items=lo, max_items=hi)
+        return Node("array", items=_compile(items, defs, f"{where}/items", b), min_items=lo,
+                    max_items=hi)
     props = s.get("properties") or {}
     req = s.get("required") or []
     if not props and not req:
@@ -172,8 +184,10 @@ def _typed(t: str, s: dict, defs: dict, where: str) -> Node:
     if not all(isinstance(r, str) for r in req):
         raise SchemaError(f"{where}: required must list property names")
     names = list(dict.fromkeys([*props, *req]))  # required but undeclared: any value
+    b.spend(where, properties=len(names), chars=sum(map(len, names)))
     compiled = tuple((json.dumps(n, ensure_ascii=False)[1:],
-                      _compile(props.get(n, True), defs, f"{where}/properties/{n}")) for n in names)
+                      _compile(props.get(n, True), defs, f"{where}/properties/{n}", b))
+                     for n in names)
     return Node("object", props=compiled, required=frozenset(names.index(r) for r in req))
 
 
