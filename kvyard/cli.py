@@ -28,6 +28,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "kvstore": ("kvyard.bench.kvstore", "kvstore tier throughput and TTFT on hits"),
     "connector": ("kvyard.bench.connector",
                   "KV connector with CUDA caches: pinned vs pageable host staging"),
+    "gpu": ("kvyard.bench.gpu", "Triton attention kernels and an 8B decode step on CUDA vs plain torch"),
 }
 
 

@@ -1,0 +1,307 @@
+"""`kvyard bench gpu`: kvyard's Triton attention kernels and an 8B-shape decode step on CUDA,
+each beside torch's own path measured in the same run.
+
+- copy: one large device-to-device copy (bytes read + written / time): the
+  HBM ceiling every roofline fraction here divides by.
+- kernels: paged decode attention (scattered 16-token blocks) against torch's
+  fastest SDPA backend on contiguous K/V of the same bytes, as a bandwidth
+  ratio; paged prefill (fresh causal prompts) against torch's flash SDPA, as a
+  TFLOP/s ratio. Headline ratios are geometric means over the shapes, with
+  the kernels' default configs (what the engine runs); `--sweep` also times
+  other tile configs and reports the best beside them.
+- decode: the Llama-3-8B-shape step of kvyard/bench/gpu_step.py at each
+  batch size, context `--context`: tokens/s and roofline fraction (bytes of
+  weights + KV read per step / copy bandwidth / step time) for kvyard's step
+  (`decode`) and plain torch (`decode_ref`), timed in alternating rounds.
+Timing: CUDA events around `--iters` back-to-back calls (graph replays for
+the step), median of `--rounds` rounds. Data sizes are far above the 60 MB L2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+from typing import Any, Callable
+
+DECODE_SHAPES = [(1, 65536), (8, 16384), (64, 4096), (256, 1024)]   # (batch, context)
+PREFILL_SHAPES = [(1, 8192), (4, 2048), (16, 512)]                 # (sequences, tokens each), fresh
+EXTEND_SHAPE = (4, 4096, 1024)                                      # sequences, cached, new
+DECODE_SWEEP = [(32, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 2), (128, 8, 3)]   # block_n, warps, stages
+PREFILL_SWEEP = [(128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 4)]
+NH, NKV, HD, BS = 32, 8, 128, 16
+TARGETS = {"decode_attn_vs_sdpa": 0.90, "prefill_attn_vs_flash": 0.70,
+           "roofline": {"1": 0.75, "8": 0.75, "64": 0.80}}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batches", default="1,8,64,256", help="decode-step batch sizes")
+    p.add_argument("--context", type=int, default=1024, help="decode-step context per sequence")
+    p.add_argument("--layers", type=int, default=32, help="decode-step layers (32 is the 8B shape)")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--parts", default="kernels,decode", help="comma list of kernels,decode")
+    p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time other tile configs of the kernels")
+    p.add_argument("--label", default=os.environ.get("KVYARD_COMMIT", ""), help="recorded as meta.commit")
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--json", action="store_true")
+
+
+def _time_ms(torch, fn: Callable[[], Any], iters: int, rounds: int) -> float:
+    """Median over rounds of the mean time of `iters` back-to-back calls, by CUDA events."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / iters)
+    return statistics.median(times)
+
+
+def _geomean(xs: list[float]) -> float:
+    xs = [x for x in xs if x and x > 0 and math.isfinite(x)]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else math.nan
+
+
+def copy_bandwidth(torch, rounds: int) -> float:
+    """Bytes/s of a 2 GiB device-to-device copy, counting bytes read and written."""
+    from kvyard.bench.gpu_step import DEV, DTYPE
+
+    src = torch.randn(1 << 30, dtype=DTYPE, device=DEV)
+    dst = torch.empty_like(src)
+    ms = _time_ms(torch, lambda: dst.copy_(src), 10, rounds)
+    n = src.numel() * 2 * 2
+    del src, dst
+    return n / (ms * 1e-3)
+
+
+def _paged(torch, seqs: int, ctx: int) -> tuple[Any, Any, Any]:
+    """A cache whose blocks are a random permutation (scattered), filled with random K/V."""
+    from kvyard.bench.gpu_step import DEV, DTYPE
+
+    nb = -(-ctx // BS)
+    cache = torch.randn(2, seqs * nb + 1, BS, NKV, HD, dtype=DTYPE, device=DEV)
+    tables = torch.randperm(seqs * nb, device=DEV).view(seqs, nb).to(torch.int32)
+    lens = torch.full((seqs,), ctx, dtype=torch.int32, device=DEV)
+    return cache, tables, lens
+
+
+def _sdpa_backends(torch, call: Callable[[], Any], iters: int, rounds: int) -> dict[str, Any]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    res: dict[str, Any] = {}
+    for name, be in [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                     ("efficient", SDPBackend.EFFICIENT_ATTENTION)]:
+        try:
+            with sdpa_kernel(be):
+                res[name] = _time_ms(torch, call, iters, rounds)
+        except RuntimeError as e:  # backend refuses this shape or GQA
+            res[name] = f"unsupported: {str(e).splitlines()[0][:120]}"
+    return res
+
+
+def decode_kernels(torch, rounds: int, sweep: bool) -> list[dict[str, Any]]:
+    import torch.nn.functional as F
+
+    from kvyard.bench.gpu_step import DEV, DTYPE
+    from kvyard.workers.attention.triton_decode import DecodeConfig, decode_config, paged_decode
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for B, ctx in DECODE_SHAPES:
+        nbytes = 2 * B * ctx * NKV * HD * 2 + 2 * B * NH * HD * 2
+        q4 = torch.randn(B, NH, 1, HD, dtype=DTYPE, device=DEV)
+        k, v = torch.randn(2, B, NKV, ctx, HD, dtype=DTYPE, device=DEV)
+        sdpa = _sdpa_backends(torch, lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True),
+                              10, rounds)
+        ref = F.scaled_dot_product_attention(q4, k, v, enable_gqa=True).float()
+        del k, v
+        cache, tables, lens = _paged(torch, B, ctx)
+        # the paged cache holds other values than k, v above: correctness is the tests' job,
+        # here only bytes and time matter; q is the same
+        q = q4[:, :, 0]
+        out = torch.empty_like(q)
+        cfg = decode_config(B, NKV, tables.shape[1] * BS, sms)
+        configs = [cfg]
+        if sweep:
+            configs += [DecodeConfig(cfg.num_splits, *c) for c in DECODE_SWEEP]
+            configs += [DecodeConfig(max(1, cfg.num_splits * 2), cfg.block_n, cfg.num_warps, cfg.num_stages)]
+        timed = []
+        for c in configs:
+            ms = _time_ms(torch, lambda: paged_decode(q, cache, tables, lens, HD ** -0.5, out=out, config=c),
+                          10, rounds)
+            timed.append((ms, c))
+        best_sdpa = min((t for t in sdpa.values() if isinstance(t, float)), default=math.nan)
+        ms0, best = timed[0][0], min(timed, key=lambda t: t[0])
+        rows.append(dict(batch=B, context=ctx, gb=nbytes / 1e9, kvyard_ms=ms0, kvyard_tbs=nbytes / ms0 / 1e9,
+                         config=_cfg(cfg), sdpa_ms=sdpa, sdpa_best_ms=best_sdpa,
+                         sdpa_tbs=nbytes / best_sdpa / 1e9, ratio=best_sdpa / ms0,
+                         best_config=_cfg(best[1]), best_ms=best[0], best_ratio=best_sdpa / best[0],
+                         sweep=[dict(config=_cfg(c), ms=t) for t, c in timed[1:]],
+                         ref_finite=bool(torch.isfinite(ref).all())))
+        del cache, tables, lens, q4, q, out, ref
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _cfg(c: Any) -> dict[str, int]:
+    return {k: getattr(c, k) for k in c.__slots__}
+
+
+def prefill_kernels(torch, rounds: int, sweep: bool) -> list[dict[str, Any]]:
+    import torch.nn.functional as F
+
+    from kvyard.bench.gpu_step import DEV, DTYPE
+    from kvyard.workers.attention.triton_prefill import PrefillConfig, paged_prefill, prefill_config
+
+    rows = []
+    shapes = [(B, 0, L) for B, L in PREFILL_SHAPES] + [EXTEND_SHAPE]
+    for B, cached, new in shapes:
+        ctx = cached + new
+        flops = 4 * B * NH * HD * new * (cached + (new + 1) / 2)   # causal: query i sees cached + i + 1 keys
+        q = torch.randn(B * new, NH, HD, dtype=DTYPE, device=DEV)
+        row: dict[str, Any] = dict(seqs=B, cached=cached, new=new, tflop=flops / 1e12)
+        if cached == 0:
+            q4 = q.view(B, new, NH, HD).transpose(1, 2)
+            k, v = torch.randn(2, B, NKV, new, HD, dtype=DTYPE, device=DEV)
+            row["sdpa_ms"] = _sdpa_backends(
+                torch, lambda: F.scaled_dot_product_attention(q4, k, v, is_causal=True, enable_gqa=True), 5, rounds)
+            flash = row["sdpa_ms"].get("flash")
+            row["flash_ms"] = flash if isinstance(flash, float) else math.nan
+            row["flash_tflops"] = flops / row["flash_ms"] / 1e9
+            del k, v
+        cache, tables, lens = _paged(torch, B, ctx)
+        qsl = torch.arange(0, B + 1, dtype=torch.int32, device=DEV) * new
+        out = torch.empty_like(q)
+        cfg = prefill_config(HD)
+        configs = [cfg] + ([PrefillConfig(*c) for c in PREFILL_SWEEP] if sweep else [])
+        timed = []
+        for c in configs:
+            ms = _time_ms(torch, lambda: paged_prefill(q, cache, tables, qsl, lens, HD ** -0.5, max_query_len=new,
+                                                      out=out, config=c), 5, rounds)
+            timed.append((ms, c))
+        ms0, best = timed[0][0], min(timed, key=lambda t: t[0])
+        row.update(kvyard_ms=ms0, kvyard_tflops=flops / ms0 / 1e9, config=_cfg(cfg), best_config=_cfg(best[1]),
+                   best_tflops=flops / best[0] / 1e9, sweep=[dict(config=_cfg(c), ms=t) for t, c in timed[1:]],
+                   finite=bool(torch.isfinite(out).all()))
+        if cached == 0:
+            row.update(ratio=row["flash_ms"] / ms0, best_ratio=row["flash_ms"] / best[0])
+        rows.append(row)
+        del cache, tables, lens, q, out
+        torch.cuda.empty_cache()
+    return rows
+
+
+def decode_steps(torch, args: argparse.Namespace, copy_bps: float) -> dict[str, Any]:
+    from kvyard.bench import gpu_step as S
+    from kvyard.workers.attention.triton_decode import decode_config
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    w = S.make_weights(args.layers, args.context + 16)
+    variants = ["fused", "ref", "kvyard", "gemms"]
+    res: dict[str, dict[str, Any]] = {v: {} for v in variants}
+    for B in [int(x) for x in args.batches.split(",") if x]:
+        b = S.make_batch(B, args.context, args.layers)
+        cfg = decode_config(B, S.KV_HEADS, args.context, sms)
+        graphs, logits = {}, {}
+        for v in variants:
+            fn = S.step_fn(v, w, b, cfg)
+            logits[v] = fn().float()
+            graphs[v] = S.capture(fn)[0]
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        for _ in range(args.rounds):   # alternate, so drift hits every variant alike
+            for v in variants:
+                times[v].append(_time_ms(torch, graphs[v].replay, args.iters, 1))
+        nbytes = w.bytes_per_step(B) + b.kv_bytes()
+        floor_ms = nbytes / copy_bps * 1e3
+        for v in variants:
+            ms = statistics.median(times[v])
+            err = ((logits[v] - logits["ref"]).norm() / logits["ref"].norm()).item()
+            res[v][str(B)] = dict(ms_per_step=ms, tok_s=B / ms * 1e3, roofline_frac=floor_ms / ms,
+                                  gb_per_step=nbytes / 1e9, logits_rel_err_vs_ref=err,
+                                  spread_ms=[min(times[v]), max(times[v])], decode_config=_cfg(cfg))
+        del graphs, logits, b
+        torch.cuda.empty_cache()
+    return res
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import triton
+
+    from kvyard.bench.report import Report
+
+    if not torch.cuda.is_available():
+        print("kvyard bench gpu: no CUDA device here", flush=True)
+        return 2
+    torch.manual_seed(0)
+    parts = set(args.parts.split(","))
+    copy_bps = copy_bandwidth(torch, args.rounds)
+    doc: dict[str, Any] = {
+        "title": "kvyard bench gpu", "kernels": None, "decode": None, "decode_ref": None,
+        "hf_generate_ratio": None, "wake_s": None, "targets": TARGETS,
+        "notes": ["hf_generate_ratio and wake_s need the engine on CUDA (not in this build): null, not measured"],
+        "meta": dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
+                     sms=torch.cuda.get_device_properties(0).multi_processor_count, copy_tb_s=copy_bps / 1e12,
+                     commit=args.label, rounds=args.rounds, iters=args.iters, context=args.context,
+                     layers=args.layers),
+    }
+    tables: list[Report] = []
+
+    def save() -> None:  # after each part, so a later failure keeps what was measured
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(doc, f, indent=2)
+
+    if "kernels" in parts:
+        dec = decode_kernels(torch, args.rounds, args.sweep)
+        pre = prefill_kernels(torch, args.rounds, args.sweep)
+        doc["kernels"] = dict(
+            decode_attn_vs_sdpa=_geomean([r["ratio"] for r in dec]),
+            prefill_attn_vs_flash=_geomean([r["ratio"] for r in pre if "ratio" in r]),
+            decode_attn_vs_sdpa_best_config=_geomean([r["best_ratio"] for r in dec]),
+            prefill_attn_vs_flash_best_config=_geomean([r["best_ratio"] for r in pre if "best_ratio" in r]),
+            decode_rows=dec, prefill_rows=pre)
+        t = Report("decode attention: paged (kvyard) vs best torch SDPA, same bytes",
+                   ["batch", "context", "gb", "kvyard_tbs", "sdpa_tbs", "ratio", "best_ratio"])
+        for r in dec:
+            t.add(**r)
+        tables.append(t)
+        t = Report("prefill attention: paged (kvyard) vs torch flash SDPA", ["seqs", "cached", "new", "kvyard_tflops",
+                                                                              "flash_tflops", "ratio", "best_tflops"])
+        for r in pre:
+            t.add(**r)
+        tables.append(t)
+        save()
+    if "decode" in parts:
+        steps = decode_steps(torch, args, copy_bps)
+        doc["decode"], doc["decode_ref"] = steps["fused"], steps["ref"]
+        doc["decode_variants"] = {"kvyard_unfused_rope": steps["kvyard"], "gemms_only": steps["gemms"]}
+        doc["notes"].append("decode = kvyard's step (RoPE inside the KV write, paged decode attention); "
+                            "decode_ref = plain torch (cuBLAS + SDPA); both whole-step CUDA graphs, same GEMMs")
+        t = Report(f"decode step, 8B shape, context {args.context} (roofline at {copy_bps / 1e12:.2f} TB/s copy)",
+                   ["batch", "kvyard_tok_s", "kvyard_roof", "ref_tok_s", "ref_roof", "unfused_roof", "gemms_roof"])
+        for B in steps["ref"]:
+            t.add(batch=B, kvyard_tok_s=steps["fused"][B]["tok_s"], kvyard_roof=steps["fused"][B]["roofline_frac"],
+                  ref_tok_s=steps["ref"][B]["tok_s"], ref_roof=steps["ref"][B]["roofline_frac"],
+                  unfused_roof=steps["kvyard"][B]["roofline_frac"], gemms_roof=steps["gemms"][B]["roofline_frac"])
+        tables.append(t)
+        save()
+    if args.json:
+        print(json.dumps(doc, indent=2), flush=True)
+    else:
+        for t in tables:
+            t.emit(False)
+            print()
+        if doc["kernels"]:
+            k = doc["kernels"]
+            print(f"decode_attn_vs_sdpa {k['decode_attn_vs_sdpa']:.3f} (best config {k['decode_attn_vs_sdpa_best_config']:.3f}), "
+                  f"prefill_attn_vs_flash {k['prefill_attn_vs_flash']:.3f} "
+                  f"(best config {k['prefill_attn_vs_flash_best_config']:.3f})", flush=True)
+    return 0

@@ -1,0 +1,116 @@
+"""KV write by slot mapping in Triton, optionally with RoPE applied on the way.
+
+One program per new token copies its K and V rows (all KV heads) to
+`slot = block_id * block_size + offset` of the paged cache (layout in
+`__init__`). A slot of -1 writes nothing: a CUDA graph captured for a batch
+of N pads shorter batches with such tokens, so the launch never depends on
+values. `rope_write_kv` also rotates q in place and k before it is stored
+(HF rotate-half RoPE from a cos/sin table indexed by position): the step
+then runs one kernel where RoPE on q and k plus two scatters took five or
+more.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin):
+    """Rotate-half RoPE on the two halves of a row block, in float32."""
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    q_ptr, cos_ptr, sin_ptr, pos_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_ct, stride_ch,
+    stride_qt, stride_qh, stride_cos, stride_sin,
+    NKV: tl.constexpr, NKV_P: tl.constexpr, NH: tl.constexpr, NH_P: tl.constexpr,
+    HD: tl.constexpr, BS: tl.constexpr, ROPE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    h = tl.arange(0, NKV_P)
+    hmask = (h < NKV)[:, None] & (slot >= 0)
+    dst = (slot // BS) * stride_cb + (slot % BS) * stride_ct + h[:, None] * stride_ch
+    k_row = k_ptr + t * stride_kt + h[:, None] * stride_kh
+    v_row = v_ptr + t * stride_vt + h[:, None] * stride_vh
+    if ROPE:
+        HALF: tl.constexpr = HD // 2
+        j = tl.arange(0, HALF)[None, :]
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        cos = tl.load(cos_ptr + pos * stride_cos + j).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * stride_sin + j).to(tl.float32)
+        k1, k2 = _rotate(tl.load(k_row + j, mask=hmask), tl.load(k_row + HALF + j, mask=hmask), cos, sin)
+        tl.store(kc_ptr + dst + j, k1.to(kc_ptr.dtype.element_ty), mask=hmask)
+        tl.store(kc_ptr + dst + HALF + j, k2.to(kc_ptr.dtype.element_ty), mask=hmask)
+        qh = tl.arange(0, NH_P)[:, None]
+        qmask = qh < NH
+        q_row = q_ptr + t * stride_qt + qh * stride_qh
+        q1, q2 = _rotate(tl.load(q_row + j, mask=qmask), tl.load(q_row + HALF + j, mask=qmask), cos, sin)
+        tl.store(q_row + j, q1.to(q_ptr.dtype.element_ty), mask=qmask)
+        tl.store(q_row + HALF + j, q2.to(q_ptr.dtype.element_ty), mask=qmask)
+    else:
+        d = tl.arange(0, HD)[None, :]
+        tl.store(kc_ptr + dst + d, tl.load(k_row + d, mask=hmask), mask=hmask)
+    d = tl.arange(0, HD)[None, :]
+    tl.store(vc_ptr + dst + d, tl.load(v_row + d, mask=hmask), mask=hmask)
+
+
+def _check(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(f"kv_cache must be [2, blocks, block_size, kv_heads, head_dim], got {tuple(kv_cache.shape)}")
+    _, _, _, nkv, hd = kv_cache.shape
+    if k.shape[1:] != (nkv, hd) or v.shape != k.shape or slot_mapping.shape != k.shape[:1]:
+        raise ValueError("k, v must be [T, kv_heads, head_dim] and slot_mapping [T]")
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("head_dim must be contiguous")
+    if hd & (hd - 1):
+        raise ValueError(f"head_dim must be a power of two, got {hd}")
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """kv_cache[:, slot] = k, v for every token whose slot is >= 0. k, v: [T, kv_heads, head_dim],
+    any token/head strides (views of a fused qkv output are fine)."""
+    _check(k, v, kv_cache, slot_mapping)
+    _launch(k, v, kv_cache, slot_mapping, None, None, None, None)
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> None:
+    """RoPE on q (in place, [T, heads, head_dim]) and on k as it is written; v written as is.
+    cos, sin: [max_positions, head_dim // 2] (any row stride), e.g. `rope_table(...)[:, 0, 0]`
+    and `[:, 1, 1]`; positions: [T] ints."""
+    _check(k, v, kv_cache, slot_mapping)
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.stride(-1) != 1:
+        raise ValueError("q must be [T, heads, head_dim] with head_dim contiguous")
+    if cos.shape[1] != k.shape[2] // 2 or sin.shape != cos.shape or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError("cos, sin must be [max_positions, head_dim // 2], last dim contiguous")
+    _launch(k, v, kv_cache, slot_mapping, q, cos, sin, positions)
+
+
+def _launch(k, v, kv_cache, slots, q, cos, sin, positions) -> None:
+    T = k.shape[0]
+    if T == 0:
+        return
+    _, _, bs, nkv, hd = kv_cache.shape
+    rope = q is not None
+    kc, vc = kv_cache[0], kv_cache[1]
+    nh = q.shape[1] if rope else 1
+    _write_kv_kernel[(T,)](
+        k, v, kc, vc, slots,
+        q if rope else k, cos if rope else k, sin if rope else k, positions if rope else slots,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        q.stride(0) if rope else 0, q.stride(1) if rope else 0,
+        cos.stride(0) if rope else 0, sin.stride(0) if rope else 0,
+        NKV=nkv, NKV_P=triton.next_power_of_2(nkv), NH=nh, NH_P=triton.next_power_of_2(nh),
+        HD=hd, BS=bs, ROPE=rope, num_warps=4,
+    )
