@@ -1,5 +1,6 @@
 """`kvyard down`: stop everything `kvyard up` started, from the state file alone,
-so it works after `up`, a worker, or the whole shell crashed."""
+so it works after `up`, a worker, or the whole shell crashed. The supervisor is
+stopped first, so it does not restart what down is stopping."""
 from __future__ import annotations
 
 import argparse
@@ -21,5 +22,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvyard: no stack in {rd}")
         return 0
     stop_stack(state, args.timeout)
-    print(f"kvyard: stopped {len(state.procs)} process(es) from {rd}")
+    n = len(state.procs) + (state.supervisor is not None)
+    print(f"kvyard: stopped {n} process(es) from {rd} (the supervisor first)")
     return 0

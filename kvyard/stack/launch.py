@@ -309,12 +309,21 @@ def start_stack(spec: StackSpec) -> StackState:
 
 
 def stack_alive(state: StackState) -> bool:
-    """All recorded processes run and the gateway answers its admin readiness."""
-    return all(procs.is_ours(p) for p in state.procs) and procs.http_ok(state.admin_url + "/ready")
+    """All recorded processes (and the supervisor, when there is one) run and the
+    gateway answers its admin readiness."""
+    sup = [state.supervisor] if state.supervisor else []
+    return all(procs.is_ours(p) for p in [*state.procs, *sup]) \
+        and procs.http_ok(state.admin_url + "/ready")
 
 
 def stop_stack(state: StackState, timeout_s: float = 5.0) -> None:
-    """Front to back (Envoy first) so no new traffic reaches dying workers.
-    Only pids that still run what we started are signalled."""
+    """The supervisor first, so it restarts nothing that is being stopped; then the
+    state file again (it may have restarted something just before), front to back
+    (Envoy first) so no new traffic reaches dying workers. Only pids that still run
+    what we started are signalled."""
+    run = Path(state.run_dir)
+    if state.supervisor is not None and procs.is_ours(state.supervisor):
+        procs.stop([state.supervisor.pid], timeout_s)
+        state = StackState.load(run) or state
     procs.stop([p.pid for p in reversed(state.procs) if procs.is_ours(p)], timeout_s)
-    (Path(state.run_dir) / STATE_FILE).unlink(missing_ok=True)
+    (run / STATE_FILE).unlink(missing_ok=True)

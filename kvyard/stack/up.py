@@ -1,13 +1,21 @@
-"""`kvyard up`: a local stack (N workers, the EPP, Envoy) left running in the background.
+"""`kvyard up`: a local stack (N workers, the EPP, Envoy) left running in the background,
+under a supervisor that restarts whatever dies.
 
 If a healthy stack already runs in the run dir, `up` reuses it and says so:
 `make demo` twice in a row then costs nothing the second time. A stack that
-is only partly alive (a crash) is stopped and started afresh. `--restart`
-forces a fresh start.
+is only partly alive (a crash the supervisor could not mend, or the supervisor
+itself gone) is stopped and started afresh. `--restart` forces a fresh start.
+
+The stack is started by a forked, detached child, which then execs the
+supervisor (`kvyard.stack.supervise`): so the supervisor is the parent of every
+process it watches and sees their real exit statuses. `up` itself waits for the
+child's word (ready, or the error) and returns.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 from kvyard.kvstore.redis_conf import DEFAULT_MAX_MEMORY_BYTES
@@ -40,9 +48,66 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_dir(p)
 
 
+def start_supervised(spec) -> str | None:
+    """Start the stack from a detached child that becomes its supervisor; None once
+    it is ready, else the error (with the failing log's tail)."""
+    from kvyard.stack import supervise
+
+    logs = spec.run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    r, w = os.pipe()  # non-inheritable: closed by the exec, which is the parent's EOF
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        try:
+            os.close(r)
+            _become_supervisor(spec, w, logs / supervise.LOG_NAME)
+        except BaseException as e:  # noqa: BLE001 - reported to the parent, then exit
+            msg = str(e) or type(e).__name__
+            try:
+                os.write(w, b"error:" + msg.encode(errors="replace"))
+            except OSError:
+                pass
+        os._exit(1)
+    os.close(w)
+    with os.fdopen(r, "rb") as fh:
+        try:
+            word = fh.read().decode(errors="replace")
+        except KeyboardInterrupt:
+            os.kill(pid, signal.SIGTERM)  # the child stops what it started
+            raise
+    if word == "ok":
+        return None
+    return word.removeprefix("error:") or "the starting process died (see logs/supervisor.log)"
+
+
+def _become_supervisor(spec, w: int, log_path) -> None:
+    from kvyard.stack import supervise
+    from kvyard.stack.launch import start_stack
+    from kvyard.stack.procs import Proc
+
+    os.setsid()  # no terminal: the shell's Ctrl-C and hang-up are not ours
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)  # the supervisor logs to stderr
+
+    def terminated(signum, _frame):  # `up` interrupted: start_stack stops what it started
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, terminated)
+    state = start_stack(spec)
+    cmd = supervise.command(spec.run_dir)
+    state.supervisor = Proc(name="supervisor", pid=os.getpid(), log=str(log_path), cmd=cmd)
+    state.save()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.write(w, b"ok")
+    os.execv(cmd[0], cmd)
+
+
 def run(args: argparse.Namespace) -> int:
-    from kvyard.stack.launch import StackSpec, StackState, stack_alive, start_stack, stop_stack
-    from kvyard.stack.procs import StartupError
+    from kvyard.stack.launch import StackSpec, StackState, redis_available, stack_alive, stop_stack
 
     rd = run_dir(args)
     old = StackState.load(rd)
@@ -56,8 +121,6 @@ def run(args: argparse.Namespace) -> int:
             return 0
         print(f"kvyard: stopping the previous stack in {rd}", file=sys.stderr)
         stop_stack(old)
-    from kvyard.stack.launch import redis_available
-
     if args.kv_tiers and args.kv_pool_tier == "redis" and not redis_available():
         print("kvyard up: --kv-pool-tier redis needs redis-server (apt-get install "
               "redis-server)", file=sys.stderr)
@@ -68,13 +131,13 @@ def run(args: argparse.Namespace) -> int:
                      kv_redis_max_memory=args.kv_redis_max_memory)
     print(f"kvyard: starting {args.workers} worker(s), the EPP and Envoy (logs in {rd}/logs)",
           flush=True)
-    try:
-        state = start_stack(spec)
-    except StartupError as e:
-        print(f"kvyard up failed, everything stopped: {e}", file=sys.stderr)
+    error = start_supervised(spec)
+    state = StackState.load(rd)
+    if error is not None or state is None:
+        print(f"kvyard up failed, everything stopped: {error}", file=sys.stderr)
         return 1
-    for p in state.procs:
-        print(f"  {p.name:<10} pid {p.pid:<8} {p.ports}")
+    for p in [*state.procs, state.supervisor]:
+        print(f"  {p.name:<10} pid {p.pid:<8} {p.ports or ''}")
     print(f"gateway: {state.gateway_url}")
     print(f"status: {kvyard_command()} status    stop: {kvyard_command()} down")
     return 0

@@ -1,0 +1,157 @@
+"""`python -m kvyard.stack.supervise --run-dir DIR`: keeps `kvyard up`'s processes running.
+
+Without it a crashed EPP is a total outage (Envoy fails closed) until someone
+runs `up` again. It polls every process in the state file and starts a dead one
+again with the same command, ports, log and environment (`Proc.env_files`: secrets
+are re-read from their 0600 files, never kept in the state file), after a
+per-process backoff that doubles from 0.5 s to 30 s and resets once a process
+has stayed up for a minute, so a crash loop costs little. Each death (with its
+exit status) and restart goes to stderr, which `up` points at
+`logs/supervisor.log`; the new pid and the restart count go into the state file,
+rewritten atomically.
+
+`kvyard up` makes this process the parent of everything it starts (it forks,
+starts the stack, then execs this module), so exit statuses are real; a process
+it did not start itself is watched by pid and command line, its status unknown.
+It exits when `kvyard down` signals it (down stops it first, so nothing is
+restarted behind down's back) or when the state file no longer names it.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvyard.stack import procs
+from kvyard.stack.launch import StackState
+from kvyard.stack.procs import Proc
+
+POLL_S = 0.2
+BACKOFF_BASE_S = 0.5
+BACKOFF_MAX_S = 30.0
+STABLE_S = 60.0  # up this long: the next crash is restarted after the base delay again
+LOG_NAME = "supervisor.log"
+log = logging.getLogger("kvyard.supervisor")
+
+
+def command(run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "kvyard.stack.supervise", "--run-dir", str(run_dir)]
+
+
+@dataclass(slots=True)
+class Backoff:
+    """One process's restart schedule."""
+
+    started: float  # time.monotonic() when the running incarnation started
+    delay_s: float = BACKOFF_BASE_S
+    due: float | None = None  # when to start it again; None while it runs
+
+    def crashed(self, now: float) -> float:
+        if now - self.started >= STABLE_S:
+            self.delay_s = BACKOFF_BASE_S
+        wait = self.delay_s
+        self.due = now + wait
+        self.delay_s = min(BACKOFF_MAX_S, self.delay_s * 2)
+        return wait
+
+
+def describe(status: int) -> str:
+    code = os.waitstatus_to_exitcode(status)
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def exit_status(proc: Proc) -> str | None:
+    """None while `proc` runs; how it ended otherwise."""
+    try:
+        pid, status = os.waitpid(proc.pid, os.WNOHANG)
+    except ChildProcessError:  # not our child (or already reaped): pid and command line
+        return None if procs.is_ours(proc) else "exit status unknown (not started by this supervisor)"
+    return None if pid == 0 else describe(status)
+
+
+@dataclass(slots=True)
+class Supervisor:
+    run_dir: Path
+    schedules: dict[str, Backoff] = field(default_factory=dict)
+    stopping: bool = False
+
+    def tick(self, state: StackState, now: float) -> bool:
+        """Notice deaths, restart what is due; True when `state` changed."""
+        changed = False
+        for i, p in enumerate(state.procs):
+            sched = self.schedules.setdefault(p.name, Backoff(started=now))
+            if sched.due is None:
+                status = exit_status(p)
+                if status is None:
+                    continue
+                wait = sched.crashed(now)
+                p.last_exit = status
+                changed = True
+                log.warning("%s (pid %d) died: %s; restarting it in %.1fs", p.name, p.pid,
+                            status, wait)
+            if now < sched.due:
+                continue
+            try:
+                new = procs.spawn(p.name, p.cmd, Path(p.log), ports=p.ports,
+                                  env_files=p.env_files)
+            except OSError as e:  # e.g. a binary or a secret file gone: try again later
+                wait = sched.crashed(now)
+                log.error("could not restart %s: %s; trying again in %.1fs", p.name, e, wait)
+                continue
+            new.restarts, new.last_exit = p.restarts + 1, p.last_exit
+            state.procs[i] = new
+            sched.due, sched.started = None, now
+            changed = True
+            log.info("restarted %s: pid %d (restart %d, same command and ports %s)", p.name,
+                     new.pid, new.restarts, p.ports)
+        return changed
+
+    def ours(self, state: StackState | None) -> bool:
+        return state is not None and state.supervisor is not None \
+            and state.supervisor.pid == os.getpid()
+
+    def run(self) -> int:
+        def stop(signum, _frame) -> None:  # finish the tick (a restart is recorded), then exit
+            self.stopping = True
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        state = StackState.load(self.run_dir)
+        if not self.ours(state):
+            log.error("the state file in %s does not name this supervisor (pid %d); exiting",
+                      self.run_dir, os.getpid())
+            return 1
+        log.info("supervising %s (pid %d)", ", ".join(p.name for p in state.procs), os.getpid())
+        while not self.stopping:
+            state = StackState.load(self.run_dir)
+            if not self.ours(state):
+                log.info("the stack in %s is gone or supervised by another; exiting",
+                         self.run_dir)
+                return 0
+            if self.tick(state, time.monotonic()):
+                state.save()
+            time.sleep(POLL_S)
+        log.info("stopping (signalled); the stack's processes are left to `kvyard down`")
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--run-dir", required=True)
+    a = p.parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(message)s")
+    return Supervisor(Path(a.run_dir).resolve()).run()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
