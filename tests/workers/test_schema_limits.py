@@ -65,3 +65,11 @@ def test_a_long_ref_chain_is_refused_at_compile_time() -> None:
 def test_size_bounds(schema: dict, what: str) -> None:
     with pytest.raises(SchemaError, match=what):
         compile_schema(schema)
+
+
+def test_a_schema_compiles_once_for_the_server_and_the_engine_thread() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}}
+    root = compile_schema(schema)
+    assert compile_schema({"type": "object", "properties": dict(schema["properties"])}) is root
+    swapped = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    assert compile_schema(swapped) is not root            # key order is the output's order

@@ -29,6 +29,8 @@ Decisions (what a demanding user needs to know; the server says it in its 400s):
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,8 +82,33 @@ ANY = Node("any")
 _KEY = Node("key")
 
 
+_compiled: OrderedDict[str, Node] = OrderedDict()  # the schema's JSON text -> root
+_compiled_lock = threading.Lock()
+
+
 def compile_schema(schema: Any) -> Node:
-    """The root Node; SchemaError when the schema cannot be enforced."""
+    """The root Node; SchemaError when the schema cannot be enforced. The last few
+    schemas' roots are kept by their JSON text (key order kept: it is the output's),
+    so the engine thread's add_request reuses what the server's validation compiled,
+    and repeated schemas compile once; Nodes never change after compiling."""
+    try:
+        key = json.dumps(schema, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return _compile_root(schema)
+    with _compiled_lock:
+        root = _compiled.get(key)
+        if root is not None:
+            _compiled.move_to_end(key)
+            return root
+    root = _compile_root(schema)
+    with _compiled_lock:
+        _compiled[key] = root
+        while len(_compiled) > 32:
+            _compiled.popitem(last=False)
+    return root
+
+
+def _compile_root(schema: Any) -> Node:
     if not isinstance(schema, dict):
         raise SchemaError("the schema must be a JSON object")
     defs: dict[str, Node] = {}

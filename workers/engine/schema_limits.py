@@ -40,6 +40,11 @@ class SchemaBudget:
         self.properties += properties
         self.enum_values += enum_values
         self.chars += chars
+        if self.subschemas > MAX_SUBSCHEMAS or self.properties > MAX_PROPERTIES \
+                or self.enum_values > MAX_ENUM_VALUES or self.chars > MAX_SCHEMA_CHARS:
+            self._refuse(where)
+
+    def _refuse(self, where: str) -> None:
         for what, used, limit in (("subschemas", self.subschemas, MAX_SUBSCHEMAS),
                                   ("properties", self.properties, MAX_PROPERTIES),
                                   ("enum values", self.enum_values, MAX_ENUM_VALUES),
