@@ -81,6 +81,16 @@ class DecodeRoleFilter:
 
 
 @dataclass(slots=True)
+class PrefillRoleFilter:
+    """Prefill candidates: prefill pods, or `both` pods when there are none."""
+
+    name: str = "prefill-role"
+
+    def filter(self, req: SchedRequest, eps: list[Endpoint]) -> list[Endpoint]:
+        return [e for e in eps if e.role == "prefill"] or [e for e in eps if e.role == "both"]
+
+
+@dataclass(slots=True)
 class QueueScorer:
     """(maxQ − q)/(maxQ − minQ); q includes our own picks since the last
     scrape, so a burst between two scrapes spreads instead of piling up."""
@@ -155,6 +165,7 @@ FILTERS: dict[str, PluginType] = {
     "healthy": PluginType(lambda p: HealthyFilter(), doc=HealthyFilter.__doc__ or ""),
     "prefer-fresh": PluginType(lambda p: PreferFreshFilter(), doc=PreferFreshFilter.__doc__ or ""),
     "role": PluginType(lambda p: DecodeRoleFilter(), doc=DecodeRoleFilter.__doc__ or ""),
+    "prefill-role": PluginType(lambda p: PrefillRoleFilter(), doc=PrefillRoleFilter.__doc__ or ""),
 }
 SCORERS: dict[str, PluginType] = {
     "queue": PluginType(lambda p: QueueScorer(), doc=QueueScorer.__doc__ or ""),

@@ -98,19 +98,23 @@ class Finisher:
             self.skipped += 1
             return
         self.backlog += 1
-        task = asyncio.ensure_future(self._finish(d.endpoint.address, p))
+        # P/D: the prefill pod computed the prompt's KV and the decode pod holds it after
+        # the handoff, so both learn it.
+        where = [d.endpoint.address] + ([d.prefill.address] if d.prefill is not None else [])
+        task = asyncio.ensure_future(self._finish(where, p))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _finish(self, address: str, prompt: LazyPrompt) -> None:
+    async def _finish(self, addresses: list[str], prompt: LazyPrompt) -> None:
         try:
             hashes = await asyncio.get_running_loop().run_in_executor(self._executor, prompt.finish)
         except Exception:  # noqa: BLE001 - teaching is best effort; routing already happened
             return
         finally:
             self.backlog -= 1
-        if self.pool.get(address) is not None:  # it may have left meanwhile
-            self.scheduler.learn(address, hashes)
+        for address in addresses:
+            if self.pool.get(address) is not None:  # it may have left meanwhile
+                self.scheduler.learn(address, hashes)
 
     async def settle(self) -> None:
         """Wait, at most `settle_timeout_s`, until earlier decisions are taught."""

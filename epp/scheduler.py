@@ -61,6 +61,7 @@ class Decision:
     prompt: LazyPrompt | None = None
     fallbacks: list[Endpoint] = field(default_factory=list)
     result: SchedulingResult | None = None
+    prefill: Endpoint | None = None  # P/D: the pod that prefills (x-prefiller-host-port)
 
     @property
     def destination(self) -> str:
@@ -132,8 +133,10 @@ class Scheduler:
         ep = main.endpoints[0]
         matched = req.cycle.read(PREFIX_MATCHES, {}).get(ep.address, 0)
         total = max(req.prompt.estimated_blocks(), matched)
+        pre = next((r.endpoints[0] for n, r in result.results.items() if n != result.primary),
+                   None)
         return Decision(ep, main.score, matched, total, main.candidates, req.prompt,
-                        main.endpoints[1:], result)
+                        main.endpoints[1:], result, pre)
 
     def learn(self, address: str, hashes: list[int]) -> None:
         """Post-response: the whole prompt of a request routed to `address`, once hashed."""
@@ -201,6 +204,11 @@ def build_scheduler(cfg: dict[str, Any] | None = None, seed: int | None = None) 
     if handler.name == "single-profile" and len(profiles) != 1:
         raise ConfigError("profiles", f"single-profile runs exactly one profile, got "
                                       f"{len(profiles)}")
+    for key in ("decode", "prefill"):
+        want = getattr(handler, key, None)
+        if want is not None and want not in profiles:
+            raise ConfigError(f"profileHandler.{key}Profile",
+                              f"no profile named {want!r}; profiles: {sorted(profiles)}")
     block_size = cfg.get("blockSize", 64)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ConfigError("blockSize", f"must be an integer >= 1, got {block_size!r}")

@@ -68,7 +68,8 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             self.metrics.error(e.reason)
             return [responses.immediate(e.status, e.body(), e.headers, e.reason)], None
         self.metrics.decision(time.perf_counter() - t0, d)
-        out = [responses.routing_response(d.destination)]
+        out = [responses.routing_response(
+            d.destination, d.prefill.address if d.prefill is not None else None)]
         if body is not None:
             out.append(responses.body_continue())
         return out, d

@@ -99,3 +99,52 @@ def test_hooks_are_found_by_name_on_any_plugin():
     s.learn("x:1", [1])
     s.forget("x:1")
     assert seen == [("learn", "x:1", [1]), ("forget", "x:1")]
+
+
+def _roles(*roles: str) -> EndpointPool:
+    pool = EndpointPool()
+    pool.set_source("t", [EndpointSpec(f"10.0.1.{i}:8000", r) for i, r in enumerate(roles, 1)])
+    for e in pool.all():
+        e.last_ok = time.monotonic()
+    return pool
+
+
+def _pd_scheduler(**handler):
+    from pathlib import Path
+
+    import kvyard.epp
+    from kvyard.epp.scheduler import load_config
+    cfg = load_config(Path(kvyard.epp.__file__).parent / "scheduler.pd.example.yaml")
+    cfg["profileHandler"] = {**cfg["profileHandler"], **handler}
+    return build_scheduler(cfg, seed=1)
+
+
+def test_decode_first_picks_a_prefill_pod_for_an_uncached_prompt():
+    s = _pd_scheduler(nonCachedTokens=5)  # of_hashes prompts: one token per block
+    pool = _roles("prefill", "decode", "prefill")
+    long = SchedRequest("m", LazyPrompt.of_hashes(list(range(10))), now=time.monotonic())
+    d = s.schedule(long, pool.all())
+    assert d.endpoint.role == "decode" and d.prefill is not None and d.prefill.role == "prefill"
+    # the decode pod now holds the prompt: a follow-up sharing it is not disaggregated
+    s.learn(d.endpoint.address, list(range(10)))
+    again = SchedRequest("m", LazyPrompt.of_hashes(list(range(12))), now=time.monotonic())
+    d2 = s.schedule(again, pool.all())
+    assert d2.endpoint is d.endpoint and d2.matched_blocks == 10 and d2.prefill is None
+    short = SchedRequest("m", LazyPrompt.of_hashes([99, 98]), now=time.monotonic())
+    assert s.schedule(short, pool.all()).prefill is None
+
+
+def test_decode_first_without_prefill_pods_or_on_one_both_pod():
+    s = _pd_scheduler(nonCachedTokens=0)
+    req = SchedRequest("m", LazyPrompt.of_hashes([1, 2, 3]), now=time.monotonic())
+    assert s.schedule(req, _roles("decode").all()).prefill is None
+    both = _roles("both")
+    d = s.schedule(SchedRequest("m", LazyPrompt.of_hashes([1]), now=time.monotonic()), both.all())
+    assert d.endpoint.role == "both" and d.prefill is None  # never prefill on the same pod
+
+
+def test_disagg_handler_needs_its_profiles():
+    with pytest.raises(ConfigError) as e:
+        build_scheduler({"profileHandler": {"type": "disagg-profile-handler"},
+                         "profiles": {"decode": {"filters": ["role"]}}})
+    assert e.value.path == "profileHandler.prefillProfile"

@@ -1,0 +1,32 @@
+"""P/D through the ext_proc server: the decode pod is the destination and, for a
+prompt mostly uncached there, the prefill pod rides in x-prefiller-host-port."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import kvyard.epp
+from kvyard.common.wire import DESTINATION_HEADER, PREFILLER_HEADER
+from kvyard.epp.endpoints import EndpointSpec
+
+PD = str(Path(kvyard.epp.__file__).parent / "scheduler.pd.example.yaml")
+
+
+async def test_uncached_prompt_gets_a_prefiller_and_a_cached_one_does_not(fake_vllm, epp, xp):
+    pre, dec = await fake_vllm(), await fake_vllm()
+    app = await epp([EndpointSpec(pre.address, "prefill"), EndpointSpec(dec.address, "decode")],
+                    config=PD)
+    await xp.wait_for(app.is_ready, what="EPP ready")
+    text = "the same long system prompt, word after word. " * 120  # ~1,400 pseudo tokens
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": text}]}).encode()
+    forged = xp.chat_headers(**{PREFILLER_HEADER: "6.6.6.6:1"})
+    resps = await xp.exchange(app.ports["ext_proc"], [xp.headers_msg(forged), xp.body_msg(body)])
+    hdrs = xp.set_headers(resps[0])
+    assert hdrs[DESTINATION_HEADER] == dec.address and hdrs[PREFILLER_HEADER] == pre.address
+    await app.finisher.settle()  # the decode pod learned the whole prompt
+    resps = await xp.exchange(app.ports["ext_proc"],
+                              [xp.headers_msg(xp.chat_headers()), xp.body_msg(body)])
+    hdrs = xp.set_headers(resps[0])
+    assert hdrs[DESTINATION_HEADER] == dec.address and PREFILLER_HEADER not in hdrs
+    common = resps[0].request_headers.response
+    assert PREFILLER_HEADER in common.header_mutation.remove_headers  # a client copy never passes
