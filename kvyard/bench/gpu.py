@@ -28,8 +28,9 @@ from typing import Any, Callable
 DECODE_SHAPES = [(1, 65536), (8, 16384), (64, 4096), (256, 1024)]   # (batch, context)
 PREFILL_SHAPES = [(1, 8192), (4, 2048), (16, 512)]                 # (sequences, tokens each), fresh
 EXTEND_SHAPE = (4, 4096, 1024)                                      # sequences, cached, new
-DECODE_SWEEP = [(32, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 2), (128, 8, 3)]   # block_n, warps, stages
-PREFILL_SWEEP = [(128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 4)]
+DECODE_SWEEP = [(64, 4, 2), (64, 4, 4), (128, 4, 3), (128, 4, 2), (32, 4, 3), (64, 8, 3)]   # block_n, warps, stages
+PREFILL_SWEEP = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4),
+                 (64, 128, 4, 3)]                                                      # block_m, block_n, warps, stages
 NH, NKV, HD, BS = 32, 8, 128, 16
 TARGETS = {"decode_attn_vs_sdpa": 0.90, "prefill_attn_vs_flash": 0.70,
            "roofline": {"1": 0.75, "8": 0.75, "64": 0.80}}
@@ -44,20 +45,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parts", default="kernels,decode", help="comma list of kernels,decode")
     p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
                    help="also time other tile configs of the kernels")
+    p.add_argument("--profile", action="store_true", help="print a kernel profile of one eager step")
     p.add_argument("--label", default=os.environ.get("KVYARD_COMMIT", ""), help="recorded as meta.commit")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--json", action="store_true")
 
 
-def _time_ms(torch, fn: Callable[[], Any], iters: int, rounds: int) -> float:
-    """Median over rounds of the mean time of `iters` back-to-back calls, by CUDA events."""
+def _time_ms(torch, fn: Callable[[], Any], iters: int, rounds: int, graph: bool = False) -> float:
+    """Median over rounds of the mean time of `iters` back-to-back calls, by CUDA events. graph:
+    the iters calls captured in one CUDA graph first, so host launch costs drop out (falls back
+    to plain calls where capture fails)."""
     fn()
+    run, n = fn, iters
+    if graph:
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(iters):
+                    fn()
+            run, n = g.replay, 1
+        except RuntimeError as e:
+            torch.cuda.synchronize()
+            print(f"(timing without a graph: {str(e).splitlines()[0][:100]})", flush=True)
+    run()
     times = []
     for _ in range(rounds):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        for _ in range(iters):
-            fn()
+        for _ in range(n):
+            run()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) / iters)
@@ -100,7 +121,7 @@ def _sdpa_backends(torch, call: Callable[[], Any], iters: int, rounds: int) -> d
                      ("efficient", SDPBackend.EFFICIENT_ATTENTION)]:
         try:
             with sdpa_kernel(be):
-                res[name] = _time_ms(torch, call, iters, rounds)
+                res[name] = _time_ms(torch, call, iters, rounds, graph=True)
         except RuntimeError as e:  # backend refuses this shape or GQA
             res[name] = f"unsupported: {str(e).splitlines()[0][:120]}"
     return res
@@ -110,7 +131,7 @@ def decode_kernels(torch, rounds: int, sweep: bool) -> list[dict[str, Any]]:
     import torch.nn.functional as F
 
     from kvyard.bench.gpu_step import DEV, DTYPE
-    from kvyard.workers.attention.triton_decode import DecodeConfig, decode_config, paged_decode
+    from kvyard.workers.attention.triton_decode import DecodeConfig, DecodeWorkspace, decode_config, paged_decode
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
@@ -131,11 +152,13 @@ def decode_kernels(torch, rounds: int, sweep: bool) -> list[dict[str, Any]]:
         configs = [cfg]
         if sweep:
             configs += [DecodeConfig(cfg.num_splits, *c) for c in DECODE_SWEEP]
-            configs += [DecodeConfig(max(1, cfg.num_splits * 2), cfg.block_n, cfg.num_warps, cfg.num_stages)]
+            configs += [DecodeConfig(s, cfg.block_n, cfg.num_warps, cfg.num_stages)
+                        for s in {cfg.num_splits * 2, max(1, cfg.num_splits // 2)} - {cfg.num_splits}]
         timed = []
         for c in configs:
-            ms = _time_ms(torch, lambda: paged_decode(q, cache, tables, lens, HD ** -0.5, out=out, config=c),
-                          10, rounds)
+            ws = DecodeWorkspace.allocate(B, NH, HD, c.num_splits, DEV) if c.num_splits > 1 else None
+            ms = _time_ms(torch, lambda: paged_decode(q, cache, tables, lens, HD ** -0.5, out=out, config=c,
+                                                      workspace=ws), 10, rounds, graph=True)
             timed.append((ms, c))
         best_sdpa = min((t for t in sdpa.values() if isinstance(t, float)), default=math.nan)
         ms0, best = timed[0][0], min(timed, key=lambda t: t[0])
@@ -184,7 +207,7 @@ def prefill_kernels(torch, rounds: int, sweep: bool) -> list[dict[str, Any]]:
         timed = []
         for c in configs:
             ms = _time_ms(torch, lambda: paged_prefill(q, cache, tables, qsl, lens, HD ** -0.5, max_query_len=new,
-                                                      out=out, config=c), 5, rounds)
+                                                      out=out, config=c), 5, rounds, graph=True)
             timed.append((ms, c))
         ms0, best = timed[0][0], min(timed, key=lambda t: t[0])
         row.update(kvyard_ms=ms0, kvyard_tflops=flops / ms0 / 1e9, config=_cfg(cfg), best_config=_cfg(best[1]),
@@ -204,7 +227,7 @@ def decode_steps(torch, args: argparse.Namespace, copy_bps: float) -> dict[str, 
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     w = S.make_weights(args.layers, args.context + 16)
-    variants = ["fused", "ref", "kvyard", "gemms"]
+    variants = ["fused", "ref", "kvyard", "norm", "gemms"]
     res: dict[str, dict[str, Any]] = {v: {} for v in variants}
     for B in [int(x) for x in args.batches.split(",") if x]:
         b = S.make_batch(B, args.context, args.layers)
@@ -214,13 +237,16 @@ def decode_steps(torch, args: argparse.Namespace, copy_bps: float) -> dict[str, 
             fn = S.step_fn(v, w, b, cfg)
             logits[v] = fn().float()
             graphs[v] = S.capture(fn)[0]
+            if args.profile and v in ("ref", "norm") and B in (1, 64):
+                _profile(torch, fn, f"{v} step, batch {B}")
         times: dict[str, list[float]] = {v: [] for v in variants}
         for _ in range(args.rounds):   # alternate, so drift hits every variant alike
             for v in variants:
                 times[v].append(_time_ms(torch, graphs[v].replay, args.iters, 1))
-        nbytes = w.bytes_per_step(B) + b.kv_bytes()
-        floor_ms = nbytes / copy_bps * 1e3
         for v in variants:
+            # gemms: its own bytes (weights only), so its fraction says how close cuBLAS gets
+            nbytes = w.bytes_per_step(B) + (0 if v == "gemms" else b.kv_bytes())
+            floor_ms = nbytes / copy_bps * 1e3
             ms = statistics.median(times[v])
             err = ((logits[v] - logits["ref"]).norm() / logits["ref"].norm()).item()
             res[v][str(B)] = dict(ms_per_step=ms, tok_s=B / ms * 1e3, roofline_frac=floor_ms / ms,
@@ -229,6 +255,20 @@ def decode_steps(torch, args: argparse.Namespace, copy_bps: float) -> dict[str, 
         del graphs, logits, b
         torch.cuda.empty_cache()
     return res
+
+
+def _profile(torch, fn: Callable[[], Any], what: str) -> None:
+    """Kernel names, counts and device times of one eager call (where the step's time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        print(f"--- profile: {what}\n" + prof.key_averages().table(sort_by="device_time_total", row_limit=18),
+              flush=True)
+    except Exception as e:  # noqa: BLE001 - the profile is a diagnostic; the numbers stand without it
+        print(f"--- profile of {what} failed: {e}", flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -282,15 +322,18 @@ def run(args: argparse.Namespace) -> int:
     if "decode" in parts:
         steps = decode_steps(torch, args, copy_bps)
         doc["decode"], doc["decode_ref"] = steps["fused"], steps["ref"]
-        doc["decode_variants"] = {"kvyard_unfused_rope": steps["kvyard"], "gemms_only": steps["gemms"]}
+        doc["decode_variants"] = {"kvyard_unfused_rope": steps["kvyard"], "fused_norm_probe": steps["norm"],
+                                  "gemms_only": steps["gemms"]}
         doc["notes"].append("decode = kvyard's step (RoPE inside the KV write, paged decode attention); "
                             "decode_ref = plain torch (cuBLAS + SDPA); both whole-step CUDA graphs, same GEMMs")
         t = Report(f"decode step, 8B shape, context {args.context} (roofline at {copy_bps / 1e12:.2f} TB/s copy)",
-                   ["batch", "kvyard_tok_s", "kvyard_roof", "ref_tok_s", "ref_roof", "unfused_roof", "gemms_roof"])
+                   ["batch", "kvyard_tok_s", "kvyard_roof", "ref_tok_s", "ref_roof", "unfused_roof", "norm_roof",
+                    "gemms_roof"])
         for B in steps["ref"]:
             t.add(batch=B, kvyard_tok_s=steps["fused"][B]["tok_s"], kvyard_roof=steps["fused"][B]["roofline_frac"],
                   ref_tok_s=steps["ref"][B]["tok_s"], ref_roof=steps["ref"][B]["roofline_frac"],
-                  unfused_roof=steps["kvyard"][B]["roofline_frac"], gemms_roof=steps["gemms"][B]["roofline_frac"])
+                  unfused_roof=steps["kvyard"][B]["roofline_frac"], norm_roof=steps["norm"][B]["roofline_frac"],
+                  gemms_roof=steps["gemms"][B]["roofline_frac"])
         tables.append(t)
         save()
     if args.json:

@@ -10,6 +10,9 @@ variants differ only where named:
   kvyard     the same GEMMs, norms and RoPE; KV written by slot mapping into
              the paged cache (`write_kv`) and `paged_decode` over it;
   fused      kvyard with RoPE done inside the KV write (`rope_write_kv`);
+  norm       fused plus two probe kernels defined here: residual add +
+             RMSNorm in one pass, and SiLU(gate) * up in one pass (what such
+             fusions buy; the engine's versions belong with its CUDA linear ops);
   gemms      only the step's GEMMs (the cuBLAS floor: what no attention or
              elementwise work can beat without other GEMMs).
 """
@@ -20,6 +23,8 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from kvyard.workers.attention.triton_decode import DecodeConfig, DecodeWorkspace, paged_decode
 from kvyard.workers.attention.triton_kv_write import rope_write_kv, write_kv
@@ -29,6 +34,42 @@ DEV, DTYPE = "cuda", torch.bfloat16
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 4096, 32, 32, 8, 128, 14336, 128256
 BLOCK = 16
 EPS = 1e-5
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, eps, N: tl.constexpr):
+    """res += x (rounded to res's dtype, as torch's add), out = rms_norm(res) * w."""
+    row = tl.program_id(0).to(tl.int64) * N
+    c = tl.arange(0, N)
+    h = (tl.load(x_ptr + row + c).to(tl.float32) + tl.load(res_ptr + row + c).to(tl.float32))
+    h = h.to(res_ptr.dtype.element_ty)
+    tl.store(res_ptr + row + c, h)
+    hf = h.to(tl.float32)
+    y = hf * tl.rsqrt(tl.sum(hf * hf, 0) / N + eps)
+    tl.store(out_ptr + row + c, (y * tl.load(w_ptr + c).to(tl.float32)).to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    g = tl.load(gu_ptr + row * 2 * N + c).to(tl.float32)
+    u = tl.load(gu_ptr + row * 2 * N + N + c).to(tl.float32)
+    tl.store(out_ptr + row * N + c, (g / (1 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty))
+
+
+def add_rms_norm(x: Any, res: Any, w: Any) -> Any:
+    out = torch.empty_like(res)
+    _add_rms_norm_kernel[(res.shape[0],)](x, res, w, out, EPS, N=res.shape[1], num_warps=8)
+    return out
+
+
+def silu_mul(gu: Any) -> Any:
+    n = gu.shape[1] // 2
+    assert n % 1024 == 0, "the probe covers whole 1024-wide blocks only"
+    out = torch.empty(gu.shape[0], n, dtype=gu.dtype, device=gu.device)
+    _silu_mul_kernel[(gu.shape[0], n // 1024)](gu, out, N=n, BLOCK=1024, num_warps=4)
+    return out
 
 
 @dataclass(slots=True)
@@ -113,7 +154,7 @@ def step_fn(variant: str, w: Weights, b: Batch, decode_cfg: DecodeConfig) -> Cal
 
     def attention(li: int, qkv: Any) -> Any:
         qkv = qkv.view(B, HEADS + 2 * KV_HEADS, HEAD_DIM)
-        if variant == "fused":
+        if variant in ("fused", "norm"):
             q, k, v = qkv[:, :HEADS], qkv[:, HEADS:HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS:]
             rope_write_kv(q, k, v, b.paged[li], b.slots, b.pos, w.cos, w.sin)
         else:
@@ -130,6 +171,16 @@ def step_fn(variant: str, w: Weights, b: Batch, decode_cfg: DecodeConfig) -> Cal
         paged_decode(q, b.paged[li], b.tables, b.lens, scale, out=attn_out, config=decode_cfg, workspace=ws)
         return attn_out.view(B, HIDDEN)
 
+    def step_norm() -> Any:
+        h = w.embed[b.ids]
+        x = F.rms_norm(h, (HIDDEN,), w.layers[0]["n1"], EPS)
+        for li, lw in enumerate(w.layers):
+            x = add_rms_norm(F.linear(attention(li, F.linear(x, lw["qkv"])), lw["o"]), h, lw["n2"])
+            d = F.linear(silu_mul(F.linear(x, lw["gu"])), lw["down"])
+            nxt = w.layers[li + 1]["n1"] if li + 1 < len(w.layers) else w.norm
+            x = add_rms_norm(d, h, nxt)
+        return F.linear(x, w.head)
+
     def step() -> Any:
         h = w.embed[b.ids]
         for li, lw in enumerate(w.layers):
@@ -145,7 +196,7 @@ def step_fn(variant: str, w: Weights, b: Batch, decode_cfg: DecodeConfig) -> Cal
             h = h + F.linear(F.silu(g) * u, lw["down"])
         return F.linear(F.rms_norm(h, (HIDDEN,), w.norm, EPS), w.head)
 
-    return step
+    return step_norm if variant == "norm" else step
 
 
 def capture(fn: Callable[[], Any]) -> tuple[Any, Any]:

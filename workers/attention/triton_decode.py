@@ -30,7 +30,7 @@ class DecodeConfig:
     num_splits: int
     block_n: int = 64
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3   # the best single setting over the shapes timed on an H200 (docs/gpu-notes.md)
 
 
 def decode_config(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> DecodeConfig:
