@@ -202,12 +202,12 @@ def _typed(t: str, s: dict, defs: dict, where: str, b: SchemaBudget) -> Node:
         items = s.get("items", True)
         return Node("array", items=_compile(items, defs, f"{where}/items", b), min_items=lo,
                     max_items=hi)
-    props = s.get("properties") or {}
-    req = s.get("required") or []
-    if not props and not req:
-        return Node("object", free=True)
+    props = {} if s.get("properties") is None else s["properties"]
+    req = [] if s.get("required") is None else s["required"]
     if not isinstance(props, dict) or not isinstance(req, list):
         raise SchemaError(f"{where}: properties must be an object and required a list")
+    if not props and not req:
+        return Node("object", free=True)
     if not all(isinstance(r, str) for r in req):
         raise SchemaError(f"{where}: required must list property names")
     names = list(dict.fromkeys([*props, *req]))  # required but undeclared: any value

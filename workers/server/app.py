@@ -12,12 +12,28 @@ from aiohttp import web
 
 from kvyard.common import wire
 
+from .body import DEFAULT_MAX_BODY_BYTES
 from .errors import error_middleware
 from .generate import chat_completions, completions, detokenize, tokenize
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .state import STATE, ServerState, get_state
 
-DEFAULT_MAX_BODY_BYTES = 32 << 20
+
+
+def max_token_chars(tokenizer: Any) -> int | None:
+    """The most input characters one token can stand for: its vocabulary's longest entry
+    (byte-level entries are one character per byte, so never fewer than they decode to),
+    times 4 when a normalizer may shrink the text first (NFC composes up to ~3 code
+    points into one). None when the tokenizer does not say: no cheap bound then."""
+    backend = getattr(tokenizer, "backend", None)
+    try:
+        vocab = backend.get_vocab(with_added_tokens=True)
+    except AttributeError:
+        return None
+    longest = max(map(len, vocab), default=0)
+    if not longest:
+        return None
+    return longest * (4 if getattr(backend, "normalizer", None) is not None else 1)
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -73,7 +89,8 @@ def build_app(engine: Any, *, advertise: str, served_names: list[str] | None = N
     state = ServerState(
         engine=engine, served_names=names, advertise=advertise, role=role,
         metrics=ServerMetrics(engine.stats, names[0]),
-        vocab_size=getattr(engine.tokenizer, "vocab_size", None))
+        vocab_size=getattr(engine.tokenizer, "vocab_size", None),
+        max_token_chars=max_token_chars(engine.tokenizer))
     for collector in extra_collectors:
         state.metrics.register_extra(collector)
     app[STATE] = state

@@ -16,6 +16,8 @@ from typing import Any
 
 from kvyard.common.wire import ROLES
 
+from .body import DEFAULT_MAX_BODY_BYTES
+
 _KVCONNECTOR = "kvyard.workers.kvconnector"
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
@@ -67,8 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--advertise-address", default=None, metavar="HOST:PORT",
                    help="address this worker is reached at (default $POD_IP:port, else "
                         "127.0.0.1:port); sent as x-kvyard-endpoint")
-    p.add_argument("--max-body-bytes", type=parse_size, default=32 << 20,
-                   help="largest request body accepted (413 beyond)")
+    p.add_argument("--max-body-bytes", type=parse_size, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body accepted (413 beyond; default: the gateway's "
+                        "4 MiB limit plus 64 KiB)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads (default: all cores)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,

@@ -2,9 +2,11 @@
 
 Handlers raise `ApiError`; the middleware turns it (and aiohttp's own HTTP
 exceptions: unknown route, wrong method, body too large) into the JSON body
-OpenAI's SDKs parse: `{"error": {"message", "type", "param", "code"}}`.
-Anything unexpected becomes a 500 of the same shape and is logged, so one bad
-request never takes the server down.
+OpenAI's SDKs parse: `{"error": {"message", "type", "param", "code"}}`, with
+OpenAI's `type` for the status and always a string `code`
+(kvyard.common.api, shared with the EPP). Anything unexpected becomes a 500
+of the same shape and is logged, so one bad request never takes the server
+down; bad input never gets there (OpenAI's SDKs retry 5xx).
 """
 from __future__ import annotations
 
@@ -15,36 +17,27 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from kvyard.common.api import error_body, error_type
+
 log = logging.getLogger("kvyard.server")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-# Error types OpenAI uses for each status family.
-_TYPES = {
-    400: "invalid_request_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    503: "service_unavailable_error",
-}
-
 
 class ApiError(Exception):
-    """A client-visible failure with the HTTP status it maps to."""
+    """A client-visible failure with the HTTP status it maps to and a string code."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type_: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, code: str, param: str | None = None,
+                 type_: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
-        self.type = type_ or _TYPES.get(status, "server_error" if status >= 500 else
-                                        "invalid_request_error")
+        self.type = type_ or error_type(status)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type,
-                          "param": self.param, "code": self.code}}
+        return error_body(self.status, self.message, self.code, self.param, self.type)
 
     def response(self) -> web.Response:
         return web.json_response(self.body(), status=self.status)
@@ -58,7 +51,9 @@ def _from_http(exc: web.HTTPException) -> ApiError:
         return ApiError(405, f"method not allowed: {exc.reason}", code="method_not_allowed")
     if exc.status == 413:
         return ApiError(413, f"request body too large: {exc.text}", code="request_too_large")
-    return ApiError(exc.status, exc.text or exc.reason, code=None)
+    # any other status: its reason phrase as the code ("Bad Request" -> "bad_request")
+    return ApiError(exc.status, exc.text or exc.reason,
+                    code=exc.reason.lower().replace(" ", "_").replace("-", "_"))
 
 
 @web.middleware
@@ -75,11 +70,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         raise  # the client went away: nobody to answer
     except Exception:  # noqa: BLE001 - keep serving; the log has the traceback
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return ApiError(500, "internal server error", type_="server_error").response()
+        return ApiError(500, "internal server error", code="internal_error").response()
 
 
 def sse_error(err: ApiError) -> bytes:
-    """An error after a stream has started: the status line is gone, so it rides as an event."""
-    payload = dict(err.body())
-    payload["error"] = dict(payload["error"], code=err.code or err.status)
-    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+    """An error after a stream has started: the status line is gone, so it rides as an
+    event, in the same shape (the status is in the message's type, the code a string)."""
+    return b"data: " + json.dumps(err.body()).encode() + b"\n\n"

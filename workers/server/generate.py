@@ -22,13 +22,37 @@ from kvyard.common.tokenizer import ChatTemplateError
 from kvyard.workers.engine.api import RequestOutput, SamplingParams
 from kvyard.workers.engine.async_engine import EngineError
 
+from .body import parse_object, read_body
 from .errors import ApiError, sse_error
 from .metrics import RequestClock
-from .protocol import GenerateRequest, check_length, parse_body, parse_request, token_ids
+from .protocol import GenerateRequest, check_length, parse_request, token_ids
 from .responses import DONE, LogprobsShaper, Shaper, Usage, top_k, vllm_prompt_logprobs
 from .state import ServerState, get_state
 
 _TOKENIZE_IN_THREAD_CHARS = 8192  # long prompts are tokenized off the event loop
+_VALIDATE_IN_THREAD_BYTES = 64 << 10  # so are big bodies' JSON parse and validation
+
+
+async def _parsed(request: web.Request, kind: str) -> GenerateRequest:
+    """The validated request. A big body is parsed and validated in a thread, so the
+    event loop keeps serving others meanwhile (stop-string automata, schemas)."""
+    state = get_state(request.app)
+    data = await read_body(request)
+
+    def parse() -> GenerateRequest:
+        return parse_request(parse_object(data), kind, state.served_names)
+    return await asyncio.to_thread(parse) if len(data) > _VALIDATE_IN_THREAD_BYTES else parse()
+
+
+def _too_long(state: ServerState, chars: int, param: str) -> None:
+    """A 400 for a text that certainly has more tokens than the context holds, before
+    tokenizing it: no token covers more than `state.max_token_chars` characters."""
+    per_token = state.max_token_chars
+    limit = state.engine.max_model_len
+    if per_token and chars > limit * per_token:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, "
+                       f"your prompt has {chars} characters, so at least {-(-chars // per_token)} "
+                       "tokens.", param=param, code="context_length_exceeded")
 
 
 async def _prompt_ids(state: ServerState, req: GenerateRequest) -> list[list[int]]:
@@ -36,20 +60,25 @@ async def _prompt_ids(state: ServerState, req: GenerateRequest) -> list[list[int
     tok = state.engine.tokenizer
     try:
         if req.messages is not None:
-            big = sum(len(m["content"]) for m in req.messages) > _TOKENIZE_IN_THREAD_CHARS
+            chars = sum(len(m["content"]) for m in req.messages)
+            _too_long(state, chars, "messages")  # the template only adds to it
+            big = chars > _TOKENIZE_IN_THREAD_CHARS
             call = lambda: [tok.encode_chat(req.messages, add_generation_prompt=True)]  # noqa: E731
             return await asyncio.to_thread(call) if big else call()
     except ChatTemplateError as e:
         raise ApiError(400, f"messages cannot be rendered with the chat template: {e}",
                        param="messages", code="invalid_messages") from None
     out: list[list[int]] = []
-    for p in req.prompts:
+    for i, p in enumerate(req.prompts):
+        param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
         if isinstance(p, str):
+            _too_long(state, len(p), param)
             call = lambda p=p: tok.encode(p, add_special_tokens=True)  # noqa: E731
             out.append(list(await asyncio.to_thread(call) if len(p) > _TOKENIZE_IN_THREAD_CHARS
                             else call()))
             continue
-        _check_vocab(state, p, "prompt")
+        check_length(len(p), None, state.engine.max_model_len, param)
+        _check_vocab(state, p, param)
         out.append(p)
     return out
 
@@ -288,8 +317,7 @@ async def _stream(request: web.Request, choices: list[_Choice], shaper: Shaper, 
 
 async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     state = get_state(request.app)
-    body = parse_body(await request.read())
-    req = parse_request(body, kind, state.served_names)
+    req = await _parsed(request, kind)
     prompts = await _prompt_ids(state, req)
     params = req.params
     _check_vocab(state, list(params.logit_bias or ()), "logit_bias")
@@ -339,7 +367,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
     Lets clients (and tests) build token-id prompts without a tokenizer of their own."""
     state = get_state(request.app)
-    body = parse_body(await request.read())
+    body = parse_object(await read_body(request))
     kind = "chat" if "messages" in body else "completion"
     fields = {k: body[k] for k in ("model", "messages", "prompt") if k in body}
     req = parse_request(fields, kind, state.served_names)
@@ -354,7 +382,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     """vLLM's `/detokenize`: {"tokens": [ids]} -> {"prompt": text}."""
     state = get_state(request.app)
-    body = parse_body(await request.read())
+    body = parse_object(await read_body(request))
     ids = token_ids(body.get("tokens"), "tokens")
     _check_vocab(state, ids, "tokens")
     return web.json_response({"prompt": state.engine.tokenizer.decode(ids)})

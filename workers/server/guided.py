@@ -4,13 +4,14 @@ json_schema), vLLM's `guided_json`, `guided_choice` and `guided_regex`. Parsed a
 handed to the engine as SamplingParams fields; one kind per request."""
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from kvyard.common.api import BodyError, parse_json_object
 from kvyard.workers.engine.json_schema import SchemaError, compile_schema
 from kvyard.workers.engine.regex_mode import RegexError, compile_regex
 
 from .errors import ApiError
+from .limits import MAX_GUIDED_CHOICE_CHARS, MAX_GUIDED_CHOICES, MAX_REGEX_CHARS
 
 
 def guided_params(body: dict[str, Any]) -> dict[str, Any]:
@@ -21,9 +22,6 @@ def guided_params(body: dict[str, Any]) -> dict[str, Any]:
     regex = _guided_regex(body, schema is not None or json_object or choices is not None)
     return {"json_object": json_object, "json_schema": schema, "guided_choice": choices,
             "guided_regex": regex}
-
-
-MAX_REGEX_CHARS = 4096
 
 
 def _guided_regex(body: dict[str, Any], other: bool) -> str | None:
@@ -81,12 +79,12 @@ def _json_schema(body: dict[str, Any]) -> dict | None:
         if param is not None or isinstance(rf, dict) and rf.get("type") == "json_object":
             raise ApiError(400, "give one of 'response_format' and 'guided_json'",
                            param="guided_json", code="invalid_value")
-        if isinstance(guided, str):
+        if isinstance(guided, str):  # the body's own checks (depth, surrogates) again
             try:
-                guided = json.loads(guided)
-            except ValueError as e:
-                raise ApiError(400, f"'guided_json' is not valid JSON: {e}", param="guided_json",
-                               code="invalid_value") from None
+                guided = parse_json_object(guided.encode())
+            except BodyError as e:
+                raise ApiError(400, f"'guided_json': {e.message}", param="guided_json",
+                               code=e.code) from None
         if not isinstance(guided, dict):
             raise ApiError(400, "'guided_json' must be a JSON Schema object or its JSON text",
                            param="guided_json", code="invalid_type")
@@ -100,19 +98,17 @@ def _json_schema(body: dict[str, Any]) -> dict | None:
     return schema
 
 
-MAX_CHOICES_GUIDED = 1024
-
-
 def _guided_choice(body: dict[str, Any], json_too: bool) -> list[str] | None:
     """vLLM's `guided_choice`: a non-empty list of non-empty strings, the output being
     exactly one of them (workers/engine/choice_mode.py); not with a JSON format."""
     choices = body.get("guided_choice")
     if choices is None:
         return None
-    if not isinstance(choices, list) or not choices or len(choices) > MAX_CHOICES_GUIDED or \
-            not all(isinstance(c, str) and c for c in choices):
-        raise ApiError(400, f"'guided_choice' must be a list of 1 to {MAX_CHOICES_GUIDED} "
-                       "non-empty strings", param="guided_choice", code="invalid_value")
+    if not isinstance(choices, list) or not choices or len(choices) > MAX_GUIDED_CHOICES or \
+            not all(isinstance(c, str) and 0 < len(c) <= MAX_GUIDED_CHOICE_CHARS for c in choices):
+        raise ApiError(400, f"'guided_choice' must be a list of 1 to {MAX_GUIDED_CHOICES} "
+                       f"strings of 1 to {MAX_GUIDED_CHOICE_CHARS} characters",
+                       param="guided_choice", code="invalid_value")
     if json_too:
         raise ApiError(400, "'guided_choice' cannot be combined with a JSON response_format "
                        "or 'guided_json'", param="guided_choice", code="invalid_value")

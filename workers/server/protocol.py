@@ -22,15 +22,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvyard.common.api import CHAT_ROLES
 from kvyard.workers.engine.api import SamplingParams
+from kvyard.workers.engine.stopping import StopStrings
 
 from .errors import ApiError
 from .guided import guided_params
+from .limits import (MAX_CHOICES, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_MESSAGES, MAX_N,
+                     MAX_STOP_TOKEN_IDS, check_count, check_stops)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
-MAX_LOGPROBS = 20
-MAX_N = 16  # choices per request: each is an engine request, so n is a batch-slot multiplier
-MAX_CHOICES = 64  # prompts x n
 
 
 @dataclass(slots=True)
@@ -49,25 +50,6 @@ class GenerateRequest:
     prompts: list[str | list[int]] = field(default_factory=list)
     messages: list[dict[str, Any]] | None = None
     raw: dict[str, Any] = field(default_factory=dict)  # extensions (e.g. kv_transfer_params)
-
-
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def parse_body(data: bytes) -> dict[str, Any]:
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ApiError(400, f"request body is not valid UTF-8: {e.reason} at byte {e.start}",
-                       code="invalid_encoding") from None
-    try:
-        body = json.loads(text, parse_constant=_reject_constant)
-    except ValueError as e:
-        raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
-    return body
 
 
 def _type_error(name: str, want: str, got: Any) -> ApiError:
@@ -142,14 +124,14 @@ def _sampling(body: dict[str, Any], kind: str) -> SamplingParams:
         stops = list(stop)
     else:
         raise _type_error("stop", "a string or a list of strings", stop)
-    if any(s == "" for s in stops):
-        raise ApiError(400, "'stop' strings must not be empty", param="stop",
-                       code="invalid_value")
+    check_stops(stops)
     seed = _opt_int(body, "seed")
     if seed is not None and not -(1 << 63) <= seed < (1 << 64):
         raise ApiError(400, f"'seed' must fit in 64 bits, got {seed}", param="seed",
                        code="invalid_value")
     stop_ids = body.get("stop_token_ids")
+    if isinstance(stop_ids, list):
+        check_count("stop_token_ids", stop_ids, MAX_STOP_TOKEN_IDS, "token ids")
     min_tokens = _opt_int(body, "min_tokens") or 0
     if min_tokens < 0:
         raise ApiError(400, f"'min_tokens' must be >= 0, got {min_tokens}", param="min_tokens",
@@ -159,7 +141,7 @@ def _sampling(body: dict[str, Any], kind: str) -> SamplingParams:
         top_p=_opt_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=-1 if not top_k else top_k,
         seed=seed,
-        stop=stops,
+        stop=StopStrings(stops) if stops else [],  # its automaton, built once here
         stop_token_ids=[] if stop_ids is None else token_ids(stop_ids, "stop_token_ids"),
         ignore_eos=_opt_bool(body, "ignore_eos"),
         logprobs=_logprobs(body, kind),
@@ -197,6 +179,7 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float] | None:
         return None
     if not isinstance(lb, dict):
         raise _type_error("logit_bias", "an object of token id -> bias", lb)
+    check_count("logit_bias", lb, MAX_LOGIT_BIAS, "entries")
     out: dict[int, float] = {}
     for k, v in lb.items():
         if not isinstance(k, str) or not k.isdigit():
@@ -244,6 +227,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(msgs, list) or not msgs:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages",
                        code="invalid_value")
+    check_count("messages", msgs, MAX_MESSAGES, "messages")
     out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
@@ -251,6 +235,10 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         role = m.get("role")
         if not isinstance(role, str) or not role:
             raise _type_error(f"messages[{i}].role", "a non-empty string", role)
+        if role not in CHAT_ROLES:
+            raise ApiError(400, f"messages[{i}].role must be one of "
+                           f"{', '.join(sorted(CHAT_ROLES))}, got {json.dumps(role)[:40]}",
+                           param=f"messages[{i}].role", code="invalid_value")
         content = m.get("content")
         if content is None and role != "assistant":
             raise ApiError(400, f"messages[{i}].content is required", param=f"messages[{i}]",

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 from aiohttp import web
 
 from .app import build_app
+from .body import DEFAULT_MAX_BODY_BYTES
 from .state import get_state
 
 log = logging.getLogger("kvyard.server")
@@ -22,7 +23,7 @@ log = logging.getLogger("kvyard.server")
 
 async def serve(engine: Any, *, host: str, port: int, advertise: str,
                 served_names: list[str] | None = None, role: str = "both",
-                max_body_bytes: int = 32 << 20, shutdown_timeout: float = 30.0,
+                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_timeout: float = 30.0,
                 stop: asyncio.Event | None = None,
                 extra_collectors: Sequence[Any] = ()) -> int:
     """Serves until a signal (or `stop`, for embedding) arrives; returns the exit code."""

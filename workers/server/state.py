@@ -18,6 +18,7 @@ class ServerState:
     role: str
     metrics: ServerMetrics
     vocab_size: int | None = None  # bounds token-id prompts when the tokenizer tells us
+    max_token_chars: int | None = None  # most characters one token covers: a cheap length bound
     started_at: float = field(default_factory=time.time)
 
 
