@@ -42,10 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=32, help="decode-step layers (32 is the 8B shape)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--parts", default="kernels,decode", help="comma list of kernels,decode")
+    p.add_argument("--parts", default="kernels,decode",
+                   help="comma list of kernels,decode; or profile alone: kernel profiles of eager steps")
     p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
                    help="also time other tile configs of the kernels")
-    p.add_argument("--profile", action="store_true", help="print a kernel profile of one eager step")
     p.add_argument("--label", default=os.environ.get("KVYARD_COMMIT", ""), help="recorded as meta.commit")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--json", action="store_true")
@@ -232,13 +232,12 @@ def decode_steps(torch, args: argparse.Namespace, copy_bps: float) -> dict[str, 
     for B in [int(x) for x in args.batches.split(",") if x]:
         b = S.make_batch(B, args.context, args.layers)
         cfg = decode_config(B, S.KV_HEADS, args.context, sms)
-        graphs, logits = {}, {}
+        graphs, logits, fns = {}, {}, {}
         for v in variants:
-            fn = S.step_fn(v, w, b, cfg)
+            # the closure owns the tensors its graph reads and writes: keep it as long as the graph
+            fns[v] = fn = S.step_fn(v, w, b, cfg)
             logits[v] = fn().float()
             graphs[v] = S.capture(fn)[0]
-            if args.profile and v in ("ref", "norm") and B in (1, 64):
-                _profile(torch, fn, f"{v} step, batch {B}")
         times: dict[str, list[float]] = {v: [] for v in variants}
         for _ in range(args.rounds):   # alternate, so drift hits every variant alike
             for v in variants:
@@ -252,9 +251,27 @@ def decode_steps(torch, args: argparse.Namespace, copy_bps: float) -> dict[str, 
             res[v][str(B)] = dict(ms_per_step=ms, tok_s=B / ms * 1e3, roofline_frac=floor_ms / ms,
                                   gb_per_step=nbytes / 1e9, logits_rel_err_vs_ref=err,
                                   spread_ms=[min(times[v]), max(times[v])], decode_config=_cfg(cfg))
-        del graphs, logits, b
+        del graphs, logits, fns, fn, b
         torch.cuda.empty_cache()
     return res
+
+
+def profile_steps(torch, args: argparse.Namespace) -> None:
+    """Eager kernel profiles of the ref and norm steps, in a process of their own (`--parts profile`):
+    no graph is captured in a process that has run the profiler."""
+    from kvyard.bench import gpu_step as S
+    from kvyard.workers.attention.triton_decode import decode_config
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    w = S.make_weights(args.layers, args.context + 16)
+    for B in [int(x) for x in args.batches.split(",") if x]:
+        b = S.make_batch(B, args.context, args.layers)
+        for v in ("ref", "norm"):
+            fn = S.step_fn(v, w, b, decode_config(B, S.KV_HEADS, args.context, sms))
+            fn()
+            _profile(torch, fn, f"{v} step, batch {B}")
+        del b, fn
+        torch.cuda.empty_cache()
 
 
 def _profile(torch, fn: Callable[[], Any], what: str) -> None:
@@ -282,6 +299,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     torch.manual_seed(0)
     parts = set(args.parts.split(","))
+    if "profile" in parts:
+        profile_steps(torch, args)
+        return 0
     copy_bps = copy_bandwidth(torch, args.rounds)
     doc: dict[str, Any] = {
         "title": "kvyard bench gpu", "kernels": None, "decode": None, "decode_ref": None,
