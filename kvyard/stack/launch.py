@@ -21,8 +21,8 @@ from typing import Callable
 
 from kvyard.common import wire
 from kvyard.gateway.config import GatewayConfig
-from kvyard.kvstore.redis_conf import DEFAULT_MAX_MEMORY_BYTES, conf_text, scratch_directives
 from kvyard.gateway.envoy import envoy_command, write_config
+from kvyard.kvstore.redis_conf import DEFAULT_MAX_MEMORY_BYTES, conf_text, scratch_directives
 from kvyard.stack import procs
 from kvyard.stack.procs import Proc
 

@@ -73,7 +73,7 @@ def _bad(msg: str, st: StandinState) -> web.Response:
 def make_app(st: StandinState, kv: StandinKV | None = None) -> web.Application:
     hdr = {wire.ENDPOINT_HEADER: st.address}
     registry = None
-    if kv is not None and kv.collector() is not None:
+    if kv is not None:
         from prometheus_client import CollectorRegistry
 
         registry = CollectorRegistry()
@@ -188,9 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     st = StandinState(address=a.advertise_address or f"{a.host}:{a.port}", model=a.model,
                       waiting=a.waiting, tokens=a.tokens, token_delay_s=a.token_delay)
     kv = StandinKV(a)
-    try:
-        web.run_app(make_app(st, kv), host=a.host, port=a.port, access_log=None, print=None,
-                    handle_signals=True)
+    try:  # no --kv-* tier: no store, no per-request work (the routing benchmark's case)
+        web.run_app(make_app(st, kv if kv.store is not None else None), host=a.host,
+                    port=a.port, access_log=None, print=None, handle_signals=True)
     finally:
         kv.close()
     return 0
