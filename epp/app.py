@@ -17,7 +17,7 @@ from aiohttp import web
 from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-from kvyard.common import wire
+from kvyard.common import pd_auth, wire
 
 from .discovery_file import FileDiscovery
 from .discovery_k8s import K8sDiscovery
@@ -56,6 +56,7 @@ class EppConfig:
     # Endpoints listed after the pick, for the gateway to retry on (0: the pick alone, which
     # any ORIGINAL_DST gateway understands; kvyard's gateway retries along the list).
     destination_fallbacks: int = 0
+    pd_key_file: str | None = None  # the key that signs prefill targets (common/pd_auth.py)
     seed: int | None = None
 
 
@@ -117,7 +118,8 @@ class EppApp:
         c = self.cfg
         self._grpc = grpc.aio.server(options=SERVER_OPTIONS)
         ep_grpc.add_ExternalProcessorServicer_to_server(
-            ExtProcServicer(self.router, self.metrics, self.finisher, c.max_body_bytes), self._grpc)
+            ExtProcServicer(self.router, self.metrics, self.finisher, c.max_body_bytes,
+                            pd_auth.load_key(c.pd_key_file)), self._grpc)
         eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self.eds, self._grpc)
         self.ports["ext_proc"] = bind(self._grpc, c.host, c.ext_proc_port, "ext_proc")
         await self._grpc.start()

@@ -50,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--destination-fallbacks", type=int, default=0, metavar="N",
                    help="list N more endpoints after the pick in x-gateway-destination-endpoint, "
                         "for a gateway that retries along the list (kvyard's does; default 0)")
+    g.add_argument("--pd-key-file", default=None,
+                   help="key shared with the workers that signs x-prefiller-host-port "
+                        "(default: $KVYARD_PD_KEY_FILE; without one, P/D targets are unsigned "
+                        "and kvyard workers refuse them)")
     g.add_argument("--seed", type=int, default=None, help="tie-break RNG seed")
     p.add_argument("--log-level", default="info")
 
@@ -65,7 +69,8 @@ def config_from_args(args: argparse.Namespace):
         scrape_interval=args.scrape_interval, scrape_timeout=args.scrape_timeout,
         stale_after=args.stale_after, fail_threshold=args.fail_threshold, model=args.model,
         served_model_names=list(args.served_model_name), max_body_bytes=args.max_body_bytes,
-        config=args.config, seed=args.seed, destination_fallbacks=args.destination_fallbacks)
+        config=args.config, seed=args.seed, destination_fallbacks=args.destination_fallbacks,
+        pd_key_file=args.pd_key_file)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,7 +13,8 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from kvyard.common.wire import (
-    DESTINATION_HEADER, DESTINATION_METADATA_NAMESPACE, PREFILLER_HEADER, ROUTING_HEADERS,
+    DESTINATION_HEADER, DESTINATION_METADATA_NAMESPACE, PREFILLER_AUTH_HEADER, PREFILLER_HEADER,
+    ROUTING_HEADERS,
 )
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -24,13 +25,18 @@ def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
         header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE)
 
 
-def routing_response(destination: str, prefiller: str | None = None) -> ep.ProcessingResponse:
-    """Answer to the request-headers message that sends the request to `destination`."""
+def routing_response(destination: str, prefiller: str | None = None,
+                     prefiller_auth: str | None = None) -> ep.ProcessingResponse:
+    """Answer to the request-headers message that sends the request to `destination`
+    (and, for P/D, names the prefill pod with the EPP's signature of it)."""
     sets = [_set(DESTINATION_HEADER, destination)]
     removes = [h for h in ROUTING_HEADERS if h != DESTINATION_HEADER]
     if prefiller:
         sets.append(_set(PREFILLER_HEADER, prefiller))
         removes.remove(PREFILLER_HEADER)
+        if prefiller_auth:
+            sets.append(_set(PREFILLER_AUTH_HEADER, prefiller_auth))
+            removes.remove(PREFILLER_AUTH_HEADER)
     meta = struct_pb2.Struct()
     meta.fields[DESTINATION_METADATA_NAMESPACE].struct_value.fields[
         DESTINATION_HEADER].string_value = destination

@@ -35,6 +35,8 @@ from typing import AsyncIterator
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
+from kvyard.common import pd_auth
+
 from . import responses
 from .observability import EppMetrics
 from .request import RequestError
@@ -57,6 +59,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
     metrics: EppMetrics
     finisher: Finisher
     max_body_bytes: int = 4 * 1024 * 1024
+    pd_key: bytes | None = None  # signs x-prefiller-host-port (kvyard.common.pd_auth)
 
     def _decide(self, headers: dict[str, str],
                 body: bytes | None) -> tuple[list[ep.ProcessingResponse], Decision | None]:
@@ -68,8 +71,9 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             self.metrics.error(e.reason)
             return [responses.immediate(e.status, e.body(), e.headers, e.reason)], None
         self.metrics.decision(time.perf_counter() - t0, d)
-        out = [responses.routing_response(
-            d.destination, d.prefill.address if d.prefill is not None else None)]
+        pre = d.prefill.address if d.prefill is not None else None
+        auth = pd_auth.sign(self.pd_key, pre) if pre and self.pd_key else None
+        out = [responses.routing_response(d.destination, pre, auth)]
         if body is not None:
             out.append(responses.body_continue())
         return out, d

@@ -10,7 +10,8 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 DESTINATION_METADATA_NAMESPACE = "envoy.lb"
 PREFILLER_HEADER = "x-prefiller-host-port"
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
-ROUTING_HEADERS = (DESTINATION_HEADER, PREFILLER_HEADER)
+PREFILLER_AUTH_HEADER = "x-kvyard-prefiller-auth"  # the EPP's signature (common/pd_auth.py)
+ROUTING_HEADERS = (DESTINATION_HEADER, PREFILLER_HEADER, PREFILLER_AUTH_HEADER)
 
 # The gateway's cluster of workers, as the EPP's EDS service names it.
 WORKERS_CLUSTER = "kvyard_workers"

@@ -30,3 +30,23 @@ async def test_uncached_prompt_gets_a_prefiller_and_a_cached_one_does_not(fake_v
     assert hdrs[DESTINATION_HEADER] == dec.address and PREFILLER_HEADER not in hdrs
     common = resps[0].request_headers.response
     assert PREFILLER_HEADER in common.header_mutation.remove_headers  # a client copy never passes
+
+
+async def test_prefill_target_is_signed_with_the_pool_key(fake_vllm, epp, xp, tmp_path):
+    from kvyard.common import pd_auth
+    from kvyard.common.wire import PREFILLER_AUTH_HEADER
+    key = tmp_path / "pd.key"
+    key.write_text("k" * 32)
+    pre, dec = await fake_vllm(), await fake_vllm()
+    app = await epp([EndpointSpec(pre.address, "prefill"), EndpointSpec(dec.address, "decode")],
+                    config=PD, pd_key_file=str(key))
+    await xp.wait_for(app.is_ready, what="EPP ready")
+    text = "another long prompt nobody has seen. " * 150
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": text}]}).encode()
+    forged = xp.chat_headers(**{PREFILLER_AUTH_HEADER: "1.forged"})
+    hdrs = xp.set_headers((await xp.exchange(app.ports["ext_proc"],
+                                             [xp.headers_msg(forged), xp.body_msg(body)]))[0])
+    token = hdrs[PREFILLER_AUTH_HEADER]
+    assert pd_auth.verify(b"k" * 32, pre.address, token) is None
+    assert pd_auth.verify(b"k" * 32, "6.6.6.6:1", token) == "bad prefill signature"
+    assert pd_auth.verify(b"x" * 32, pre.address, token) == "bad prefill signature"

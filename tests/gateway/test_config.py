@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from kvyard.common.wire import DESTINATION_HEADER, PREFILLER_HEADER
+from kvyard.common.wire import DESTINATION_HEADER, PREFILLER_AUTH_HEADER, PREFILLER_HEADER
 from kvyard.gateway.config import GatewayConfig, render
 from kvyard.gateway.envoy import envoy_binary, write_config
 
@@ -41,7 +41,7 @@ def test_routing_headers_are_stripped_before_any_filter() -> None:
     hcm = _hcm(render(GatewayConfig()))
     removed = [m["remove"] for ext in hcm["early_header_mutation_extensions"]
                for m in ext["typed_config"]["mutations"]]
-    assert set(removed) == {DESTINATION_HEADER, PREFILLER_HEADER}
+    assert set(removed) == {DESTINATION_HEADER, PREFILLER_HEADER, PREFILLER_AUTH_HEADER}
     # A route-level removal would run after ext_proc and delete the EPP's answer.
     for vh in hcm["route_config"]["virtual_hosts"]:
         assert "request_headers_to_remove" not in vh
