@@ -61,26 +61,22 @@ def _reject_constant(name: str) -> float:
 
 
 def _check(obj: Any, check_strings: bool) -> None:
-    """Depth bound, and (when the text had surrogate escapes) valid text, without recursion."""
+    """Depth bound, and (when the text had surrogate escapes) valid text, without
+    recursion; scalars are skipped in comprehensions (a list of 20,000 strings is
+    common enough: stop lists, batches)."""
     stack: list[tuple[Any, int]] = [(obj, 1)]
+    containers = (dict, list)
     while stack:
         node, depth = stack.pop()
-        if isinstance(node, dict):
-            items: Any = node.items()
-        elif isinstance(node, list):
-            items = ((None, v) for v in node)
-        else:
-            continue
         if depth > MAX_JSON_DEPTH:
             raise BodyError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels",
                             "too_deep")
-        for k, v in items:
-            if check_strings:
-                for s in (k, v):
-                    if isinstance(s, str):
-                        _valid_text(s)
-            if isinstance(v, (dict, list)):
-                stack.append((v, depth + 1))
+        values = node.values() if isinstance(node, dict) else node
+        if check_strings:
+            for s in (*node, *values) if isinstance(node, dict) else node:
+                if isinstance(s, str):
+                    _valid_text(s)
+        stack.extend([(v, depth + 1) for v in values if isinstance(v, containers)])
 
 
 def _valid_text(s: str) -> None:
@@ -107,5 +103,7 @@ def parse_json_object(data: bytes) -> dict[str, Any]:
         raise BodyError(f"request body is not valid JSON: {e}", "invalid_json") from None
     if not isinstance(obj, dict):
         raise BodyError("request body must be a JSON object", "invalid_json")
-    _check(obj, _SURROGATE_ESCAPE.search(data) is not None)
+    surrogates = _SURROGATE_ESCAPE.search(data) is not None
+    if surrogates or data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH:
+        _check(obj, surrogates)  # fewer brackets than that can't nest deeper: no walk
     return obj

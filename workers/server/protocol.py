@@ -29,7 +29,7 @@ from kvyard.workers.engine.stopping import StopStrings
 from .errors import ApiError
 from .guided import guided_params
 from .limits import (MAX_CHOICES, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_MESSAGES, MAX_N,
-                     MAX_STOP_TOKEN_IDS, check_count, check_stops)
+                     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, check_count, check_stops)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 
@@ -116,6 +116,8 @@ def _sampling(body: dict[str, Any], kind: str) -> SamplingParams:
         raise ApiError(400, f"'top_k' must be -1 (disabled) or positive, got {top_k}",
                        param="top_k", code="invalid_value")
     stop = body.get("stop")
+    if isinstance(stop, list):  # the count first: a list past it is not looked at
+        check_count("stop", stop, MAX_STOP_STRINGS, "stop strings")
     if stop is None:
         stops: list[str] = []
     elif isinstance(stop, str):
