@@ -194,10 +194,13 @@ def write_endpoints(path: Path, addresses: list[str], role: str = "both") -> Pat
 def epp_cmd(model: str, ports: tuple[int, int, int], endpoints_file: Path,
             extra: list[str] | None = None) -> list[str]:
     ext, health, metrics = ports
+    # Two fallbacks after each pick: the gateway retries a request on them when the pick
+    # refuses the connection or resets it before answering (a worker that just died).
     return py_module("kvyard.cli", "epp", "--host", "127.0.0.1", "--ext-proc-port", str(ext),
                      "--health-port",
                      str(health), "--metrics-port", str(metrics), "--endpoints-file",
-                     str(endpoints_file), "--model", model, *(extra or []))
+                     str(endpoints_file), "--model", model, "--destination-fallbacks", "2",
+                     *(extra or []))
 
 
 def tcp_ok(port: int) -> bool:

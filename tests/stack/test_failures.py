@@ -2,6 +2,9 @@
 comes back when it restarts) and the EPP (Envoy fails closed, fast)."""
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -38,6 +41,33 @@ def test_killed_worker_stops_getting_traffic_and_comes_back(own_stack, h, wait_u
         return r.endpoint == victim
 
     wait_until(lands_on_victim, timeout=10, interval=0.0, what="traffic on the restarted worker")
+
+
+def test_worker_killed_under_load_costs_no_request(own_stack, h, wait_until) -> None:
+    """The EPP lists fallbacks after its pick and the gateway retries on them, so
+    requests decided for a worker that dies before it answers still succeed."""
+    state = own_stack(3)
+    proc = _worker_proc(state, state.endpoints[0])
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            statuses.append(h.request(state.gateway_url, h.chat_body(f"{uuid.uuid4()}")).status)
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: len(statuses) >= 40, timeout=30, what="load before the kill")
+        os.killpg(proc.pid, signal.SIGKILL)
+        at_kill = len(statuses)
+        wait_until(lambda: len(statuses) >= at_kill + 80, timeout=30, what="load after the kill")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert statuses.count(200) == len(statuses), [s for s in statuses if s != 200]
 
 
 def test_epp_down_gives_a_fast_clean_5xx(own_stack, h) -> None:
