@@ -91,10 +91,11 @@ def corpus() -> Iterator[Bad]:
                   b'{"prompt": "hi", "messages": [], "stop": ' + NESTED.encode() + b"}")
         yield Bad(f"{path} lone surrogate", path,
                   b'{"prompt": "a\\ud800", "messages": [{"role": "user", "content": "\\udfff"}]}')
-        yield Bad(f"{path} huge int", path, b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}")
-        yield Bad(f"{path} huge prompt", path,
-                  json.dumps({"prompt": "a " * 1_000_000,
-                              "messages": [{"role": "user", "content": "a " * 1_000_000}]}).encode())
+        yield Bad(f"{path} huge int", path,
+                  b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}")
+        huge = "a " * 1_000_000
+        yield Bad(f"{path} huge prompt", path, json.dumps(
+            {"prompt": huge, "messages": [{"role": "user", "content": huge}]}).encode())
         for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
                       "application/xml"):
             yield Bad(f"{path} content type {ctype}", path, b'{"prompt": "hi"}', ctype)

@@ -31,7 +31,8 @@ def ref_hold(text: str, stops: list[str]) -> int:
 def random_case(rng: random.Random) -> tuple[list[str], list[str]]:
     """(stops, chunks) over a small alphabet, so matches and overlaps are frequent."""
     alphabet = rng.choice(["ab", "abc", "aab\u00e9"])
-    word = lambda lo, hi: "".join(rng.choice(alphabet) for _ in range(rng.randint(lo, hi)))  # noqa: E731
+    def word(lo: int, hi: int) -> str:
+        return "".join(rng.choice(alphabet) for _ in range(rng.randint(lo, hi)))
     stops = [word(1, 6) for _ in range(rng.randint(1, 7))]
     chunks = [word(0, 4) for _ in range(rng.randint(0, 12))]
     return stops, chunks

@@ -37,7 +37,8 @@ from typing import Any
 from .json_mode import _HEX, _N_DONE_OK, _N_INT, _N_SIGN, _N_ZERO, _WS, MAX_WS, number_step
 from .schema_limits import SchemaBudget, SchemaError, check_alternatives
 
-__all__ = ["Node", "SchemaError", "SchemaState", "compile_schema"]  # SchemaError's home is schema_limits
+# SchemaError lives in schema_limits (which this imports); it is part of this API too
+__all__ = ["Node", "SchemaError", "SchemaState", "compile_schema"]
 
 _ESC = '"\\/bfnrt'
 _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
