@@ -40,7 +40,8 @@ async def _parsed(request: web.Request, kind: str) -> GenerateRequest:
     data = await read_body(request)
 
     def parse() -> GenerateRequest:
-        return parse_request(parse_object(data), kind, state.served_names)
+        return parse_request(parse_object(data), kind, state.served_names,
+                             max_model_len=state.engine.max_model_len)
     return await asyncio.to_thread(parse) if len(data) > _VALIDATE_IN_THREAD_BYTES else parse()
 
 
@@ -77,7 +78,6 @@ async def _prompt_ids(state: ServerState, req: GenerateRequest) -> list[list[int
             out.append(list(await asyncio.to_thread(call) if len(p) > _TOKENIZE_IN_THREAD_CHARS
                             else call()))
             continue
-        check_length(len(p), None, state.engine.max_model_len, param)
         _check_vocab(state, p, param)
         out.append(p)
     return out
@@ -370,7 +370,7 @@ async def tokenize(request: web.Request) -> web.Response:
     body = parse_object(await read_body(request))
     kind = "chat" if "messages" in body else "completion"
     fields = {k: body[k] for k in ("model", "messages", "prompt") if k in body}
-    req = parse_request(fields, kind, state.served_names)
+    req = parse_request(fields, kind, state.served_names, max_model_len=state.engine.max_model_len)
     prompts = await _prompt_ids(state, req)
     if len(prompts) != 1:
         raise ApiError(400, "/tokenize takes one prompt", param="prompt", code="invalid_value")

@@ -17,6 +17,7 @@ from the prefix cache. Chat has no `echo` in OpenAI's API: refused there.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -52,8 +53,22 @@ class GenerateRequest:
     raw: dict[str, Any] = field(default_factory=dict)  # extensions (e.g. kv_transfer_params)
 
 
+def _shrink(v: Any, depth: int = 3) -> Any:
+    if isinstance(v, list):
+        return [_shrink(x, depth - 1) for x in v[:8]] if depth else "..."
+    if isinstance(v, dict):
+        return {k: _shrink(x, depth - 1) for k, x in itertools.islice(v.items(), 8)} \
+            if depth else "..."
+    return v[:80] if isinstance(v, str) else v
+
+
+def _preview(v: Any, chars: int = 80) -> str:
+    """The start of `v` as JSON, without serializing all of a huge or deep value."""
+    return json.dumps(_shrink(v))[:chars]
+
+
 def _type_error(name: str, want: str, got: Any) -> ApiError:
-    return ApiError(400, f"'{name}' must be {want}, got {json.dumps(got)[:80]}",
+    return ApiError(400, f"'{name}' must be {want}, got {_preview(got)}",
                     param=name, code="invalid_type")
 
 
@@ -189,7 +204,7 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float] | None:
                            param="logit_bias", code="invalid_value")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
             raise ApiError(400, f"'logit_bias' values must be numbers in [-100, 100], got "
-                           f"{json.dumps(v)[:40]}", param="logit_bias", code="invalid_value")
+                           f"{_preview(v, 40)}", param="logit_bias", code="invalid_value")
         out[int(k)] = float(v)
     return out
 
@@ -239,7 +254,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             raise _type_error(f"messages[{i}].role", "a non-empty string", role)
         if role not in CHAT_ROLES:
             raise ApiError(400, f"messages[{i}].role must be one of "
-                           f"{', '.join(sorted(CHAT_ROLES))}, got {json.dumps(role)[:40]}",
+                           f"{', '.join(sorted(CHAT_ROLES))}, got {_preview(role, 40)}",
                            param=f"messages[{i}].role", code="invalid_value")
         content = m.get("content")
         if content is None and role != "assistant":
@@ -252,12 +267,13 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _prompt(body: dict[str, Any], req: GenerateRequest) -> None:
-    """A text, token ids, or a batch of either (OpenAI's completions; lm-eval sends batches)."""
+def _prompt(body: dict[str, Any], req: GenerateRequest, max_model_len: int | None) -> None:
+    """A text, token ids, or a batch of either (OpenAI's completions; lm-eval sends batches).
+    Token ids past `max_model_len` are refused by their count, before each is checked."""
     p = body.get("prompt")
     if p is None:
         raise ApiError(400, "'prompt' is required", param="prompt", code="missing_required")
-    if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) for t in p)):
+    if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
         p = [p]
     if not isinstance(p, list) or not p:
         raise _type_error("prompt", "a string, a non-empty list of token ids, or a list of those", p)
@@ -268,14 +284,19 @@ def _prompt(body: dict[str, Any], req: GenerateRequest) -> None:
         if isinstance(x, str):
             req.prompts.append(x)
         elif isinstance(x, list) and x:
-            req.prompts.append(token_ids(x, "prompt" if len(p) == 1 else f"prompt[{i}]"))
+            param = "prompt" if len(p) == 1 else f"prompt[{i}]"
+            if max_model_len:
+                check_length(len(x), None, max_model_len, param)
+            req.prompts.append(token_ids(x, param))
         else:
             raise _type_error("prompt" if len(p) == 1 else f"prompt[{i}]",
                               "a string or a non-empty list of token ids", x)
 
 
-def parse_request(body: dict[str, Any], kind: str, served_names: list[str]) -> GenerateRequest:
-    """Validates `body` for `kind` ("completion" or "chat") against the served model names."""
+def parse_request(body: dict[str, Any], kind: str, served_names: list[str], *,
+                  max_model_len: int | None = None) -> GenerateRequest:
+    """Validates `body` for `kind` ("completion" or "chat") against the served model names
+    (and, given the context length, token-id prompts against it)."""
     model = body.get("model", served_names[0])
     if model is None:
         model = served_names[0]
@@ -319,7 +340,7 @@ def parse_request(body: dict[str, Any], kind: str, served_names: list[str]) -> G
         req.messages = _messages(body)
     else:
         req.echo = _opt_bool(body, "echo")
-        _prompt(body, req)
+        _prompt(body, req, max_model_len)
     return req
 
 
