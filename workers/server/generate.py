@@ -30,7 +30,7 @@ from .responses import DONE, LogprobsShaper, Shaper, Usage, top_k, vllm_prompt_l
 from .state import ServerState, get_state
 
 _TOKENIZE_IN_THREAD_CHARS = 8192  # long prompts are tokenized off the event loop
-_VALIDATE_IN_THREAD_BYTES = 64 << 10  # so are big bodies' JSON parse and validation
+_VALIDATE_IN_THREAD_BYTES = 16 << 10  # so are big bodies' JSON parse and validation
 
 
 async def _parsed(request: web.Request, kind: str) -> GenerateRequest:
