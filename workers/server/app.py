@@ -19,7 +19,6 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .state import STATE, ServerState, get_state
 
 
-
 def max_token_chars(tokenizer: Any) -> int | None:
     """The most input characters one token can stand for: its vocabulary's longest entry
     (byte-level entries are one character per byte, so never fewer than they decode to),
