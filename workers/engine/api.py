@@ -6,7 +6,7 @@ where the concept is the same so users' habits carry over.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 
 @dataclass(slots=True)
@@ -67,6 +67,16 @@ class RequestOutput:
     num_cached_tokens: int        # prompt tokens served from the prefix cache or kvstore
     logprobs: list[TokenLogprob] | None = None  # one per new_token_ids entry, if requested
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, if requested
+    kv_hold: Any = None           # P/D prefill (hold_kv): the final output's kv_holds.KVHold
+
+
+@dataclass(slots=True)
+class RemoteKV:
+    """Leading prompt blocks computed elsewhere (a P/D prefill), for a parked request:
+    `payloads[i]` is block i in kvstore.layout's block layout, already verified."""
+
+    block_hashes: list[int]
+    payloads: list[Any]
 
 
 @dataclass(slots=True)

@@ -8,6 +8,12 @@ step via `call_soon_threadsafe`. When idle the thread sleeps on an Event.
 
 A request whose consumer goes away (stops iterating, is cancelled: a client
 disconnect) is aborted and its blocks freed on the next loop turn.
+
+P/D: a decode request's remote KV is fetched on the event loop (`remote_kv`,
+an awaitable) while the request is parked in the engine, so the step loop
+never waits on the network; the blocks reach the engine thread as a command.
+Prefill holds are reaped between steps; the peer server reads held blocks
+off the engine thread (`gather_blocks`: nobody writes them while held).
 """
 from __future__ import annotations
 
@@ -15,9 +21,14 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import Any, AsyncIterator, Callable, Sequence as Seq
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence as Seq
 
-from .api import EngineStats, RequestOutput, SamplingParams
+import numpy as np
+
+from .api import EngineStats, RemoteKV, RequestOutput, SamplingParams
+from .kv_blocks import gather, layout_of
+from .kv_holds import KVHold
 from .block_manager import KVEvent
 from .config import EngineConfig
 from .llm_engine import LLMEngine
@@ -72,11 +83,16 @@ class AsyncLLMEngine:
 
     # ---- requests ------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: Seq[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, *, hold_kv: bool = False,
+                       remote_kv: Awaitable[RemoteKV | None] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last one has `finished` set.
 
-        Raises ValueError for a request that can never run (checked before it
-        queues) and EngineError if the engine fails while serving it.
+        `hold_kv`: a P/D prefill (see LLMEngine.add_request). `remote_kv`: a P/D
+        decode: the request is parked until this resolves (to None, or on any
+        error: it prefills itself). Raises ValueError for a request that can
+        never run (checked before it queues) and EngineError if the engine
+        fails while serving it.
         """
         if self._thread is None:
             await self.start()
@@ -87,7 +103,10 @@ class AsyncLLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
-        self._submit(("add", request_id, list(prompt_token_ids), params))
+        self._submit(("add", request_id, list(prompt_token_ids), params, hold_kv,
+                      remote_kv is not None))
+        fetch = None if remote_kv is None else asyncio.ensure_future(
+            self._remote(request_id, remote_kv))
         finished = False
         try:
             while True:
@@ -100,11 +119,39 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
+            if fetch is not None and not fetch.done():
+                fetch.cancel()
             if self._queues.get(request_id) is q:
                 del self._queues[request_id]
             if not finished:
                 self._submit(("abort", request_id))
 
+    async def _remote(self, request_id: str, remote_kv: Awaitable[RemoteKV | None]) -> None:
+        try:
+            blocks = await remote_kv
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - whatever failed, the request prefills itself
+            log.exception("remote KV for %s failed; prefilling locally", request_id)
+            blocks = None
+        self._submit(("remote_kv", request_id, blocks))
+
+    # ---- P/D prefill holds (the peer server's side) --------------------------
+    def claim_hold(self, request_id: str) -> KVHold | None:
+        return self.engine.kv_holds.claim(request_id)
+
+    def finish_hold(self, request_id: str) -> None:
+        """The hold's blocks may go back; the engine thread releases them next turn."""
+        self.engine.kv_holds.finish(request_id)
+        self._wake.set()
+
+    def gather_blocks(self, block_ids: Seq[int], out: np.ndarray) -> None:
+        """Copy held blocks into `out` (any thread; see kv_blocks.gather)."""
+        gather(self.engine.runner.kv_caches, block_ids, out)
+
+    @property
+    def kv_layout(self) -> Any:
+        return layout_of(self.engine.runner.kv_caches)
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with finish_reason "abort"."""
         self._submit(("abort", request_id))
@@ -127,10 +174,11 @@ class AsyncLLMEngine:
             self._wake.clear()          # before draining: a later submit wakes the wait below
             out: list[RequestOutput | tuple[str, BaseException]] = []
             self._apply_commands(out)
+            eng.reap_kv_holds()
             if self._stopping:
                 self._deliver(out)
                 return
-            if eng.has_unfinished_requests():
+            if eng.has_schedulable_requests():
                 try:
                     out.extend(eng.step())
                 except Exception as e:  # noqa: BLE001 - every request must hear about it
@@ -143,8 +191,10 @@ class AsyncLLMEngine:
                         log.exception("could not free the failed requests' blocks")
                     out.extend((rid, err) for rid in failed)
             self._deliver(out)
-            if not eng.has_unfinished_requests() and self._cmds.empty():
-                self._wake.wait()
+            if not eng.has_schedulable_requests() and self._cmds.empty():
+                deadline = eng.kv_holds.next_deadline()
+                self._wake.wait(None if deadline is None
+                                else max(0.0, deadline - time.monotonic()) + 0.01)
 
     def _apply_commands(self, out: list) -> None:
         eng = self.engine
@@ -154,11 +204,21 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, ids, params = cmd
+                _, rid, ids, params, hold_kv, parked = cmd
                 try:
-                    eng.add_request(rid, ids, params)
+                    eng.add_request(rid, ids, params, hold_kv=hold_kv, parked=parked)
                 except Exception as e:  # noqa: BLE001 - reported to that request only
                     out.append((rid, e))
+            elif cmd[0] == "remote_kv":
+                try:
+                    eng.load_remote_kv(cmd[1], cmd[2])
+                except Exception:  # noqa: BLE001 - the request still runs, prefilling itself
+                    log.exception("loading remote KV for %s failed", cmd[1])
+                    seq = eng.scheduler.parked.get(cmd[1])
+                    if seq is not None:
+                        eng.block_manager.release(seq.pinned_blocks)
+                        seq.pinned_blocks = []
+                        eng.scheduler.unpark(cmd[1])
             else:
                 done = eng.abort_request(cmd[1])
                 if done is not None:

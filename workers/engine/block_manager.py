@@ -148,15 +148,57 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks, tail first so its prefix outlives its tail."""
-        for b in reversed(seq.block_table):
+        self.release(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_cached_blocks = 0
+
+    def hold(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Free `seq` except its first `num_blocks` blocks, whose references pass to the
+        caller (a P/D hold, released with `release`); returns those block ids."""
+        kept = seq.block_table[:num_blocks]
+        seq.block_table = seq.block_table[num_blocks:]
+        self.free(seq)
+        return kept
+
+    def release(self, block_ids: Seq[int]) -> None:
+        """Drop references taken by `hold` or `pin_cached` (tail first, as `free`)."""
+        for b in reversed(block_ids):
             self.ref_cnt[b] -= 1
             if self.ref_cnt[b] == 0:
                 self.free_queue[b] = None
                 if self.block_hash[b] is None:
                     self.free_queue.move_to_end(b, last=False)
-        seq.block_table = []
-        seq.num_computed_tokens = 0
-        seq.num_cached_blocks = 0
+
+    def pin_cached(self, block_hash: int) -> int | None:
+        """Reference the cached block under `block_hash`, if any; returns its id."""
+        b = self.cached.get(block_hash) if self.enable_prefix_caching else None
+        if b is not None:
+            self._touch(b)
+        return b
+
+    def take_for(self, block_hash: int, parent_hash: int | None,
+                 token_ids: list[int]) -> int | None:
+        """A referenced free block to fill with the content of `block_hash`, registered
+        in the prefix cache under it (the caller writes its KV before anything reads it:
+        both happen on the engine thread). None when no block is free."""
+        if not self.free_queue or not self.enable_prefix_caching:
+            return None
+        b = self._take(1)[0]
+        self.cached[block_hash] = b
+        self.block_hash[b] = block_hash
+        if self.listeners:
+            self._emit(KVEvent("stored", [block_hash], parent_block_hash=parent_hash,
+                               token_ids=token_ids, block_size=self.block_size))
+        return b
+
+    def uncache(self, b: int) -> None:
+        """Forget block `b`'s hash (its content was never written)."""
+        h = self.block_hash[b]
+        if h is not None:
+            self.block_hash[b] = None
+            if self.cached.get(h) == b:
+                del self.cached[h]
 
     # ---- internals -----------------------------------------------------------
     def _available(self, prefix_blocks: Seq[int]) -> int:

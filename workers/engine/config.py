@@ -17,7 +17,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 1 << 30     # KV cache capacity, sets num_blocks
     enable_prefix_caching: bool = True
     seed: int = 0
-    role: str = "both"                       # prefill | decode | both (P/D comes later)
+    role: str = "both"                       # prefill | decode | both (P/D)
+    kv_hold_ttl_s: float = 120.0             # P/D prefill: held blocks freed if not pulled by then
     num_threads: int | None = None           # torch intra-op threads; None = all cores
     kv_connector: Any = None                 # a kvyard.workers.engine.api.KVConnector, or None
     extra: dict[str, Any] = field(default_factory=dict)

@@ -14,10 +14,12 @@ import torch
 
 from kvyard.common.models import resolve_model
 
-from .api import EngineStats, RequestOutput, SamplingParams, TokenLogprob
+from .api import EngineStats, RemoteKV, RequestOutput, SamplingParams, TokenLogprob
 from .block_manager import BlockManager, KVEvent
 from .choice_mode import ChoiceState
 from .config import EngineConfig
+from .kv_blocks import scatter
+from .kv_holds import KVHolds
 from .model_runner import ModelRunner, num_blocks_for, resolve_dtype
 from .regex_mode import RegexState, compile_regex
 from .json_mode import JsonConstraint, JsonState
@@ -58,6 +60,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.connector)
         self.sampler = Sampler(config.seed)
+        self.kv_holds = KVHolds(config.kv_hold_ttl_s)
+        self.remote_kv_blocks = 0   # P/D decode: blocks loaded from a prefill worker
         limit = config.max_model_len or model_config.max_position_embeddings
         # a sequence can never outgrow the whole cache: cap it, or it would preempt itself forever
         self.max_model_len = min(limit, num_blocks * bs)
@@ -106,10 +110,14 @@ class LLMEngine:
         if params.repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be positive")
 
-    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
+                    *, hold_kv: bool = False, parked: bool = False) -> None:
+        """`hold_kv`: a P/D prefill; its prompt blocks are held for a pull when it ends
+        (the final output's `kv_hold`). `parked`: a P/D decode; it waits for
+        `load_remote_kv` (or `unpark`) before it is scheduled."""
         self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params,
-                       arrival=time.monotonic())
+                       arrival=time.monotonic(), hold_kv=hold_kv)
         if params.seed is not None:
             seq.generator = make_generator(params.seed)
         if params.json_object or params.json_schema is not None or params.guided_choice \
@@ -124,7 +132,51 @@ class LLMEngine:
         if self.tokenizer is not None:
             # a few prompt tokens of context: some tokenizers' leading spaces depend on them
             seq.detokenizer = self.tokenizer.incremental_detokenizer(list(prompt_token_ids[-4:]))
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, parked=parked)
+
+    def load_remote_kv(self, request_id: str, remote: RemoteKV | None) -> int:
+        """A parked request's remote prompt blocks arrived (None: they will not): the
+        leading ones that match its own block hashes are written into free blocks and
+        registered in the prefix cache, pinned to it until admission; then it queues.
+        Returns how many blocks it got (0: it prefills the prompt itself)."""
+        seq = self.scheduler.parked.get(request_id)
+        if seq is None:
+            return 0                       # aborted meanwhile
+        bm = self.block_manager
+        bs = bm.block_size
+        pins = seq.pinned_blocks
+        writes: list[tuple[int, object]] = []
+        if remote is not None:
+            own = seq.update_block_hashes(bs)
+            limit = min((seq.num_tokens - 1) // bs, len(own))
+            for i, (h, payload) in enumerate(zip(remote.block_hashes, remote.payloads)):
+                if i >= limit or own[i] != h:
+                    break
+                b = bm.pin_cached(h)
+                if b is None:
+                    b = bm.take_for(h, own[i - 1] if i else None,
+                                    seq.token_ids[i * bs:(i + 1) * bs])
+                    if b is None:
+                        break
+                    writes.append((b, payload))
+                pins.append(b)
+            try:
+                scatter(self.runner.kv_caches, [b for b, _ in writes], [p for _, p in writes])
+            except Exception:
+                for b, _ in writes:      # never leave a block cached under a hash it lacks
+                    bm.uncache(b)
+                raise
+        self.remote_kv_blocks += len(writes)
+        self.scheduler.unpark(request_id)
+        return len(pins)
+
+    def reap_kv_holds(self) -> int:
+        """Give back the blocks of pulled and expired holds; returns how many blocks."""
+        n = 0
+        for ids in self.kv_holds.reap():
+            self.block_manager.release(ids)
+            n += len(ids)
+        return n
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Free the request's blocks now; returns its final output, None if unknown."""
@@ -132,7 +184,10 @@ class LLMEngine:
         return None if seq is None else self._output(seq, [], "")
 
     def abort_all(self) -> list[RequestOutput]:
-        return [o for rid in list(self.scheduler.requests) if (o := self.abort_request(rid))]
+        out = [o for rid in list(self.scheduler.requests) if (o := self.abort_request(rid))]
+        for ids in self.kv_holds.drain():
+            self.block_manager.release(ids)
+        return out
 
     def add_kv_event_listener(self, callback: Callable[[KVEvent], None]) -> None:
         """Blocks entering/leaving the prefix cache; called on the engine's thread, so keep it cheap."""
@@ -140,6 +195,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def has_schedulable_requests(self) -> bool:
+        """Requests a step can run (parked ones wait for their remote KV, not a step)."""
+        return bool(self.scheduler.waiting or self.scheduler.running)
 
     # ---- the loop ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -175,6 +234,9 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             out = self._output(seq, [tok], delta, None if lp is None else [lp])
+            if seq.kv_hold:
+                out.kv_hold = self.kv_holds.add(seq.request_id, seq.kv_hold, seq.block_hashes)
+                seq.kv_hold = []
             if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
                 out.prompt_logprobs = seq.prompt_logprobs or [None]
             outputs.append(out)
@@ -245,7 +307,7 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.parked),
             kv_cache_usage=bm.usage,
             num_blocks=bm.num_blocks,
             block_size=bm.block_size,

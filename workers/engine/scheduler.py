@@ -8,7 +8,14 @@ newest running request is preempted and later recomputed; its full blocks
 stay in the prefix cache, so recomputation is mostly cache hits.
 
 Prefix reuse happens at admission: local prefix-cache hits first, then a KV
-connector (kvstore / P-D) may supply further leading blocks.
+connector (kvstore) may supply further leading blocks.
+
+P/D: a decode-side request whose prompt is being prefilled elsewhere is
+*parked* (WAITING_FOR_REMOTE_KVS, vLLM's name) outside the queue while its KV
+travels; the engine loads what arrived as prefix-cache blocks, pinned to the
+request, and `unpark` queues it, so admission takes them as ordinary hits.
+A prefill-side request marked `hold_kv` keeps its prompt's full blocks when
+it finishes (`seq.kv_hold`), for the decode side to pull.
 """
 from __future__ import annotations
 
@@ -46,15 +53,28 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []        # admission order: oldest first
         self.requests: dict[str, Sequence] = {}
+        self.parked: dict[str, Sequence] = {}    # WAITING_FOR_REMOTE_KVS
         self.num_preemptions = 0
         self.external_hit_tokens = 0
 
     # ---- request lifecycle ---------------------------------------------------
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, parked: bool = False) -> None:
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         self.requests[seq.request_id] = seq
-        self.waiting.append(seq)
+        if parked:
+            seq.status = SeqStatus.WAITING_FOR_REMOTE_KVS
+            self.parked[seq.request_id] = seq
+        else:
+            self.waiting.append(seq)
+
+    def unpark(self, request_id: str) -> Sequence | None:
+        """Queue a parked request (its remote KV arrived, or will not)."""
+        seq = self.parked.pop(request_id, None)
+        if seq is not None:
+            seq.status = SeqStatus.WAITING
+            self.waiting.append(seq)
+        return seq
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -65,9 +85,15 @@ class Scheduler:
             return
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING_FOR_REMOTE_KVS:
+            del self.parked[seq.request_id]
         else:
             self.waiting.remove(seq)
-        self.bm.free(seq)
+        self._unpin(seq)
+        if seq.hold_kv and reason != "abort":
+            seq.kv_hold = self.bm.hold(seq, seq.num_computed_tokens // self.bm.block_size)
+        else:
+            self.bm.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
 
@@ -144,7 +170,10 @@ class Scheduler:
             m = 0 if fresh else self._external_blocks(seq, k)
             n = min(seq.num_tokens - (k + m) * bs, budget)
             if not self.bm.allocate(seq, m * bs + n, prefix):
+                if not self.running and self._unpin_waiting():
+                    continue                # pinned remote blocks held the room: retry
                 break                       # FCFS: nobody overtakes the head
+            self._unpin(seq)                # its remote blocks are now in its block table
             if m:
                 loaded = self.connector.load(seq.block_hashes[k:k + m], seq.block_table[k:k + m])
                 loaded = max(0, min(int(loaded), m))
@@ -161,6 +190,19 @@ class Scheduler:
             picked.append((seq, n))
             budget -= n
         return budget
+
+    def _unpin(self, seq: Sequence) -> None:
+        if seq.pinned_blocks:
+            self.bm.release(seq.pinned_blocks)
+            seq.pinned_blocks = []
+
+    def _unpin_waiting(self) -> bool:
+        """Drop every queued request's pins (the blocks stay cached, now evictable), so
+        the queue head can never wait forever on blocks pinned for those behind it."""
+        pinned = [s for s in self.waiting if s.pinned_blocks]
+        for s in pinned:
+            self._unpin(s)
+        return bool(pinned)
 
     def _external_blocks(self, seq: Sequence, num_local: int) -> int:
         """Leading blocks past the local hits that the KV connector can supply."""

@@ -16,6 +16,7 @@ from .api import SamplingParams
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # parked until its prefill's KV arrives
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -43,6 +44,10 @@ class Sequence:
     prompt_logprobs: list[Any] = field(default_factory=list)  # [None, TokenLogprob, ...] as computed
     constraint: Any = None               # json_mode.JsonConstraint for JSON-mode requests
     stop_scan: Any = None                # stopping.StopScan: this sequence's stop-string automaton state
+    hold_kv: bool = False                # P/D prefill: keep the prompt's blocks for a pull when done
+    kv_hold: list[int] = field(default_factory=list)  # ... those blocks, once it finished
+    pinned_blocks: list[int] = field(default_factory=list)  # P/D decode: loaded remote blocks,
+                                         # referenced until admission shares them
 
     @property
     def num_tokens(self) -> int:

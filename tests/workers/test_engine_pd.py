@@ -1,0 +1,122 @@
+"""The engine's P/D seams on the demo model: a prefill engine holds its prompt blocks,
+a decode engine parks a request, loads those blocks as prefix-cache entries and
+produces the tokens it would have produced prefilling itself; holds expire."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvyard.common.models import resolve_model
+from kvyard.common.tokenizer import load_tokenizer
+from kvyard.workers.engine.api import RemoteKV, SamplingParams
+from kvyard.workers.engine.config import EngineConfig
+from kvyard.workers.engine.kv_blocks import gather, layout_of
+from kvyard.workers.engine.llm_engine import LLMEngine
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+PROMPT = ("You are a careful assistant. Answer in one sentence. " * 6
+          + "What is the capital of France, and why is it famous?")
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from kvyard.workers.model import load_model
+
+    model, cfg = load_model(resolve_model("demo"), torch.float32)
+    return model, cfg, load_tokenizer("demo")
+
+
+def make(loaded, **kw) -> LLMEngine:
+    model, cfg, tok = loaded
+    conf = EngineConfig(dtype="float32", kv_cache_memory_bytes=64 << 20, **kw)
+    return LLMEngine(conf, model, cfg, tok)
+
+
+def run(eng: LLMEngine, rid: str) -> tuple[list[int], list]:
+    toks, outs = [], []
+    while eng.has_schedulable_requests():
+        for o in eng.step():
+            if o.request_id == rid:
+                toks += o.new_token_ids
+                outs.append(o)
+    return toks, outs
+
+
+@pytest.fixture(scope="module")
+def prompt(loaded) -> list[int]:
+    return loaded[2].encode_chat([{"role": "user", "content": PROMPT}])
+
+
+def test_parked_request_decodes_from_remote_blocks_token_for_token(loaded, prompt):
+    ref = make(loaded)
+    ref.add_request("r", prompt, GREEDY)
+    want, _ = run(ref, "r")
+
+    pre = make(loaded)
+    pre.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
+    _, outs = run(pre, "p")
+    hold = outs[-1].kv_hold
+    assert hold is not None and len(hold.block_ids) == len(prompt) // 16
+    held = set(hold.block_ids)
+    assert all(pre.block_manager.ref_cnt[b] == 1 for b in held)  # pinned while held
+    lay = layout_of(pre.runner.kv_caches)
+    buf = np.empty((len(hold.block_ids), lay.nbytes), dtype=np.uint8)
+    gather(pre.runner.kv_caches, hold.block_ids, buf)
+
+    dec = make(loaded)
+    dec.add_request("d", prompt, GREEDY, parked=True)
+    assert not dec.has_schedulable_requests() and dec.step() == []  # parked: nothing to run
+    assert dec.stats().num_waiting == 1
+    got_blocks = dec.load_remote_kv("d", RemoteKV(hold.block_hashes, list(buf)))
+    assert got_blocks == min(len(hold.block_ids), (len(prompt) - 1) // 16)
+    got, outs = run(dec, "d")
+    assert got == want
+    assert outs[-1].num_cached_tokens == got_blocks * 16   # admitted as prefix-cache hits
+    assert all(r == 0 for r in dec.block_manager.ref_cnt)   # pins released with the request
+
+    pre.kv_holds.finish("p")
+    assert pre.reap_kv_holds() == len(held)
+    assert all(pre.block_manager.ref_cnt[b] == 0 for b in held)
+
+
+def test_unmatched_or_missing_remote_blocks_prefill_locally(loaded, prompt):
+    ref = make(loaded)
+    ref.add_request("r", prompt, GREEDY)
+    want, _ = run(ref, "r")
+    dec = make(loaded)
+    dec.add_request("a", prompt, GREEDY, parked=True)
+    lay = layout_of(dec.runner.kv_caches)
+    junk = [np.zeros(lay.nbytes, dtype=np.uint8)] * 3
+    assert dec.load_remote_kv("a", RemoteKV([1, 2, 3], junk)) == 0  # other hashes: ignored
+    assert run(dec, "a")[0] == want
+    dec2 = make(loaded)
+    dec2.add_request("b", prompt, GREEDY, parked=True)
+    assert dec2.load_remote_kv("b", None) == 0
+    assert run(dec2, "b")[0] == want
+
+
+def test_unpulled_hold_is_freed_after_its_ttl(loaded, prompt):
+    pre = make(loaded, kv_hold_ttl_s=5.0)
+    pre.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
+    hold = run(pre, "p")[1][-1].kv_hold
+    assert pre.reap_kv_holds() == 0
+    assert pre.kv_holds.reap(now=hold.deadline + 1) == [hold.block_ids]
+    assert pre.kv_holds.claim("p") is None
+    # a claimed hold survives its deadline until the transfer says it is done
+    pre.add_request("q", prompt, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
+    hold = run(pre, "q")[1][-1].kv_hold
+    assert pre.kv_holds.claim("q") is hold and pre.kv_holds.claim("q") is None
+    assert pre.kv_holds.reap(now=hold.deadline + 1) == []
+    pre.kv_holds.finish("q")
+    assert pre.kv_holds.reap() == [hold.block_ids]
+
+
+def test_aborted_hold_request_and_parked_request_free_everything(loaded, prompt):
+    eng = make(loaded)
+    eng.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
+    eng.add_request("d", prompt, GREEDY, parked=True)
+    eng.abort_request("p")
+    eng.abort_request("d")
+    assert not eng.has_unfinished_requests() and len(eng.kv_holds) == 0
+    assert all(r == 0 for r in eng.block_manager.ref_cnt)

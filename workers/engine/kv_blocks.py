@@ -1,0 +1,57 @@
+"""Whole blocks out of and into the per-layer KV caches, in the kvstore's block layout.
+
+The engine keeps one tensor per layer, `[2, num_blocks, block_size, kv_heads,
+head_dim]`; a block travels as one buffer `[layers, 2, block_size, kv_heads,
+head_dim]` (kvstore.layout.KVLayout), the form the kvstore codec frames and
+checksums. bf16 has no numpy dtype, so bytes cross as uint8 views.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvyard.kvstore.layout import KVLayout
+
+
+def layout_of(caches: Sequence[torch.Tensor]) -> KVLayout:
+    t = caches[0]
+    return KVLayout(str(t.dtype).removeprefix("torch."), int(t.shape[2]), len(caches),
+                    int(t.shape[3]), int(t.shape[4]))
+
+
+@torch.no_grad()
+def gather(caches: Sequence[torch.Tensor], block_ids: Sequence[int], out: np.ndarray) -> None:
+    """Copy the blocks into `out` (`[len(block_ids), layout.nbytes]` uint8, rows may be
+    views into larger frames). Safe off the engine thread for blocks nobody writes
+    (held or pinned): the cache tensors are never reallocated."""
+    n = len(block_ids)
+    if n == 0:
+        return
+    t0 = caches[0]
+    shape = (n, len(caches), 2, *t0.shape[2:])
+    ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=t0.device)
+    dst = torch.from_numpy(out).view(t0.dtype).view(shape)
+    for layer, kv in enumerate(caches):
+        part = kv.index_select(1, ids).transpose(0, 1)
+        dst[:, layer].copy_(part)
+
+
+@torch.no_grad()
+def scatter(caches: Sequence[torch.Tensor], block_ids: Sequence[int],
+            payloads: Sequence[object]) -> None:
+    """Write each payload (one block in the travel layout) into its block id."""
+    n = len(block_ids)
+    if n == 0:
+        return
+    t0 = caches[0]
+    nbytes = layout_of(caches).nbytes
+    src = np.empty((n, nbytes), dtype=np.uint8)
+    for i, p in enumerate(payloads[:n]):
+        src[i] = np.frombuffer(p, dtype=np.uint8, count=nbytes)
+    blocks = torch.from_numpy(src).view(t0.dtype).view(n, len(caches), 2, *t0.shape[2:])
+    blocks = blocks.to(t0.device)
+    ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=t0.device)
+    for layer, kv in enumerate(caches):
+        kv.index_copy_(1, ids, blocks[:, layer].transpose(0, 1))
