@@ -43,3 +43,12 @@ M_PROMPT_TOKENS = "vllm:prompt_tokens_total"
 M_GENERATION_TOKENS = "vllm:generation_tokens_total"
 M_PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 M_PREFIX_HITS = "vllm:prefix_cache_hits_total"
+
+# P/D (llm-d / vLLM): the request field both legs carry, and the decode worker's metrics.
+KV_TRANSFER_PARAMS = "kv_transfer_params"
+M_WORKER_INFO = "kvyard:worker_info"
+M_PD_HANDOFFS = "kvyard:pd_handoffs_total"
+M_PD_FALLBACKS = "kvyard:pd_fallbacks_total"
+M_PD_HANDOFF_SECONDS = "kvyard:pd_handoff_seconds"
+M_PD_HANDOFF_BYTES = "kvyard:pd_handoff_bytes_total"
+M_PD_REJECTED = "kvyard:pd_rejected_prefill_targets_total"

@@ -15,6 +15,8 @@ from kvyard.common import wire
 from .body import DEFAULT_MAX_BODY_BYTES
 from .errors import error_middleware
 from .generate import chat_completions, completions, detokenize, tokenize
+from kvyard.workers.pd.metrics import PDMetrics, worker_info
+
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .state import STATE, ServerState, get_state
 
@@ -78,11 +80,13 @@ async def _stamp_endpoint(request: web.Request, response: web.StreamResponse) ->
 
 def build_app(engine: Any, *, advertise: str, served_names: list[str] | None = None,
               role: str = "both", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              manage_engine: bool = True, extra_collectors: Sequence[Any] = ()
-              ) -> web.Application:
+              manage_engine: bool = True, extra_collectors: Sequence[Any] = (),
+              pd: Any = None) -> web.Application:
     """An app serving `engine`; with `manage_engine` the app starts and shuts it down.
 
-    `extra_collectors` (e.g. the kvstore connector's) join this app's /metrics."""
+    `extra_collectors` (e.g. the kvstore connector's) join this app's /metrics.
+    `pd`: P/D options (kvyard.workers.pd.runtime.PDOptions); its runtime starts
+    with the engine (it needs the bound KV cache)."""
     names = list(served_names or [engine.served_model_name])
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
     state = ServerState(
@@ -92,6 +96,12 @@ def build_app(engine: Any, *, advertise: str, served_names: list[str] | None = N
         max_token_chars=max_token_chars(engine.tokenizer))
     for collector in extra_collectors:
         state.metrics.register_extra(collector)
+    worker_info(state.metrics.registry, role)
+    runtime = None
+    if pd is not None:
+        from kvyard.workers.pd.runtime import PDRuntime
+
+        runtime = PDRuntime(pd, PDMetrics(state.metrics.registry, state.metrics.slow_registry))
     app[STATE] = state
     app.on_response_prepare.append(_stamp_endpoint)
     app.router.add_get("/v1/models", _models)
@@ -105,8 +115,13 @@ def build_app(engine: Any, *, advertise: str, served_names: list[str] | None = N
     if manage_engine:
         async def start(_: web.Application) -> None:
             await engine.start()
+            if runtime is not None:
+                await runtime.start(engine)
+                state.pd = runtime
 
         async def stop(_: web.Application) -> None:
+            if runtime is not None:
+                await runtime.stop()
             await engine.shutdown()
 
         app.on_startup.append(start)

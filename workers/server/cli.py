@@ -16,6 +16,8 @@ from typing import Any
 
 from kvyard.common.wire import ROLES
 
+from kvyard.workers.pd.flags import add_pd_arguments, pd_options
+
 from .body import DEFAULT_MAX_BODY_BYTES
 
 _KVCONNECTOR = "kvyard.workers.kvconnector"
@@ -77,6 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM")
     p.add_argument("--log-level", default="info")
+    add_pd_arguments(p)
     # --- kvstore hook: the connector module adds its own flags when it is installed.
     kv = _kvconnector()
     if kv is not None:
@@ -100,7 +103,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, role=args.role,
-        num_threads=args.num_threads)
+        num_threads=args.num_threads, kv_hold_ttl_s=args.kv_hold_timeout)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -125,8 +128,9 @@ def run(args: argparse.Namespace) -> int:
     if hasattr(config.kv_connector, "collector"):  # its metrics join the worker's /metrics
         collectors.append(config.kv_connector.collector())
     engine = AsyncLLMEngine(config)
-    return asyncio.run(serve(engine, host=args.host, port=args.port,
-                             advertise=advertise_address(args),
+    advertise = advertise_address(args)
+    return asyncio.run(serve(engine, host=args.host, port=args.port, advertise=advertise,
+                             pd=pd_options(args, advertise),
                              served_names=args.served_model_name, role=args.role,
                              max_body_bytes=args.max_body_bytes,
                              shutdown_timeout=args.shutdown_timeout,

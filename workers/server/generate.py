@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
+from kvyard.common import wire
 from kvyard.common.tokenizer import ChatTemplateError
 from kvyard.workers.engine.api import RequestOutput, SamplingParams
 from kvyard.workers.engine.async_engine import EngineError
 
 from .body import parse_object, read_body
+from kvyard.workers.pd.params import wants_remote_decode
+
 from .errors import ApiError, sse_error
 from .metrics import RequestClock
 from .protocol import GenerateRequest, check_length, parse_request, token_ids
@@ -101,6 +105,9 @@ class _Run:
     clock: RequestClock = field(init=False)
     finish_reason: str | None = None
     usage: Usage = field(init=False)
+    hold_kv: bool = False               # P/D prefill for another worker: keep the blocks
+    remote_kv: Any = None               # P/D decode: a coroutine giving the prompt's KV
+    kv_hold: Any = None                 # the engine's hold, once a hold_kv request ended
 
     def __post_init__(self) -> None:
         self.clock = self.state.metrics.clock()
@@ -108,7 +115,12 @@ class _Run:
 
     async def drive(self, ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         engine = self.state.engine
-        gen = engine.generate(self.request_id, ids, params)
+        pd_kw: dict[str, Any] = {}
+        if self.hold_kv:
+            pd_kw["hold_kv"] = True
+        if self.remote_kv is not None:
+            pd_kw["remote_kv"] = self.remote_kv
+        gen = engine.generate(self.request_id, ids, params, **pd_kw)
         started = refused = False
         try:
             while True:
@@ -129,6 +141,7 @@ class _Run:
                                    out.num_cached_tokens)
                 if out.finished:
                     self.finish_reason = out.finish_reason or "stop"
+                    self.kv_hold = out.kv_hold
                 yield out
                 if out.finished:
                     return
@@ -136,6 +149,9 @@ class _Run:
             if not refused:  # a refused request never ran, so it has no outcome to count
                 self.clock.finish(self.finish_reason or "abort")
             await gen.aclose()
+            if inspect.iscoroutine(self.remote_kv) and \
+                    inspect.getcoroutinestate(self.remote_kv) == inspect.CORO_CREATED:
+                self.remote_kv.close()  # refused before the engine took it
             if self.finish_reason is None:
                 await engine.abort(self.request_id)
 
@@ -211,7 +227,8 @@ async def _all(coros) -> list:
 
 
 async def _complete(choices: list[_Choice], shaper: Shaper, n: int,
-                    prompt_k: int | None = None, token_text=None) -> web.Response:
+                    prompt_k: int | None = None, token_text=None,
+                    kv_offer: Callable[[_Run], dict | None] | None = None) -> web.Response:
     """`prompt_k`: vLLM's `prompt_logprobs` (the prompt's logprobs and top k, per choice
     in completions, once at the top level in chat, whose choices share one prompt)."""
     async def collect(c: _Choice) -> tuple[str, str, dict | None, list]:
@@ -239,6 +256,8 @@ async def _complete(choices: list[_Choice], shaper: Shaper, n: int,
         else:
             for choice, pl in zip(body["choices"], shaped):
                 choice["prompt_logprobs"] = pl
+    if kv_offer is not None and (offer := kv_offer(choices[0].run)) is not None:
+        body[wire.KV_TRANSFER_PARAMS] = offer
     return web.json_response(body)
 
 
@@ -315,8 +334,21 @@ async def _stream(request: web.Request, choices: list[_Choice], shaper: Shaper, 
     return resp
 
 
+def _prefill_target(state: ServerState, request: web.Request) -> str | None:
+    """The signed x-prefiller-host-port target, checked before anything else (a 403
+    otherwise: see kvyard.workers.pd.decode)."""
+    pd = state.pd
+    if pd is not None and pd.decoder is not None:
+        return pd.decoder.authorize(request.headers)
+    if wire.PREFILLER_HEADER in request.headers:
+        raise ApiError(403, "prefill target refused: this worker does no P/D",
+                       param=wire.PREFILLER_HEADER, code="prefill_target_refused")
+    return None
+
+
 async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     state = get_state(request.app)
+    target = _prefill_target(state, request)
     req = await _parsed(request, kind)
     prompts = await _prompt_ids(state, req)
     params = req.params
@@ -330,6 +362,12 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     shaper = Shaper(kind, request_id, req.model)
+    single = len(prompts) == 1 and req.n == 1 and params.prompt_logprobs is None
+    pd = state.pd
+    hold_kv = single and not req.stream and pd is not None and pd.peer is not None \
+        and wants_remote_decode(req.raw)
+    if target is not None and not single:
+        pd.decoder.unsupported()  # n > 1, batches and prompt logprobs prefill here
     choices = []
     for j, ids in enumerate(prompts):
         max_tokens = check_length(len(ids), req.max_tokens, state.engine.max_model_len,
@@ -345,13 +383,20 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
             index = j * req.n + i
             rid = request_id if len(prompts) * req.n == 1 else f"{request_id}-{index}"
             lp = LogprobsShaper(kind, tok.token_text) if p.logprobs is not None else None
-            c = _Choice(index, ids, _Run(state, rid, len(ids)), p, lp, echo)
+            run = _Run(state, rid, len(ids))
+            if single:
+                run.hold_kv = hold_kv
+                if target is not None:
+                    run.remote_kv = state.pd.decoder.remote_kv(target, request.path, req.raw, ids)
+            c = _Choice(index, ids, run, p, lp, echo)
             if i and share_prefill:
                 c.after = choices[-i].prefilled
             choices.append(c)
     if req.stream:
         return await _stream(request, choices, shaper, req.n, req.include_usage)
-    return await _complete(choices, shaper, req.n, req.prompt_logprobs, tok.token_text)
+    offer = (lambda run: pd.offer(run.request_id, run.kv_hold) if run.kv_hold else None) \
+        if hold_kv else None
+    return await _complete(choices, shaper, req.n, req.prompt_logprobs, tok.token_text, offer)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

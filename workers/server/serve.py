@@ -25,10 +25,10 @@ async def serve(engine: Any, *, host: str, port: int, advertise: str,
                 served_names: list[str] | None = None, role: str = "both",
                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_timeout: float = 30.0,
                 stop: asyncio.Event | None = None,
-                extra_collectors: Sequence[Any] = ()) -> int:
+                extra_collectors: Sequence[Any] = (), pd: Any = None) -> int:
     """Serves until a signal (or `stop`, for embedding) arrives; returns the exit code."""
     app = build_app(engine, advertise=advertise, served_names=served_names, role=role,
-                    max_body_bytes=max_body_bytes, extra_collectors=extra_collectors)
+                    max_body_bytes=max_body_bytes, extra_collectors=extra_collectors, pd=pd)
     # handler_cancellation: a dropped connection cancels its handler, which aborts the request.
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout,
                            access_log=None)
@@ -40,8 +40,11 @@ async def serve(engine: Any, *, host: str, port: int, advertise: str,
     try:
         site = web.TCPSite(runner, host, port)
         await site.start()
-        log.info("serving %s on http://%s:%d (advertised as %s)",
-                 ", ".join(get_state(app).served_names), host, port, advertise)
+        st = get_state(app)
+        peer = st.pd.peer if st.pd is not None else None
+        log.info("serving %s on http://%s:%d (advertised as %s, role %s%s)",
+                 ", ".join(st.served_names), host, port, advertise, role,
+                 f", KV peer port {peer.port}" if peer is not None else "")
         await stop.wait()
         log.info("shutting down: draining in-flight requests (up to %.0fs)", shutdown_timeout)
     finally:

@@ -20,6 +20,7 @@ class ServerState:
     vocab_size: int | None = None  # bounds token-id prompts when the tokenizer tells us
     max_token_chars: int | None = None  # most characters one token covers: a cheap length bound
     started_at: float = field(default_factory=time.time)
+    pd: Any = None              # kvyard.workers.pd.runtime.PDRuntime once started, or None
 
 
 STATE: web.AppKey[ServerState] = web.AppKey("kvyard_state", ServerState)
