@@ -74,6 +74,19 @@ class StackSpec:
     kv_redis_max_memory: int = DEFAULT_MAX_MEMORY_BYTES
     worker_args: list[str] = field(default_factory=list)
     epp_args: list[str] = field(default_factory=list)
+    # P/D: prefill + decode workers instead of `workers` colocated ones (both 0: colocated).
+    prefill: int = 0
+    decode: int = 0
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill > 0 or self.decode > 0
+
+    def roles(self) -> list[str]:
+        """One role per worker, in start order."""
+        if self.disaggregated:
+            return ["prefill"] * self.prefill + ["decode"] * self.decode
+        return ["both"] * self.workers
 
 
 @dataclass(slots=True)
@@ -149,13 +162,15 @@ def py_module(module: str, *args: str) -> list[str]:
 
 
 def worker_cmd(spec: StackSpec, port: int, extra: list[str] | None = None,
-               kv_args: list[str] | None = None) -> list[str]:
+               kv_args: list[str] | None = None, role: str = "both",
+               pd_key: Path | None = None) -> list[str]:
     addr = f"127.0.0.1:{port}"
+    role_args = ["--role", role] + (["--pd-key-file", str(pd_key)] if pd_key else [])
     if spec.standin:  # stand-ins take their own flags (e.g. --token-delay) and the kv ones
         return py_module("kvyard.stack.standin", "--port", str(port), "--advertise-address", addr,
-                         *spec.standin_args, *(kv_args or []))
+                         *role_args, *spec.standin_args, *(kv_args or []))
     cmd = py_module("kvyard.cli", "worker", "--model", spec.model, "--host", "127.0.0.1",
-                    "--port", str(port), "--advertise-address", addr)
+                    "--port", str(port), "--advertise-address", addr, *role_args)
     if spec.dtype:
         cmd += ["--dtype", spec.dtype]
     return cmd + (kv_args or []) + (spec.worker_args if extra is None else extra)
@@ -181,12 +196,16 @@ def kv_layout(spec: StackSpec, run: Path, taken: set[int]
     return args, {}, []
 
 
-def write_endpoints(path: Path, addresses: list[str], role: str = "both") -> Path:
-    """The EPP's endpoints file; the EPP reloads it on change. Written atomically."""
+def write_endpoints(path: Path, addresses: list[str], role: str | list[str] = "both") -> Path:
+    """The EPP's endpoints file (`role`: one for all, or one per address); the EPP
+    reloads it on change. Written atomically."""
     import yaml
 
+    roles = [role] * len(addresses) if isinstance(role, str) else list(role)
+    if len(roles) != len(addresses):
+        raise ValueError(f"{len(addresses)} addresses but {len(roles)} roles")
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump([{"address": a, "role": role} for a in addresses]))
+    tmp.write_text(yaml.safe_dump([{"address": a, "role": r} for a, r in zip(addresses, roles)]))
     tmp.replace(path)
     return path
 
@@ -201,6 +220,18 @@ def epp_cmd(model: str, ports: tuple[int, int, int], endpoints_file: Path,
                      str(health), "--metrics-port", str(metrics), "--endpoints-file",
                      str(endpoints_file), "--model", model, "--destination-fallbacks", "2",
                      *(extra or []))
+
+
+def pd_scheduler_config() -> Path:
+    """kvyard's P/D scheduler config (decode first), shipped with the EPP package."""
+    import importlib.util
+
+    return Path(importlib.util.find_spec("kvyard.epp").origin).parent / "scheduler.pd.example.yaml"
+
+
+def pd_key_file(run: Path) -> Path:
+    """A fresh 0600 key that the EPP signs prefill targets with and workers verify."""
+    return private_file(run / "pd.key", secrets.token_hex(32) + "\n")
 
 
 def tcp_ok(port: int) -> bool:
@@ -268,11 +299,14 @@ def start_stack(spec: StackSpec) -> StackState:
             started.add(p)
             checks.append((p, _ready_check(ex.ready)))
         addresses = []
-        for i in range(spec.workers):
+        roles = spec.roles()
+        pd_key = pd_key_file(run) if spec.disaggregated else None
+        for i, role in enumerate(roles):
             base = spec.worker_base_port
             port = procs.free_port(None if base is None else base + i, taken)
             addresses.append(f"127.0.0.1:{port}")
-            p = procs.spawn(f"worker-{i}", worker_cmd(spec, port, kv_args=kv_args),
+            cmd = worker_cmd(spec, port, kv_args=kv_args, role=role, pd_key=pd_key)
+            p = procs.spawn(f"worker-{i}", cmd,
                             logs / f"worker-{i}.log", env_files=kv_env_files,
                             ports={"http": port})
             started.add(p)
@@ -280,8 +314,12 @@ def start_stack(spec: StackSpec) -> StackState:
         # Workers load models in parallel; wait for them before the EPP scrapes.
         procs.wait_ready(checks, spec.ready_timeout_s)
         epp_ports = tuple(procs.free_port(p, taken) for p in spec.epp_ports)
-        endpoints_file = write_endpoints(run / "endpoints.yaml", addresses)
-        epp = procs.spawn("epp", epp_cmd(spec.model, epp_ports, endpoints_file, spec.epp_args),
+        endpoints_file = write_endpoints(run / "endpoints.yaml", addresses, roles)
+        epp_args = list(spec.epp_args)
+        if pd_key is not None:
+            epp_args = ["--config", str(pd_scheduler_config()), "--pd-key-file", str(pd_key),
+                        *epp_args]
+        epp = procs.spawn("epp", epp_cmd(spec.model, epp_ports, endpoints_file, epp_args),
                           logs / "epp.log", ports=dict(zip(("ext_proc", "health", "metrics"),
                                                            epp_ports)))
         started.add(epp)
@@ -295,7 +333,7 @@ def start_stack(spec: StackSpec) -> StackState:
                             logs / "envoy.log", ports={"http": gw_port, "admin": admin_port})
         started.add(envoy)
         admin_url = f"http://127.0.0.1:{admin_port}"
-        procs.wait_ready([(epp, epp_sees(metrics_url, spec.workers)),
+        procs.wait_ready([(epp, epp_sees(metrics_url, len(roles))),
                           (envoy, _ready_check(admin_url + "/ready"))], spec.ready_timeout_s)
     except BaseException:
         procs.stop([p.pid for p in reversed(started)])
@@ -303,7 +341,8 @@ def start_stack(spec: StackSpec) -> StackState:
         raise
     state = StackState(run_dir=str(run), gateway_url=f"http://127.0.0.1:{gw_port}",
                        admin_url=admin_url, epp_metrics_url=metrics_url, endpoints=addresses,
-                       procs=list(started), spec={"workers": spec.workers, "model": spec.model,
+                       procs=list(started), spec={"workers": len(roles), "model": spec.model,
+                                            "prefill": spec.prefill, "decode": spec.decode,
                                             "dtype": spec.dtype, "standin": spec.standin,
                                             "kv_pool_tier": spec.kv_pool_tier if spec.kv_tiers
                                             else None, "started": time.time()})

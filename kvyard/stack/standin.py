@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--advertise-address", default=None)
     p.add_argument("--model", default=DEMO_SERVED_NAME)
+    p.add_argument("--role", default="both", help="reported in /health, as workers do")
+    p.add_argument("--pd-key-file", default=None, help="accepted for the stack's sake; unused")
     p.add_argument("--waiting", type=int, default=0, help="initial reported queue depth")
     p.add_argument("--tokens", type=int, default=4, help="chunks per streamed answer")
     p.add_argument("--token-delay", type=float, default=0.0, help="seconds between chunks")

@@ -5,6 +5,8 @@ Routing columns come from the EPP's `/debug/endpoints`, not the workers, because
 routing decisions are made on the EPP's view (scrape age and all). The kvstore
 column comes from each worker's own `/metrics` (`kvyard:kvstore_tier_up`,
 `kvyard:kvstore_errors_total`): only the worker knows whether its Redis answers.
+So does the handoffs column (P/D: `kvyard:pd_handoffs_total{path}`, fallbacks,
+refused prefill targets), counted where the KV arrives, on decode workers.
 """
 from __future__ import annotations
 
@@ -53,15 +55,60 @@ def kvstore_tiers(metrics_text: str) -> dict[str, dict]:
     return tiers
 
 
-def worker_kvstore(address: str) -> dict[str, dict] | None:
-    """The worker's tiers, or None when its /metrics does not answer."""
+def pd_counts(metrics_text: str) -> dict | None:
+    """{"handoffs": {path: n}, "fallbacks": {reason: n}, "rejected": n} from a worker's
+    P/D counters (kvyard.common.wire); None for a worker without them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvyard.common import wire
+
+    out: dict = {"handoffs": {}, "fallbacks": {}, "rejected": 0}
+    seen = False
+    for fam in text_string_to_metric_families(metrics_text):
+        for s in fam.samples:
+            if s.name == wire.M_PD_HANDOFFS:
+                out["handoffs"][s.labels.get("path", "")] = int(s.value)
+            elif s.name == wire.M_PD_FALLBACKS:
+                if s.value:
+                    out["fallbacks"][s.labels.get("reason", "")] = int(s.value)
+            elif s.name == wire.M_PD_REJECTED:
+                out["rejected"] = int(s.value)
+            else:
+                continue
+            seen = True
+    return out if seen else None
+
+
+def worker_view(address: str) -> tuple[dict[str, dict] | None, dict | None]:
+    """The worker's kvstore tiers and P/D counts; (None, None) when its /metrics does
+    not answer."""
     from kvyard.stack import procs
 
     try:
         code, body = procs.http_get(f"http://{address}/metrics", 2.0)
-        return kvstore_tiers(body.decode()) if code == 200 else None
+        if code != 200:
+            return None, None
+        text = body.decode()
+        return kvstore_tiers(text), pd_counts(text)
     except (OSError, ValueError):
-        return None
+        return None, None
+
+
+def worker_kvstore(address: str) -> dict[str, dict] | None:
+    """The worker's tiers, or None when its /metrics does not answer."""
+    return worker_view(address)[0]
+
+
+def fmt_pd(pd: dict | None) -> str:
+    if not pd:
+        return "-"
+    cells = [f"{p}:{n}" for p, n in pd["handoffs"].items() if n]
+    fb = sum(pd["fallbacks"].values())
+    if fb:
+        cells.append(f"fallbacks:{fb}")
+    if pd["rejected"]:
+        cells.append(f"rejected:{pd['rejected']}")
+    return " ".join(cells) or "0"
 
 
 def fmt_kvstore(tiers: dict[str, dict] | None) -> str:
@@ -106,16 +153,18 @@ def run(args: argparse.Namespace) -> int:
               "see its log, or restart with `kvyard up --restart`", file=sys.stderr)
         return 1
     with ThreadPoolExecutor(min(8, max(1, len(rows)))) as pool:
-        for r, kv in zip(rows, pool.map(worker_kvstore, [r["address"] for r in rows])):
+        for r, (kv, pd) in zip(rows, pool.map(worker_view, [r["address"] for r in rows])):
             r["kvstore"] = kv
+            r["pd"] = pd
     sup = supervisor_view(state)
     if args.json:
         print(json.dumps({"gateway": state.gateway_url, "endpoints": rows, "supervisor": sup},
                          indent=2))
         return 0
     print(f"gateway: {state.gateway_url}")
-    cols = (*COLUMNS, "kvstore")
-    cells = [[_fmt(r[c]) for c in COLUMNS] + [fmt_kvstore(r["kvstore"])] for r in rows]
+    cols = (*COLUMNS, "kvstore", "handoffs")
+    cells = [[_fmt(r[c]) for c in COLUMNS] + [fmt_kvstore(r["kvstore"]), fmt_pd(r["pd"])]
+             for r in rows]
     widths = [max([len(c)] + [len(x[i]) for x in cells]) for i, c in enumerate(cols)]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip())
     for x in cells:

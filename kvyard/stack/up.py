@@ -25,7 +25,12 @@ from kvyard.workers.server.cli import parse_size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2, help="colocated (role both) workers")
+    p.add_argument("--prefill", type=int, default=0, metavar="N",
+                   help="P/D: N prefill workers (with --decode: instead of --workers)")
+    p.add_argument("--decode", type=int, default=0, metavar="M",
+                   help="P/D: M decode workers; the EPP runs the decode-first P/D config and "
+                        "signs prefill targets with a key made for this stack")
     p.add_argument("--port", type=int, default=8080, help="gateway port (another free one if taken)")
     p.add_argument("--model", default="demo")
     p.add_argument("--dtype", default=None, help="worker dtype (passed to kvyard worker)")
@@ -125,12 +130,17 @@ def run(args: argparse.Namespace) -> int:
         print("kvyard up: --kv-pool-tier redis needs redis-server (apt-get install "
               "redis-server)", file=sys.stderr)
         return 1
+    if (args.prefill > 0) != (args.decode > 0) or min(args.prefill, args.decode) < 0:
+        print("kvyard up: P/D needs both --prefill N and --decode M (N, M >= 1)", file=sys.stderr)
+        return 2
     spec = StackSpec(run_dir=rd, workers=args.workers, gateway_port=args.port, model=args.model,
+                     prefill=args.prefill, decode=args.decode,
                      dtype=args.dtype, standin=args.standin_workers, ready_timeout_s=args.timeout,
                      kv_tiers=args.kv_tiers, kv_pool_tier=args.kv_pool_tier,
                      kv_redis_max_memory=args.kv_redis_max_memory)
-    print(f"kvyard: starting {args.workers} worker(s), the EPP and Envoy (logs in {rd}/logs)",
-          flush=True)
+    what = f"{args.prefill} prefill + {args.decode} decode worker(s)" if spec.disaggregated \
+        else f"{args.workers} worker(s)"
+    print(f"kvyard: starting {what}, the EPP and Envoy (logs in {rd}/logs)", flush=True)
     error = start_supervised(spec)
     state = StackState.load(rd)
     if error is not None or state is None:

@@ -36,7 +36,8 @@ def test_up_status_down(tmp_path: Path, h) -> None:
         assert sorted(e["address"] for e in doc["endpoints"]) == sorted(state.endpoints)
         for e in doc["endpoints"]:
             assert set(e) == {"address", "role", "queue", "kv_usage", "picks", "prefix_hits",
-                              "kvstore"}
+                              "kvstore", "pd"}
+            assert e["pd"] is None  # stand-ins count no P/D handoffs
             assert e["kvstore"] == {"dram": {"up": True, "errors": 0},
                                     "ssd": {"up": True, "errors": 0}}
         assert sum(e["picks"] for e in doc["endpoints"]) >= 1
