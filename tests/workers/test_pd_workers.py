@@ -8,7 +8,8 @@ answer's `remote_port` to its own TCP side, which relays the peer transfer and
 damages it on purpose: "corrupt" flips a byte of the first block's payload,
 "truncate" closes after the first block, "pause" relays the first block and
 waits for the test (which kills the prefill worker meanwhile), "hang" never
-answers the prefill leg.
+answers the prefill leg, "dead_peer" answers once the test says the blocks are
+in the shared store, with a port that refuses connections.
 """
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ class PDProxy:
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
     _peer: tuple[str, int] | None = None
+    before_answer: object = None          # "dead_peer": called before the leg answers
+    closed_port: int = 0                  # "dead_peer": where the offer then points
     _runner: web.AppRunner | None = None
     _srv: asyncio.AbstractServer | None = None
 
@@ -113,6 +116,9 @@ class PDProxy:
         if isinstance(ktp, dict) and ktp.get("remote_port"):
             self._peer = (ktp["remote_host"], ktp["remote_port"])
             ktp["remote_port"] = self.tcp_port
+            if self.mode == "dead_peer":  # the blocks' holder is gone once they are stored
+                await asyncio.get_running_loop().run_in_executor(None, self.before_answer)
+                ktp["remote_port"] = self.closed_port
         return web.json_response(doc, status=status)
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -374,3 +380,52 @@ def test_unpulled_blocks_are_freed_after_the_hold_timeout(prefill, wait_until) -
     assert len(ktp["kvyard"]["block_hashes"]) == len(ktp["remote_block_ids"])
     assert kv_usage(prefill) > 0.0            # held for a pull that never comes
     wait_until(lambda: kv_usage(prefill) == 0.0, timeout=120, what="the hold's timeout")
+
+
+def test_blocks_come_from_the_shared_store_when_the_peer_fails(tmp_path, key_file, wait_until
+                                                               ) -> None:
+    """Both workers on one pool tier (a shared SSD dir, as `kvyard up` gives them): a
+    peer that cannot be reached costs the decode worker no prefill."""
+    ssd = tmp_path / "kvcache"
+    kv = ["--kv-dram-gb", "0.1", "--kv-ssd-dir", str(ssd), "--kv-ssd-gb", "1"]
+    pw = start_worker([*WORKER_ARGS, *kv, "--role", "prefill"], tmp_path / "p.log",
+                      env=_env(key_file))
+    dw = start_worker([*WORKER_ARGS, *kv, "--role", "decode"], tmp_path / "d.log",
+                      env=_env(key_file))
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    proxy = PDProxy(prefill_address(pw), "dead_peer")
+    proxy.closed_port = closed.getsockname()[1]
+    closed.close()
+    user = "What is the oldest bridge in Prague?"
+    prompt_blocks = []
+
+    def stored() -> None:
+        wait_until(lambda: len(list(ssd.rglob("*.kvb"))) >= prompt_blocks[0], timeout=60,
+                   what="the prefill worker's blocks on the shared SSD")
+    proxy.before_answer = stored
+    proxy.start()
+    try:
+        status, ref = post(pw.base_url, body(user))   # colocated answer (and the block count)
+        assert status == 200, ref
+        prompt_blocks.append((ref["usage"]["prompt_tokens"] - 1) // 16)
+        for p in ssd.rglob("*.kvb"):                   # the store starts empty for the handoff
+            p.unlink()
+        restart = start_worker([*WORKER_ARGS, *kv, "--role", "prefill"], tmp_path / "p2.log",
+                               env=_env(key_file))    # and so does the prefill worker's cache
+        pw.stop()
+        proxy.upstream = prefill_address(restart)
+        before = scrape(dw.base_url)
+        status, got = post(dw.base_url, body(user), signed(key_file, proxy.address))
+        assert status == 200, got
+        assert text_of(got) == text_of(ref)
+        after = scrape(dw.base_url)
+        store = f'{wire.M_PD_HANDOFFS}{{path="store"}}'
+        assert after[store] == before[store] + 1
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt_blocks[0] * 16
+        restart.stop()
+    finally:
+        proxy.stop()
+        dw.stop()
+        if pw.proc.poll() is None:
+            pw.stop()
