@@ -84,6 +84,25 @@ def served(address: str) -> int:
 
 
 @pytest.fixture(scope="module")
+def real_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackState]:
+    """One real demo-model worker behind the EPP and Envoy, per module (skips without
+    the model; loading is slow on CPU)."""
+    from kvyard.common.models import ModelNotFound, demo_gguf_path
+    try:
+        demo_gguf_path()
+    except ModelNotFound as e:
+        pytest.skip(str(e))
+    state = start_stack(StackSpec(run_dir=tmp_path_factory.mktemp("real"), workers=1,
+                                  gateway_port=None, worker_base_port=None,
+                                  epp_ports=(None, None, None), admin_port=None,
+                                  ready_timeout_s=300.0))
+    try:
+        yield state
+    finally:
+        stop_stack(state)
+
+
+@pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackState]:
     """Three stand-ins behind one EPP and one Envoy, shared by a module's tests
     (each test leaves queue depths as it found them)."""

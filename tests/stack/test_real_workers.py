@@ -4,24 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvyard.common.models import DEMO_SERVED_NAME, ModelNotFound, demo_gguf_path
-from kvyard.stack.launch import StackSpec, start_stack, stop_stack
-
-
-@pytest.fixture(scope="module")
-def real_stack(tmp_path_factory: pytest.TempPathFactory):
-    try:
-        demo_gguf_path()
-    except ModelNotFound as e:
-        pytest.skip(str(e))
-    spec = StackSpec(run_dir=tmp_path_factory.mktemp("real"), workers=1, gateway_port=None,
-                     worker_base_port=None, epp_ports=(None, None, None), admin_port=None,
-                     ready_timeout_s=300.0)
-    state = start_stack(spec)
-    try:
-        yield state
-    finally:
-        stop_stack(state)
+from kvyard.common.models import DEMO_SERVED_NAME
 
 
 def test_openai_client_through_the_gateway(real_stack) -> None:
