@@ -4,7 +4,6 @@ OpenAI's SDKs would retry), through the gateway and at a worker directly, and
 the stack serves normally afterwards."""
 from __future__ import annotations
 
-
 from kvyard.bench.bad_inputs import cases, run_corpus
 
 

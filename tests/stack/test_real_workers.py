@@ -2,7 +2,6 @@
 by the official openai client as a user would (one worker: loading is slow on CPU)."""
 from __future__ import annotations
 
-
 from kvyard.common.models import DEMO_SERVED_NAME
 
 
