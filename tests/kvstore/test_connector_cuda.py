@@ -42,8 +42,8 @@ def slabs(request, monkeypatch):
     (several D2H runs per save, double-buffered H2D with events on load)."""
     if request.param == "small-slabs":
         nb = LAYERS * 2 * BS * HEADS * DIM * 4
-        monkeypatch.setattr(kvconnector, "_SLAB_BYTES", 3 * (nb + HEADER_BYTES) + 100)
-        monkeypatch.setattr(kvconnector, "_GATHER_BYTES", 2 * (nb + HEADER_BYTES))  # gathers of 2
+        monkeypatch.setattr(kvconnector.staging, "_SLAB_BYTES", 3 * (nb + HEADER_BYTES) + 100)
+        monkeypatch.setattr(kvconnector.staging, "_GATHER_BYTES", 2 * (nb + HEADER_BYTES))  # gathers of 2
     return request.param
 
 
@@ -132,7 +132,7 @@ def test_cuda_frames_survive_eviction_churn(monkeypatch):
     """A small DRAM tier evicting while saves keep coming: arena slabs (3 frames
     each here) are reused, and what the tier still holds is never overwritten."""
     nb = LAYERS * 2 * BS * HEADS * DIM * 2
-    monkeypatch.setattr(kvconnector, "_SLAB_BYTES", 3 * (nb + HEADER_BYTES) + 100)
+    monkeypatch.setattr(kvconnector.staging, "_SLAB_BYTES", 3 * (nb + HEADER_BYTES) + 100)
     cfg = StoreConfig(dram_bytes=24 * nb)
     src = _caches(torch.bfloat16)
     a = StoreConnector(cfg, "m@1")

@@ -29,8 +29,8 @@ def _caches(dtype, blocks=40, fill=True):
 def small_slabs(monkeypatch):
     """Slabs and load buffers of a few blocks, so every call spans several."""
     nb = LAYERS * 2 * BS * HEADS * DIM * 4  # float32, the larger of the two dtypes
-    monkeypatch.setattr(kvconnector, "_SLAB_BYTES", 3 * (nb + HEADER_BYTES) + 100)
-    monkeypatch.setattr(kvconnector, "_GATHER_BYTES", 2 * (nb + HEADER_BYTES))  # gathers of 2
+    monkeypatch.setattr(kvconnector.staging, "_SLAB_BYTES", 3 * (nb + HEADER_BYTES) + 100)
+    monkeypatch.setattr(kvconnector.staging, "_GATHER_BYTES", 2 * (nb + HEADER_BYTES))  # gathers of 2
     monkeypatch.setattr(StoreConnector, "_force_staging", True)
 
 
