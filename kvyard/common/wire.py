@@ -52,3 +52,29 @@ M_PD_FALLBACKS = "kvyard:pd_fallbacks_total"
 M_PD_HANDOFF_SECONDS = "kvyard:pd_handoff_seconds"
 M_PD_HANDOFF_BYTES = "kvyard:pd_handoff_bytes_total"
 M_PD_REJECTED = "kvyard:pd_rejected_prefill_targets_total"
+
+# Kubernetes: the CRD, the labels and ports the operator (operator/) and the Helm
+# chart (charts/kvyard) both write. Fixed contracts; operator/README.md lists them.
+K8S_GROUP = "kvyard.io"
+CRD_VERSION = "v1alpha1"
+CRD_KIND = "InferenceService"
+CRD_PLURAL = "inferenceservices"
+CRD_SINGULAR = "inferenceservice"
+CRD_SHORT_NAME = "kis"
+CRD_NAME = f"{CRD_PLURAL}.{K8S_GROUP}"
+FIELD_MANAGER = "kvyard-operator"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY = "kvyard-operator"
+SERVICE_LABEL = "kvyard.io/service"      # the InferenceService a child belongs to
+COMPONENT_LABEL = "kvyard.io/component"  # worker | epp | gateway
+COMPONENTS = ("worker", "epp", "gateway")
+WORKER_HTTP_PORT = 8000
+WORKER_KV_PEER_PORT = 8001               # P/D: the prefill side's KV transfer endpoint
+GATEWAY_HTTP_PORT = 8080
+GATEWAY_ADMIN_PORT = 9901                # bound to 127.0.0.1 inside the pod
+IMAGE_REPOSITORY = "ghcr.io/kvyard/kvyard"  # tag: the kvyard version
+RUN_AS_USER = 65532                      # every container: non-root, read-only root fs
+PD_KEY_ENV = "KVYARD_PD_KEY_FILE"
+REDIS_PASSWORD_ENV = "KVYARD_REDIS_PASSWORD"
+INFERENCE_POOL_GROUP = "inference.networking.k8s.io"
+INFERENCE_POOL_VERSION = "v1"

@@ -46,6 +46,7 @@ pass through untouched.
 """
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,10 +91,19 @@ def _socket_address(hostport: str) -> dict[str, Any]:
     return {"socket_address": {"address": host.strip("[]"), "port_value": int(port)}}
 
 
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
 def _static_cluster(name: str, hostport: str, connect_s: float, http2: bool) -> dict[str, Any]:
+    # An IP is STATIC; a name (a Kubernetes Service: `<svc>.<ns>.svc`) is re-resolved by DNS.
     cluster: dict[str, Any] = {
         "name": name,
-        "type": "STATIC",
+        "type": "STATIC" if _is_ip(hostport.rpartition(":")[0]) else "STRICT_DNS",
         "connect_timeout": _duration(connect_s),
         "load_assignment": {
             "cluster_name": name,

@@ -1,0 +1,43 @@
+"""`kvyard operator`: run the InferenceService operator (kopf).
+
+In a pod it logs in with its service account; outside, with the kubeconfig
+(`$KVYARD_OPERATOR_SERVER`, e.g. `kubectl proxy`'s URL, skips credentials).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--namespace", action="append", default=[],
+                   help="watch InferenceServices here (repeatable; default: $WATCH_NAMESPACE, "
+                        "else all namespaces)")
+    p.add_argument("--all-namespaces", action="store_true", help="watch every namespace")
+    p.add_argument("--resync-seconds", type=float, default=30.0,
+                   help="every object is reconciled again this often (drift repair)")
+    p.add_argument("--retry-seconds", type=float, default=5.0,
+                   help="delay before a pass that hit an API error runs again")
+    p.add_argument("--liveness", default="http://0.0.0.0:8081/healthz",
+                   help="kopf's liveness endpoint ('' for none)")
+    p.add_argument("--server", default=os.environ.get("KVYARD_OPERATOR_SERVER"),
+                   help="API server URL used without credentials (kubectl proxy)")
+    p.add_argument("--log-level", default="info")
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from .handlers import OperatorConfig, run_operator
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    namespaces = list(args.namespace)
+    if not namespaces and not args.all_namespaces and os.environ.get("WATCH_NAMESPACE"):
+        namespaces = [n.strip() for n in os.environ["WATCH_NAMESPACE"].split(",") if n.strip()]
+    cfg = OperatorConfig(resync_s=args.resync_seconds, retry_s=args.retry_seconds,
+                         server=args.server)
+    asyncio.run(run_operator(cfg, namespaces, clusterwide=not namespaces,
+                             liveness=args.liveness or None))
+    return 0

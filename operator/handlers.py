@@ -1,0 +1,153 @@
+"""kopf wiring: which events run a reconcile pass, and with what settings.
+
+Every cause (resume after a restart, create, update, and a resync timer) runs the
+same idempotent pass (`reconcile.reconcile`), one at a time per object. There is
+no delete handler: children carry owner references, so Kubernetes' garbage
+collector removes them, with or without the operator running. kopf adds its
+finalizer for the timer and releases it itself when the object is deleted.
+kopf's bookkeeping lives in annotations, so `status` is kvyard's alone.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from kvyard.common import wire
+
+from .client import Client, Connection
+from .reconcile import Retry, reconcile
+
+SA_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+RESOURCE = (wire.K8S_GROUP, wire.CRD_VERSION, wire.CRD_PLURAL)
+
+
+@dataclass(slots=True)
+class OperatorConfig:
+    resync_s: float = 30.0
+    retry_s: float = 5.0
+    server: str | None = None   # an API URL used without credentials (tests, kubectl proxy)
+
+
+@dataclass(slots=True)
+class State:
+    """Shared by every handler (kopf gives each object a shallow copy of the memo)."""
+
+    config: OperatorConfig
+    connection: Connection | None = None
+    client: Client | None = None
+    locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+
+    def api(self) -> Client:
+        if self.client is None:
+            if self.connection is None:
+                raise kopf.TemporaryError("not logged in yet", delay=1)
+            self.client = Client(self.connection)
+        return self.client
+
+
+def _pem_file(data: str | bytes | None) -> str | None:
+    if not data:
+        return None
+    fd, path = tempfile.mkstemp(prefix="kvyard-operator-", suffix=".pem")
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data if isinstance(data, bytes) else data.encode())
+    return path
+
+
+def connection_from(info: kopf.ConnectionInfo) -> Connection:
+    ca = info.ca_data.decode() if isinstance(info.ca_data, bytes) else info.ca_data
+    return Connection(server=info.server, token=info.token,
+                      token_path=SA_TOKEN if info.server == "https://kubernetes.default.svc"
+                      else None,
+                      ca_path=str(info.ca_path) if info.ca_path else None, ca_data=ca,
+                      insecure=bool(info.insecure),
+                      cert_path=str(info.certificate_path) if info.certificate_path
+                      else _pem_file(info.certificate_data),
+                      key_path=str(info.private_key_path) if info.private_key_path
+                      else _pem_file(info.private_key_data))
+
+
+def configure(settings: kopf.OperatorSettings, cfg: OperatorConfig) -> None:
+    settings.persistence.finalizer = f"{wire.K8S_GROUP}/operator"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=wire.K8S_GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=wire.K8S_GROUP, key="last-handled-configuration")
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.networking.request_timeout = 30
+
+
+def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.startup(registry=registry)
+    def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        configure(settings, cfg)
+
+    @kopf.on.login(registry=registry)
+    def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
+        if cfg.server:
+            info = kopf.ConnectionInfo(server=cfg.server)
+        else:
+            info = kopf.login_with_service_account(**kwargs) \
+                or kopf.login_with_kubeconfig(**kwargs)
+        if info is not None:
+            state: State = memo.state
+            state.connection = connection_from(info)
+            if state.client is not None:
+                state.client.conn = state.connection
+        return info
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+        if memo.state.client is not None:
+            await memo.state.client.close()
+            memo.state.client = None
+
+    async def run_pass(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+        state: State = memo.state
+        uid = body.metadata.uid or f"{body.metadata.namespace}/{body.metadata.name}"
+        lock = state.locks.setdefault(uid, asyncio.Lock())
+        async with lock:
+            # The freshest object: a timer's or a queued handler's body may be stale.
+            api = state.api()
+            fresh = await api.get(wire.CRD_KIND, body.metadata.namespace, body.metadata.name)
+            if fresh is None or (fresh.get("metadata") or {}).get("deletionTimestamp"):
+                return
+            try:
+                new = await reconcile(api, fresh)
+            except Retry as e:
+                raise kopf.TemporaryError(str(e), delay=cfg.retry_s) from e
+        ready = next((c for c in new.get("conditions", []) if c["type"] == "Ready"), {})
+        logger.debug("pass done: Ready=%s (%s)", ready.get("status"), ready.get("reason"))
+
+    for reason, decorator in (("resume", kopf.on.resume), ("create", kopf.on.create),
+                              ("update", kopf.on.update)):
+        decorator(*RESOURCE, id=f"reconcile-{reason}", registry=registry,
+                  backoff=cfg.retry_s)(run_pass)
+
+    @kopf.timer(*RESOURCE, id="resync", interval=cfg.resync_s, initial_delay=cfg.resync_s,
+                registry=registry)
+    async def resync(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+        await run_pass(body, memo, logger)
+
+    return registry
+
+
+async def run_operator(cfg: OperatorConfig, namespaces: list[str], clusterwide: bool,
+                       liveness: str | None = None,
+                       stop_flag: asyncio.Event | None = None,
+                       ready_flag: asyncio.Event | None = None) -> None:
+    """kopf's operator loop with kvyard's registry; returns when stop_flag is set."""
+    await kopf.operator(registry=build_registry(cfg), standalone=True,
+                        namespaces=namespaces, clusterwide=clusterwide,
+                        liveness_endpoint=liveness, memo=kopf.Memo(state=State(cfg)),
+                        stop_flag=stop_flag, ready_flag=ready_flag)

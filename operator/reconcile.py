@@ -1,0 +1,181 @@
+"""One reconcile pass: spec -> checks -> apply children -> prune -> status.
+
+Idempotent: every pass applies the full rendered set with server-side apply, so a
+child edited or deleted by hand is put back, and a pass cut short (an operator
+restart) is completed by the next. A bad spec or a missing Secret ends as a
+Degraded status, never an exception; only API failures that may pass (5xx,
+timeouts, no connection) raise `Retry`, which the handlers turn into
+`kopf.TemporaryError`.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import secrets
+import urllib.parse
+from typing import Any
+
+import aiohttp
+
+from kvyard.common import wire
+
+from . import render, status
+from .client import ApiError, Client
+from .render_workers import pd_secret_name
+from .spec import ServiceSpec, SpecError, parse
+from .status import Observed, Problem
+
+log = logging.getLogger("kvyard.operator")
+# Kinds a pass may leave behind when the spec changes (a pool removed, the pool disabled).
+_NETWORK = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+PRUNED_KINDS = ("Deployment", "Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding",
+                "InferencePool")
+
+
+class Retry(Exception):
+    """A failure that may pass: try the pass again later."""
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _transient(e: Exception) -> bool:
+    return not isinstance(e, ApiError) or e.status >= 500 or e.status == 429
+
+
+async def redis_reachable(url: str, timeout_s: float = 1.0) -> str | None:
+    """None when a TCP connection to the URL's host:port opens; else why not."""
+    u = urllib.parse.urlsplit(url.replace("redis+cluster://", "redis://", 1))
+    host, port = u.hostname, u.port or 6379
+    if not host:
+        return f"no host in {url!r}"
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except (OSError, asyncio.TimeoutError) as e:
+        return f"{host}:{port}: {e.__class__.__name__} {e}".strip()
+    writer.close()
+    return None
+
+
+async def preflight(api: Client, s: ServiceSpec) -> list[Problem]:
+    kv = s.kvstore
+    if kv is None or not kv.redis_url:
+        return []
+    problems = []
+    if kv.redis_secret:
+        secret = await api.get("Secret", s.namespace, kv.redis_secret)
+        if secret is None:
+            problems.append(Problem("SecretNotFound", f"Secret {kv.redis_secret} (the Redis "
+                                    f"password) does not exist in {s.namespace}", True))
+        elif kv.redis_secret_key not in (secret.get("data") or {}):
+            problems.append(Problem("SecretKeyNotFound", f"Secret {kv.redis_secret} has no key "
+                                    f"{kv.redis_secret_key!r}", True))
+    why = await redis_reachable(kv.redis_url)
+    if why:
+        problems.append(Problem("RedisUnreachable", f"{why}; workers run without the Redis "
+                                "tier until it answers"))
+    return problems
+
+
+async def ensure_pd_key(api: Client, s: ServiceSpec) -> None:
+    """Created once with a random key, never rewritten (rotating it would break
+    in-flight handoffs); deleted with the service through its owner reference."""
+    if await api.get("Secret", s.namespace, pd_secret_name(s)) is None:
+        await api.create(render.pd_key_secret(s, secrets.token_hex(32)))
+
+
+async def apply_children(api: Client, s: ServiceSpec, children: list[dict[str, Any]]
+                         ) -> list[Problem]:
+    problems = []
+    for obj in children:
+        try:
+            await api.apply(obj)
+        except ApiError as e:
+            if _transient(e):
+                raise Retry(f"apply {obj['kind']}/{obj['metadata']['name']}: {e}") from e
+            if obj["kind"] == "InferencePool" and e.status == 404:
+                problems.append(Problem("InferencePoolCRDMissing", "inferencePool.enabled, but "
+                                        "the GAIE InferencePool CRD is not installed"))
+            else:
+                problems.append(Problem("ApplyFailed", f"{obj['kind']}/{obj['metadata']['name']}:"
+                                        f" {e.message}"))
+    return problems
+
+
+async def prune(api: Client, s: ServiceSpec, children: list[dict[str, Any]]) -> None:
+    keep = {(o["kind"], o["metadata"]["name"]) for o in children}
+    selector = {wire.MANAGED_BY_LABEL: wire.MANAGED_BY, wire.SERVICE_LABEL: s.name}
+    for kind in PRUNED_KINDS:
+        try:
+            items = await api.list(kind, s.namespace, selector)
+        except ApiError as e:
+            if e.status == 404:  # an API that is not installed holds nothing of ours
+                continue
+            raise
+        for item in items:
+            md = item.get("metadata", {})
+            owned = any(r.get("uid") == s.uid for r in md.get("ownerReferences") or [])
+            if owned and (kind, md.get("name")) not in keep:
+                log.info("%s/%s: pruning %s/%s", s.namespace, s.name, kind, md.get("name"))
+                await api.delete(kind, s.namespace, md["name"])
+
+
+async def observe(api: Client, s: ServiceSpec, children: list[dict[str, Any]],
+                  problems: list[Problem]) -> Observed:
+    deps = [o for o in children if o["kind"] == "Deployment"]
+    seen = []
+    for d in deps:
+        got = await api.get("Deployment", s.namespace, d["metadata"]["name"])
+        if got is not None:
+            seen.append(got)
+    return Observed(generation=s.generation, deployments=seen, problems=problems,
+                    gateway_address=render.gateway_address(s), expected_deployments=len(deps))
+
+
+def _status_patch(new: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
+    """A merge patch that also removes pools that are gone."""
+    pools = dict(new.get("pools", {}))
+    for role in (old.get("pools") or {}):
+        pools.setdefault(role, None)
+    return {**new, "pools": pools}
+
+
+def _same(new: dict[str, Any], old: dict[str, Any]) -> bool:
+    return all(old.get(k) == v for k, v in new.items())
+
+
+async def reconcile(api: Client, body: dict[str, Any]) -> dict[str, Any]:
+    """One pass over a custom resource as the API returned it; returns its new status."""
+    meta = body.get("metadata") or {}
+    ns, name = meta.get("namespace") or "default", meta.get("name", "")
+    old = dict(body.get("status") or {})
+    try:
+        try:
+            s = parse(body)
+        except SpecError as e:
+            obs = Observed(generation=int(meta.get("generation") or 1),
+                           problems=[Problem("InvalidSpec", str(e), True)])
+        else:
+            problems = await preflight(api, s)
+            children = render.render_all(s)
+            if not any(p.blocking for p in problems):
+                if s.disaggregated:
+                    await ensure_pd_key(api, s)
+                problems += await apply_children(api, s, children)
+                await prune(api, s, children)
+            obs = await observe(api, s, children, problems)
+        new = status.compute(obs, old.get("conditions"), _now())
+        if not _same(new, old):
+            await api.patch_status(wire.CRD_KIND, ns, name, _status_patch(new, old))
+        return new
+    except ApiError as e:
+        if _transient(e):
+            raise Retry(str(e)) from e
+        if e.status == 404:  # deleted while we worked: its children go with it
+            log.info("%s/%s: gone (%s)", ns, name, e)
+            return old
+        raise
+    except _NETWORK as e:
+        raise Retry(f"{e.__class__.__name__}: {e}") from e

@@ -1,0 +1,51 @@
+"""spec -> the complete list of child manifests, in apply order (pure).
+
+Order: the EPP's RBAC and config before its Deployment, workers before the EPP
+that discovers them, the gateway last. The P/D key Secret is the one child that
+is not pure (a random key, created once): `pd_key_secret` renders it for a key.
+"""
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from kvyard.common import wire
+
+from . import render_common as rc
+from .render_epp import render_epp
+from .render_gateway import render_gateway
+from .render_workers import pd_secret_name, render_workers
+from .spec import ServiceSpec
+
+POOL_API = f"{wire.INFERENCE_POOL_GROUP}/{wire.INFERENCE_POOL_VERSION}"
+
+
+def inference_pool(s: ServiceSpec) -> dict[str, Any]:
+    """GAIE v1: the workers (selector + port) and the EPP that picks among them, so a
+    Gateway API implementation (Istio, kgateway, GKE) can route through kvyard's EPP."""
+    return {"apiVersion": POOL_API, "kind": "InferencePool",
+            "metadata": rc.metadata(s, s.name, "epp"),
+            "spec": {"selector": {"matchLabels": rc.selector_labels(s, "worker")},
+                     "targetPorts": [{"number": wire.WORKER_HTTP_PORT}],
+                     "appProtocol": "http",
+                     "endpointPickerRef": {"group": "", "kind": "Service",
+                                           "name": rc.name_of(s, "epp"),
+                                           "port": {"number": wire.EPP_EXT_PROC_PORT},
+                                           "failureMode": "FailClose"}}}
+
+
+def pd_key_secret(s: ServiceSpec, key_hex: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": rc.metadata(s, pd_secret_name(s), "epp"),
+            "data": {"key": base64.b64encode((key_hex + "\n").encode()).decode()}}
+
+
+def render_all(s: ServiceSpec) -> list[dict[str, Any]]:
+    children = render_workers(s) + render_epp(s) + render_gateway(s)
+    if s.inference_pool:
+        children.append(inference_pool(s))
+    return children
+
+
+def gateway_address(s: ServiceSpec) -> str:
+    return f"{rc.name_of(s, 'gateway')}.{s.namespace}.svc:{wire.GATEWAY_HTTP_PORT}"

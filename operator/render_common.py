@@ -1,0 +1,144 @@
+"""What every rendered child shares: names, labels, owner reference, pod hardening.
+
+Pure functions of the ServiceSpec; nothing here talks to an API.
+"""
+from __future__ import annotations
+
+import hashlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from kvyard.common import wire
+
+from .spec import ServiceSpec
+
+VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
+MODEL_MOUNT = "/models"
+CONFIG_MOUNT = "/etc/kvyard"
+
+
+def kvyard_version() -> str:
+    try:
+        return version("kvyard")
+    except PackageNotFoundError:
+        return "0.1.0"
+
+
+def default_image() -> str:
+    return f"{wire.IMAGE_REPOSITORY}:{kvyard_version()}"
+
+
+def worker_image(s: ServiceSpec) -> str:
+    return s.engine.image or (VLLM_IMAGE if s.engine.name == "vllm" else default_image())
+
+
+def name_of(s: ServiceSpec, component: str, role: str | None = None) -> str:
+    """`<service>-<role>` for worker pools, `<service>-epp`, `<service>-gateway`."""
+    return f"{s.name}-{role if component == 'worker' else component}"
+
+
+def selector_labels(s: ServiceSpec, component: str, role: str | None = None) -> dict[str, str]:
+    labels = {wire.SERVICE_LABEL: s.name, wire.COMPONENT_LABEL: component}
+    if role is not None:
+        labels[wire.ROLE_LABEL] = role
+    return labels
+
+
+def labels(s: ServiceSpec, component: str, role: str | None = None) -> dict[str, str]:
+    return {wire.MANAGED_BY_LABEL: wire.MANAGED_BY, "app.kubernetes.io/name": "kvyard",
+            "app.kubernetes.io/instance": s.name,
+            "app.kubernetes.io/component": component if role is None else f"{component}-{role}",
+            **selector_labels(s, component, role)}
+
+
+def owner_reference(s: ServiceSpec) -> dict[str, Any]:
+    return {"apiVersion": f"{wire.K8S_GROUP}/{wire.CRD_VERSION}", "kind": wire.CRD_KIND,
+            "name": s.name, "uid": s.uid, "controller": True, "blockOwnerDeletion": True}
+
+
+def metadata(s: ServiceSpec, name: str, component: str, role: str | None = None,
+             annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    md: dict[str, Any] = {"name": name, "namespace": s.namespace,
+                          "labels": labels(s, component, role),
+                          "ownerReferences": [owner_reference(s)]}
+    if annotations:
+        md["annotations"] = annotations
+    return md
+
+
+def container_security() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": wire.RUN_AS_USER, "runAsGroup": wire.RUN_AS_USER,
+            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def pod_security() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": wire.RUN_AS_USER, "runAsGroup": wire.RUN_AS_USER,
+            "fsGroup": wire.RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def scratch_volumes(names: dict[str, str]) -> tuple[list[dict], list[dict]]:
+    """emptyDirs for the paths a read-only root filesystem still needs written."""
+    vols = [{"name": n, "emptyDir": {}} for n in names]
+    mounts = [{"name": n, "mountPath": p} for n, p in names.items()]
+    return vols, mounts
+
+
+def model_volume(s: ServiceSpec) -> tuple[list[dict], list[dict], str]:
+    """(volumes, mounts, the --model argument) for the spec's model source."""
+    m = s.model
+    if m.source == "demo":
+        return [], [], "demo"
+    if m.source in ("hf", "gguf"):
+        return [], [], str(m.path)
+    if m.source == "pvc":
+        vol = {"name": "model", "persistentVolumeClaim": {"claimName": m.claim_name,
+                                                          "readOnly": True}}
+    else:
+        vol = {"name": "model", "image": {"reference": m.image,
+                                          "pullPolicy": m.image_pull_policy}}
+    inner = (m.path or "").strip("/")
+    arg = f"{MODEL_MOUNT}/{inner}" if inner else MODEL_MOUNT
+    return [vol], [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}], arg
+
+
+def http_probe(path: str, port: int | str, **kw: Any) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, **kw}
+
+
+def deployment(s: ServiceSpec, name: str, component: str, role: str | None,
+               pod: dict[str, Any], replicas: int | None,
+               annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    """replicas None: left out, so an autoscaler owns the field (server-side apply
+    would otherwise set it back on every pass)."""
+    spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector_labels(s, component, role)},
+        "revisionHistoryLimit": 3,
+        "template": {"metadata": {"labels": labels(s, component, role),
+                                  **({"annotations": annotations} if annotations else {})},
+                     "spec": {"securityContext": pod_security(),
+                              "automountServiceAccountToken": component == "epp", **pod}},
+    }
+    if replicas is not None:
+        spec["replicas"] = replicas
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": metadata(s, name, component, role), "spec": spec}
+
+
+def service(s: ServiceSpec, name: str, component: str, role: str | None,
+            ports: list[tuple[str, int]], headless: bool = False) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "selector": selector_labels(s, component, role),
+        "ports": [{"name": n, "port": p, "targetPort": n, "protocol": "TCP",
+                   **({"appProtocol": "kubernetes.io/h2c"} if n == "ext-proc" else {})}
+                  for n, p in ports]}
+    if headless:
+        spec["clusterIP"] = "None"
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": metadata(s, name, component, role), "spec": spec}
+
+
+def digest(text: str) -> str:
+    """A pod-template annotation of a mounted config's hash: a config change rolls the
+    pods that read it once at start."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,0 +1,137 @@
+"""The EPP: Deployment, Service, ConfigMap (scheduler config from spec.routing), and
+the ServiceAccount/Role/RoleBinding its pod discovery needs (pods: get/list/watch).
+
+The scheduler config has the shape of epp/scheduler.example.yaml (one profile) or,
+with a prefill pool, epp/scheduler.pd.example.yaml (decode first); a test loads the
+rendered one with the EPP's own config loader.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from kvyard.common import wire
+
+from . import render_common as rc
+from .render_workers import PD_KEY_DIR, PD_KEY_FILE, pd_secret_name
+from .spec import ServiceSpec
+
+CONFIG_DIR = f"{rc.CONFIG_MOUNT}/epp"
+CONFIG_FILE = "scheduler.yaml"
+
+
+def epp_block_size(worker_block: int) -> int:
+    """A prompt block for the EPP's hashes covers whole worker blocks, about 64 tokens."""
+    return worker_block * max(1, -(-64 // worker_block))
+
+
+def _scorers(s: ServiceSpec, kv_util: bool) -> list[dict[str, Any]]:
+    r = s.routing
+    out = [{"type": "prefix-cache", "weight": r.prefix_cache, "lruCapacityPerServer": 31250},
+           {"type": "queue", "weight": r.queue}]
+    if kv_util:
+        out.append({"type": "kv-cache-utilization", "weight": r.kv_cache_utilization})
+    return out
+
+
+def scheduler_config(s: ServiceSpec) -> dict[str, Any]:
+    base = {"blockSize": epp_block_size(s.engine.block_size)}
+    objectives = {"batch": -1, "interactive": 0}
+    if not s.disaggregated:
+        return {**base, "profileHandler": {"type": "single-profile"},
+                "profiles": {"default": {
+                    "filters": ["healthy", "prefer-fresh", "role"],
+                    "scorers": _scorers(s, True),
+                    "picker": {"type": "max-score", "maxEndpoints": 1}}},
+                "objectives": objectives}
+    return {**base,
+            "profileHandler": {"type": "disagg-profile-handler", "decodeProfile": "decode",
+                               "prefillProfile": "prefill",
+                               "nonCachedTokens": s.routing.non_cached_tokens,
+                               "promptTokens": s.routing.prompt_tokens},
+            "profiles": {
+                "decode": {"filters": ["healthy", "prefer-fresh", "role"],
+                           "scorers": _scorers(s, True), "picker": {"type": "max-score"}},
+                "prefill": {"filters": ["healthy", "prefer-fresh", "prefill-role"],
+                            "scorers": _scorers(s, False), "picker": {"type": "max-score"}}},
+            "objectives": objectives}
+
+
+def epp_model_arg(s: ServiceSpec, model_arg: str) -> str:
+    """The tokenizer source: the workers' model where the EPP pod can read it; a path
+    inside a custom worker image is not in the EPP's image, so prompts hash as bytes."""
+    return "none" if s.model.source in ("hf", "gguf") else model_arg
+
+
+def epp_args(s: ServiceSpec, model_arg: str) -> list[str]:
+    selector = f"{wire.SERVICE_LABEL}={s.name},{wire.COMPONENT_LABEL}=worker"
+    args = ["epp", "--host", "0.0.0.0", "--ext-proc-port", str(wire.EPP_EXT_PROC_PORT),
+            "--health-port", str(wire.EPP_HEALTH_PORT),
+            "--metrics-port", str(wire.EPP_METRICS_PORT),
+            "--k8s-namespace", s.namespace, "--k8s-selector", selector,
+            "--target-port", str(wire.WORKER_HTTP_PORT),
+            "--model", epp_model_arg(s, model_arg),
+            "--config", f"{CONFIG_DIR}/{CONFIG_FILE}",
+            "--destination-fallbacks", str(s.routing.destination_fallbacks)]
+    if s.model.served_name:
+        args += ["--served-model-name", s.model.served_name]
+    if s.disaggregated:
+        args += ["--pd-key-file", PD_KEY_FILE]
+    return args
+
+
+def _rbac(s: ServiceSpec) -> list[dict[str, Any]]:
+    name = rc.name_of(s, "epp")
+    md = rc.metadata(s, name, "epp")
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": md,
+         "automountServiceAccountToken": True},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": md,
+         "rules": [{"apiGroups": [""], "resources": ["pods"],
+                    "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": md,
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": s.namespace}]},
+    ]
+
+
+def render_epp(s: ServiceSpec) -> list[dict[str, Any]]:
+    name = rc.name_of(s, "epp")
+    text = yaml.safe_dump(scheduler_config(s), sort_keys=False)
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": rc.metadata(s, name, "epp"),
+          "data": {CONFIG_FILE: text}}
+    vols, mounts = rc.scratch_volumes({"tmp": "/tmp"})
+    mvols, mmounts, model_arg = rc.model_volume(s)
+    vols += mvols + [{"name": "config", "configMap": {"name": name}}]
+    mounts += mmounts + [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
+    if s.disaggregated:
+        vols.append({"name": "pd-key", "secret": {"secretName": pd_secret_name(s),
+                                                  "defaultMode": 0o440}})
+        mounts.append({"name": "pd-key", "mountPath": PD_KEY_DIR, "readOnly": True})
+    grpc = {"grpc": {"port": wire.EPP_HEALTH_PORT}, "timeoutSeconds": 2}
+    container = {
+        "name": "epp", "image": rc.default_image(), "imagePullPolicy": "IfNotPresent",
+        "command": ["kvyard"], "args": epp_args(s, model_arg),
+        "env": [{"name": "HOME", "value": "/tmp"},
+                {"name": "NAMESPACE", "valueFrom": {"fieldRef": {
+                    "fieldPath": "metadata.namespace"}}}],
+        "ports": [{"name": "ext-proc", "containerPort": wire.EPP_EXT_PROC_PORT, "protocol": "TCP"},
+                  {"name": "health", "containerPort": wire.EPP_HEALTH_PORT, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": wire.EPP_METRICS_PORT, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "500m", "memory": "512Mi"},
+                      "limits": {"memory": "2Gi"}},
+        "volumeMounts": mounts, "securityContext": rc.container_security(),
+        "startupProbe": {**grpc, "periodSeconds": 2, "failureThreshold": 60},
+        "readinessProbe": {**grpc, "periodSeconds": 5},
+        "livenessProbe": {**grpc, "periodSeconds": 10, "failureThreshold": 3},
+    }
+    pod = {"serviceAccountName": name, "containers": [container], "volumes": vols}
+    # A scheduler change must restart the EPP (it reads its config once).
+    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(wire.EPP_METRICS_PORT),
+                   "kvyard.io/config-hash": rc.digest(text)}
+    svc = rc.service(s, name, "epp", None, [("ext-proc", wire.EPP_EXT_PROC_PORT),
+                                            ("health", wire.EPP_HEALTH_PORT),
+                                            ("metrics", wire.EPP_METRICS_PORT)])
+    return [*_rbac(s), cm, rc.deployment(s, name, "epp", None, pod, 1, annotations), svc]
+

@@ -1,0 +1,155 @@
+"""One Deployment + Service per pool: `kvyard worker` or stock `vllm serve` pods.
+
+Flags are the model servers' own (a test parses kvyard's with `kvyard worker`'s
+argparse parser). Workers are reached by pod IP (the EPP lists Ready pods), so
+their Service is headless: a stable DNS name for tools and NetworkPolicies, never
+a load-balanced path around the EPP.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from kvyard.common import wire
+
+from . import render_common as rc
+from .spec import Pool, ServiceSpec, quantity_bytes
+
+CACHE_DIR = "/var/cache/kvyard"
+SSD_MOUNT = "/var/cache/kvyard-kv"
+PD_KEY_DIR = f"{rc.CONFIG_MOUNT}/pd"
+PD_KEY_FILE = f"{PD_KEY_DIR}/key"
+_GB = 10**9
+
+
+def pd_secret_name(s: ServiceSpec) -> str:
+    return f"{s.name}-pd-key"
+
+
+def _default_resources(s: ServiceSpec) -> dict[str, Any]:
+    if s.engine.device == "cuda":
+        return {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"nvidia.com/gpu": 1}}
+    return {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
+
+
+def _kvstore_args(s: ServiceSpec) -> list[str]:
+    kv = s.kvstore
+    if kv is None:
+        return []
+    args = ["--kv-dram-gb", f"{kv.dram_gb:g}"] if kv.dram_gb > 0 else []
+    if kv.ssd_bytes:
+        args += ["--kv-ssd-dir", SSD_MOUNT, "--kv-ssd-gb", str(kv.ssd_bytes / _GB)]
+    if kv.redis_url:
+        args += ["--kv-redis-url", kv.redis_url]
+    return args
+
+
+def kvyard_args(s: ServiceSpec, role: str, model_arg: str) -> list[str]:
+    e = s.engine
+    args = ["worker", "--model", model_arg, "--host", "0.0.0.0",
+            "--port", str(wire.WORKER_HTTP_PORT), "--role", role, "--device", e.device,
+            "--block-size", str(e.block_size)]
+    if s.model.served_name:
+        args += ["--served-model-name", s.model.served_name]
+    if e.max_model_len:
+        args += ["--max-model-len", str(e.max_model_len)]
+    if e.kv_cache_memory:
+        args += ["--kv-cache-memory-bytes", e.kv_cache_memory]
+    if s.disaggregated and role in ("prefill", "both"):
+        args += ["--kv-peer-port", str(wire.WORKER_KV_PEER_PORT)]
+    return args + _kvstore_args(s) + e.extra_args
+
+
+def vllm_args(s: ServiceSpec, model_arg: str) -> list[str]:
+    e = s.engine
+    args = ["serve", model_arg, "--host", "0.0.0.0", "--port", str(wire.WORKER_HTTP_PORT),
+            "--block-size", str(e.block_size), "--enable-prefix-caching"]
+    if s.model.served_name:
+        args += ["--served-model-name", s.model.served_name]
+    if e.max_model_len:
+        args += ["--max-model-len", str(e.max_model_len)]
+    if e.kv_cache_memory:
+        args += ["--kv-cache-memory-bytes", str(quantity_bytes(e.kv_cache_memory))]
+    return args + e.extra_args
+
+
+def _env(s: ServiceSpec) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "KVYARD_CACHE_DIR", "value": CACHE_DIR},
+        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+        {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
+    ]
+    if s.engine.name == "vllm":
+        env += [{"name": "HF_HUB_OFFLINE", "value": "1"},
+                {"name": "VLLM_NO_USAGE_STATS", "value": "1"}]
+    if s.kvstore is not None and s.kvstore.redis_secret:
+        env.append({"name": wire.REDIS_PASSWORD_ENV, "valueFrom": {"secretKeyRef": {
+            "name": s.kvstore.redis_secret, "key": s.kvstore.redis_secret_key}}})
+    if s.disaggregated:
+        env.append({"name": wire.PD_KEY_ENV, "value": PD_KEY_FILE})
+    return env
+
+
+def _volumes(s: ServiceSpec) -> tuple[list[dict], list[dict], str]:
+    vols, mounts = rc.scratch_volumes({"tmp": "/tmp", "cache": CACHE_DIR})
+    mvols, mmounts, model_arg = rc.model_volume(s)
+    vols, mounts = vols + mvols, mounts + mmounts
+    kv = s.kvstore
+    if kv is not None and kv.ssd_bytes:
+        src = {"hostPath": {"path": kv.ssd_path, "type": "DirectoryOrCreate"}} if kv.ssd_path \
+            else {"emptyDir": {"sizeLimit": str(kv.ssd_bytes)}}
+        vols.append({"name": "kv-ssd", **src})
+        mounts.append({"name": "kv-ssd", "mountPath": SSD_MOUNT})
+    if s.disaggregated:
+        vols.append({"name": "pd-key", "secret": {"secretName": pd_secret_name(s),
+                                                  "defaultMode": 0o440}})
+        mounts.append({"name": "pd-key", "mountPath": PD_KEY_DIR, "readOnly": True})
+    return vols, mounts, model_arg
+
+
+def worker_container(s: ServiceSpec, role: str) -> tuple[dict[str, Any], list[dict]]:
+    vols, mounts, model_arg = _volumes(s)
+    if s.engine.name == "vllm":
+        command, args = ["vllm"], vllm_args(s, model_arg)
+    else:
+        command, args = ["kvyard"], kvyard_args(s, role, model_arg)
+    ports = [{"name": "http", "containerPort": wire.WORKER_HTTP_PORT, "protocol": "TCP"}]
+    if s.disaggregated and role in ("prefill", "both") and s.engine.name == "kvyard":
+        ports.append({"name": "kv-peer", "containerPort": wire.WORKER_KV_PEER_PORT,
+                      "protocol": "TCP"})
+    health = rc.http_probe("/health", "http", timeoutSeconds=5)
+    container = {
+        "name": "worker", "image": rc.worker_image(s), "imagePullPolicy": "IfNotPresent",
+        "command": command, "args": args, "env": _env(s), "ports": ports,
+        "resources": s.engine.resources or _default_resources(s),
+        "volumeMounts": mounts, "securityContext": rc.container_security(),
+        # Loading a model (and compiling CPU kernels once) can take minutes.
+        "startupProbe": {**health, "periodSeconds": 5, "failureThreshold": 120},
+        "readinessProbe": {**health, "periodSeconds": 5, "failureThreshold": 2},
+        "livenessProbe": {**health, "periodSeconds": 10, "failureThreshold": 6},
+    }
+    return container, vols
+
+
+def pool_replicas(s: ServiceSpec, pool: Pool) -> int | None:
+    return None if s.scale_to_zero else pool.replicas
+
+
+def render_pool(s: ServiceSpec, pool: Pool) -> list[dict[str, Any]]:
+    name = rc.name_of(s, "worker", pool.role)
+    container, vols = worker_container(s, pool.role)
+    pod = {"containers": [container], "volumes": vols,
+           # In-flight generations get the worker's own drain time (--shutdown-timeout 30 s).
+           "terminationGracePeriodSeconds": 45}
+    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(wire.WORKER_HTTP_PORT),
+                   "prometheus.io/path": "/metrics"}
+    ports = [("http", wire.WORKER_HTTP_PORT)]
+    if any(p["name"] == "kv-peer" for p in container["ports"]):
+        ports.append(("kv-peer", wire.WORKER_KV_PEER_PORT))
+    return [rc.deployment(s, name, "worker", pool.role, pod, pool_replicas(s, pool), annotations),
+            rc.service(s, name, "worker", pool.role, ports, headless=True)]
+
+
+def render_workers(s: ServiceSpec) -> list[dict[str, Any]]:
+    return [obj for pool in s.pools for obj in render_pool(s, pool)]

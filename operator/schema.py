@@ -1,0 +1,201 @@
+"""The InferenceService schema: the one source of truth for the CRD's openAPIV3Schema.
+
+The API server applies its defaults and checks its bounds and CEL rules, so a bad
+spec is refused at `kubectl apply`. The operator applies the same defaults
+(`crd.apply_defaults`) and `spec.py` re-checks the same rules, because an object
+can predate a schema change and test servers do not validate.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from kvyard.common.wire import ROLES
+
+ENGINES = ("kvyard", "vllm")
+DEVICES = ("cpu", "cuda")
+MODEL_SOURCES = ("demo", "pvc", "hf", "gguf", "image")
+QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$"
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
+
+
+def _str(desc: str, **kw: Any) -> dict[str, Any]:
+    return {"type": "string", "description": desc, **kw}
+
+
+def _int(desc: str, **kw: Any) -> dict[str, Any]:
+    return {"type": "integer", "description": desc, **kw}
+
+
+def _obj(desc: str, props: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    return {"type": "object", "description": desc, "properties": props, **kw}
+
+
+def _pool(role: str) -> dict[str, Any]:
+    return _obj(f"The {role} pool (omit it for none).", {
+        "minReplicas": _int("Fewest replicas an autoscaler may set (0 needs scaleToZero).",
+                            minimum=0, maximum=1000, default=1),
+        "maxReplicas": _int("Most replicas an autoscaler may set.", minimum=1, maximum=1000,
+                            default=1),
+        "replicas": _int("Replicas without an autoscaler (default: minReplicas).",
+                         minimum=0, maximum=1000),
+    }, **{"x-kubernetes-validations": [
+        {"rule": "self.minReplicas <= self.maxReplicas",
+         "message": "minReplicas must be <= maxReplicas"},
+        {"rule": "!has(self.replicas) || "
+                 "(self.replicas >= self.minReplicas && self.replicas <= self.maxReplicas)",
+         "message": "replicas must lie within [minReplicas, maxReplicas]"},
+    ]})
+
+
+_QUANTITY_MAP = {"type": "object", "additionalProperties": {
+    "anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}}
+
+MODEL = _obj("Where the weights come from.", {
+    "source": _str("demo: SmolLM2-135M baked into the CPU image; pvc: a path on a "
+                   "PersistentVolumeClaim; hf / gguf: a Hugging Face directory / a .gguf file "
+                   "at a path in the image; image: an OCI image mounted as a volume.",
+                   enum=list(MODEL_SOURCES), default="demo"),
+    "path": _str("pvc / image: the file or directory inside the volume; hf / gguf: the path "
+                 "in the container.", maxLength=1024),
+    "pvc": _obj("The claim for source pvc (ReadOnlyMany for more than one pod).", {
+        "claimName": _str("PersistentVolumeClaim name.", minLength=1, maxLength=253),
+    }, required=["claimName"]),
+    "image": _obj("The OCI image for source image (Kubernetes ImageVolume).", {
+        "reference": _str("Image reference.", minLength=1),
+        "pullPolicy": _str("Pull policy.", enum=["Always", "IfNotPresent", "Never"],
+                           default="IfNotPresent"),
+    }, required=["reference"]),
+    "servedModelName": _str("Name clients send as `model` (default: the model's own).",
+                            maxLength=256),
+}, default={}, **{"x-kubernetes-validations": [
+    {"rule": "self.source != 'pvc' || (has(self.pvc) && has(self.path))",
+     "message": "source pvc needs pvc.claimName and path"},
+    {"rule": "self.source != 'image' || has(self.image)",
+     "message": "source image needs image.reference"},
+    {"rule": "!(self.source in ['hf', 'gguf']) || has(self.path)",
+     "message": "source hf or gguf needs path"},
+    {"rule": "self.source != 'gguf' || (has(self.path) && self.path.endsWith('.gguf'))",
+     "message": "source gguf needs a path ending in .gguf"},
+]})
+
+ENGINE = _obj("The model server every pool runs.", {
+    "name": _str("kvyard workers, or stock vLLM pods (the EPP speaks the vLLM protocol).",
+                 enum=list(ENGINES), default="kvyard"),
+    "device": _str("cpu or cuda.", enum=list(DEVICES), default="cpu"),
+    "image": _str("Container image (default: ghcr.io/kvyard/kvyard:<version>, or "
+                  "vllm/vllm-openai for engine vllm)."),
+    "resources": _obj("Container resources (default per device).", {
+        "requests": _QUANTITY_MAP, "limits": _QUANTITY_MAP}),
+    "maxModelLen": _int("Context length (default: the model's).", minimum=16,
+                        maximum=10_000_000),
+    "blockSize": _int("KV block size in tokens.", enum=[8, 16, 32, 64, 128], default=16),
+    "kvCacheMemory": _str("KV-cache capacity per worker, e.g. 2Gi.", pattern=QUANTITY),
+    "extraArgs": {"type": "array", "items": {"type": "string"}, "maxItems": 64,
+                  "description": "More flags for the model server, appended as given."},
+}, default={})
+
+ROUTING = _obj("How the EPP scores workers.", {
+    "scorers": _obj("Scorer weights (0 turns one off).", {
+        "prefixCache": {"type": "number", "minimum": 0, "maximum": 100, "default": 3},
+        "queue": {"type": "number", "minimum": 0, "maximum": 100, "default": 2},
+        "kvCacheUtilization": {"type": "number", "minimum": 0, "maximum": 100, "default": 2},
+    }, default={}),
+    "pd": _obj("Prefill/decode split (used when there is a prefill pool).", {
+        "nonCachedTokens": _int("Disaggregate when this many prompt tokens are not cached "
+                                "on the decode pick.", minimum=0, default=256),
+        "promptTokens": _int("... and the prompt has at least this many.", minimum=0,
+                             default=0),
+    }, default={}),
+    "destinationFallbacks": _int("Endpoints listed after each pick for the gateway's "
+                                 "retries.", minimum=0, maximum=15, default=2),
+}, default={})
+
+KVSTORE = _obj("The workers' KV-block store (engine kvyard only).", {
+    "dramGB": {"type": "number", "minimum": 0, "maximum": 4096, "default": 1,
+               "description": "In-process DRAM tier per worker, GB (10^9 bytes)."},
+    "ssd": _obj("An SSD tier.", {
+        "size": _str("Capacity, e.g. 20Gi.", pattern=QUANTITY),
+        "path": _str("A node directory (hostPath, shared by the node's workers); "
+                     "omitted: an emptyDir per pod.", pattern=r"^/.*"),
+    }, required=["size"]),
+    "redis": _obj("The pool-wide Redis tier.", {
+        "url": _str("redis://host:port[/db] or redis+cluster://host:port.",
+                    pattern=r"^redis(\+cluster|s)?://.+"),
+        "secretRef": _obj("The Secret key holding the password.", {
+            "name": _str("Secret name.", minLength=1),
+            "key": _str("Key in the Secret.", minLength=1, default="password"),
+        }, required=["name"]),
+    }, required=["url"]),
+})
+
+SLO = _obj("Latency targets (for autoscaling; recorded, not enforced).", {
+    "ttftMs": _int("Time to first token, ms.", minimum=1),
+    "tpotMs": _int("Time per output token, ms.", minimum=1),
+})
+
+SPEC = _obj("An inference service: model, engine, pools, routing, KV store.", {
+    "model": MODEL,
+    "engine": ENGINE,
+    "pools": _obj("Worker pools by role.", {role: _pool(role) for role in ROLES},
+                  default={"both": {}}, **{"x-kubernetes-validations": [
+                      {"rule": "has(self.both) || has(self.decode)",
+                       "message": "a decode or both pool is needed to serve requests"},
+                      {"rule": "!has(self.prefill) || has(self.decode) || has(self.both)",
+                       "message": "a prefill pool needs a decode or both pool"},
+                  ]}),
+    "routing": ROUTING,
+    "kvstore": KVSTORE,
+    "slo": SLO,
+    "scaleToZero": _obj("Let an autoscaler take pools to zero.", {
+        "enabled": {"type": "boolean", "default": False},
+        "idleSeconds": _int("Idle time before the step to zero.", minimum=30, default=300),
+    }, default={}),
+    "inferencePool": _obj("Also create a GAIE InferencePool pointing at the EPP.", {
+        "enabled": {"type": "boolean", "default": False},
+    }, default={}),
+}, **{"x-kubernetes-validations": [
+    {"rule": "self.engine.name == 'kvyard' || self.model.source != 'demo'",
+     "message": "engine vllm cannot serve the demo model (a GGUF inside the kvyard image)"},
+    {"rule": "self.engine.name == 'kvyard' || !has(self.kvstore)",
+     "message": "kvstore is kvyard's; engine vllm has none"},
+    {"rule": "self.engine.name == 'kvyard' || !has(self.pools.prefill)",
+     "message": "a prefill pool needs engine kvyard"},
+    {"rule": "self.scaleToZero.enabled || ("
+             + " && ".join(f"(!has(self.pools.{r}) || self.pools.{r}.minReplicas >= 1)"
+                           for r in ROLES) + ")",
+     "message": "minReplicas 0 needs scaleToZero.enabled"},
+]})
+
+_CONDITION = _obj("A condition (Ready, Progressing, Degraded).", {
+    "type": _str("Condition type.", enum=list(CONDITION_TYPES)),
+    "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+    "reason": _str("CamelCase reason."),
+    "message": _str("Human-readable detail."),
+    "observedGeneration": _int("Generation the condition describes."),
+    "lastTransitionTime": _str("When status last changed.", format="date-time"),
+}, required=["type", "status"])
+
+STATUS = _obj("What the operator observed.", {
+    "observedGeneration": _int("Generation of the spec the children were rendered from."),
+    "conditions": {"type": "array", "items": _CONDITION, "x-kubernetes-list-type": "map",
+                   "x-kubernetes-list-map-keys": ["type"]},
+    "pools": {"type": "object", "description": "Replicas per pool role.",
+              "additionalProperties": _obj("One pool.", {
+                  "replicas": _int("Desired."), "readyReplicas": _int("Ready."),
+                  "updatedReplicas": _int("On the current template.")})},
+    "gatewayAddress": _str("host:port clients send requests to."),
+    # kopf's own bookkeeping lands here on older objects; never read by kvyard.
+    "kopf": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+})
+
+OPENAPI_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "apiVersion": {"type": "string"},
+        "kind": {"type": "string"},
+        "metadata": {"type": "object"},
+        "spec": SPEC,
+        "status": STATUS,
+    },
+    "required": ["spec"],
+}

@@ -1,0 +1,219 @@
+"""An InferenceService's spec as typed values, defaulted and checked.
+
+The checks repeat the schema's (enums, bounds, CEL rules): an object stored before a
+schema change, or sent to a server that does not validate, must still end as a
+`Degraded: InvalidSpec` status with the reason, never as an exception in a loop.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvyard.common.wire import ROLES
+
+from .crd import defaulted_spec
+from .schema import DEVICES, ENGINES, MODEL_SOURCES, QUANTITY
+
+_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+
+
+class SpecError(ValueError):
+    """A spec the operator cannot render; the message names the field."""
+
+
+def quantity_bytes(text: str) -> int:
+    m = re.match(QUANTITY, str(text))
+    if not m:
+        raise SpecError(f"not a size: {text!r} (e.g. 20Gi)")
+    unit = re.sub(r"^[0-9.]+", "", text)
+    return int(float(text[: len(text) - len(unit)]) * _UNITS[unit])
+
+
+@dataclass(slots=True)
+class Pool:
+    role: str
+    min_replicas: int
+    max_replicas: int
+    replicas: int
+
+
+@dataclass(slots=True)
+class Model:
+    source: str
+    path: str | None
+    claim_name: str | None
+    image: str | None
+    image_pull_policy: str
+    served_name: str | None
+
+
+@dataclass(slots=True)
+class Engine:
+    name: str
+    device: str
+    image: str | None
+    resources: dict[str, Any]
+    max_model_len: int | None
+    block_size: int
+    kv_cache_memory: str | None
+    extra_args: list[str]
+
+
+@dataclass(slots=True)
+class KVStore:
+    dram_gb: float = 0.0
+    ssd_bytes: int = 0
+    ssd_path: str | None = None
+    redis_url: str | None = None
+    redis_secret: str | None = None
+    redis_secret_key: str = "password"
+
+
+@dataclass(slots=True)
+class Routing:
+    prefix_cache: float
+    queue: float
+    kv_cache_utilization: float
+    non_cached_tokens: int
+    prompt_tokens: int
+    destination_fallbacks: int
+
+
+@dataclass(slots=True)
+class ServiceSpec:
+    """Everything the renderers read; `raw` is the defaulted spec."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    model: Model
+    engine: Engine
+    pools: list[Pool]
+    routing: Routing
+    kvstore: KVStore | None
+    scale_to_zero: bool
+    idle_seconds: int
+    inference_pool: bool
+    slo: dict[str, int] = field(default_factory=dict)
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def disaggregated(self) -> bool:
+        return any(p.role == "prefill" for p in self.pools)
+
+
+def _need(cond: bool, message: str) -> None:
+    if not cond:
+        raise SpecError(message)
+
+
+def _int(v: Any, where: str, lo: int, hi: int | None = None) -> int:
+    _need(isinstance(v, int) and not isinstance(v, bool), f"{where}: want an integer, not {v!r}")
+    _need(v >= lo and (hi is None or v <= hi), f"{where}: {v} is outside [{lo}, {hi or '∞'}]")
+    return v
+
+
+def _pools(raw: dict[str, Any], scale_to_zero: bool) -> list[Pool]:
+    _need(isinstance(raw, dict), "spec.pools: want an object")
+    unknown = set(raw) - set(ROLES)
+    _need(not unknown, f"spec.pools: unknown role(s) {sorted(unknown)}; roles are {list(ROLES)}")
+    pools = []
+    for role in ROLES:
+        if role not in raw:
+            continue
+        p, where = raw[role] or {}, f"spec.pools.{role}"
+        lo = _int(p.get("minReplicas", 1), f"{where}.minReplicas", 0, 1000)
+        hi = _int(p.get("maxReplicas", 1), f"{where}.maxReplicas", 1, 1000)
+        _need(lo <= hi, f"{where}: minReplicas {lo} > maxReplicas {hi}")
+        n = _int(p.get("replicas", lo), f"{where}.replicas", 0, 1000)
+        _need(lo <= n <= hi, f"{where}.replicas {n} is outside [{lo}, {hi}]")
+        _need(lo >= 1 or scale_to_zero, f"{where}.minReplicas 0 needs scaleToZero.enabled")
+        pools.append(Pool(role, lo, hi, n))
+    roles = {p.role for p in pools}
+    _need(bool(roles & {"both", "decode"}), "spec.pools: a decode or both pool is needed")
+    return pools
+
+
+def _model(m: dict[str, Any]) -> Model:
+    src = m.get("source")
+    _need(src in MODEL_SOURCES, f"spec.model.source {src!r}: want one of {list(MODEL_SOURCES)}")
+    path = m.get("path")
+    if src == "pvc":
+        _need(bool((m.get("pvc") or {}).get("claimName")) and bool(path),
+              "spec.model: source pvc needs pvc.claimName and path")
+    if src == "image":
+        _need(bool((m.get("image") or {}).get("reference")),
+              "spec.model: source image needs image.reference")
+    if src in ("hf", "gguf"):
+        _need(bool(path), f"spec.model: source {src} needs path")
+    if src == "gguf":
+        _need(str(path).endswith(".gguf"), "spec.model: source gguf needs a .gguf path")
+    img = m.get("image") or {}
+    return Model(src, path, (m.get("pvc") or {}).get("claimName"), img.get("reference"),
+                 img.get("pullPolicy", "IfNotPresent"), m.get("servedModelName"))
+
+
+def _engine(e: dict[str, Any]) -> Engine:
+    _need(e.get("name") in ENGINES, f"spec.engine.name {e.get('name')!r}: unknown engine; "
+                                    f"want one of {list(ENGINES)}")
+    _need(e.get("device") in DEVICES, f"spec.engine.device {e.get('device')!r}: want one of "
+                                      f"{list(DEVICES)}")
+    kv = e.get("kvCacheMemory")
+    if kv is not None:
+        quantity_bytes(kv)
+    extra = e.get("extraArgs") or []
+    _need(all(isinstance(a, str) for a in extra), "spec.engine.extraArgs: want strings")
+    return Engine(e["name"], e["device"], e.get("image"), dict(e.get("resources") or {}),
+                  e.get("maxModelLen"), _int(e.get("blockSize", 16), "spec.engine.blockSize", 1,
+                                             1024), kv, list(extra))
+
+
+def _kvstore(k: dict[str, Any] | None) -> KVStore | None:
+    if k is None:
+        return None
+    ssd, redis = k.get("ssd") or {}, k.get("redis") or {}
+    out = KVStore(dram_gb=float(k.get("dramGB", 1)))
+    _need(out.dram_gb >= 0, "spec.kvstore.dramGB: must be >= 0")
+    if ssd:
+        out.ssd_bytes, out.ssd_path = quantity_bytes(ssd.get("size", "")), ssd.get("path")
+    if redis:
+        _need(bool(re.match(r"^redis(\+cluster|s)?://.+", str(redis.get("url", "")))),
+              f"spec.kvstore.redis.url {redis.get('url')!r}: want redis://host:port")
+        out.redis_url = redis["url"]
+        ref = redis.get("secretRef") or {}
+        out.redis_secret, out.redis_secret_key = ref.get("name"), ref.get("key", "password")
+    return out
+
+
+def parse(body: dict[str, Any]) -> ServiceSpec:
+    """The custom resource (as the API returns it) -> a ServiceSpec, or SpecError."""
+    meta = body.get("metadata") or {}
+    raw = defaulted_spec(body.get("spec"))
+    stz = raw["scaleToZero"]
+    engine = _engine(raw["engine"])
+    model = _model(raw["model"])
+    pools = _pools(raw["pools"], bool(stz.get("enabled")))
+    kvstore = _kvstore(raw.get("kvstore"))
+    if engine.name == "vllm":
+        _need(model.source != "demo", "spec: engine vllm cannot serve the demo model")
+        _need(kvstore is None, "spec.kvstore: engine vllm has no kvstore")
+        _need(all(p.role != "prefill" for p in pools), "spec.pools.prefill needs engine kvyard")
+    r, pd = raw["routing"], raw["routing"]["pd"]
+    sc = r["scorers"]
+    routing = Routing(float(sc["prefixCache"]), float(sc["queue"]),
+                      float(sc["kvCacheUtilization"]),
+                      _int(pd["nonCachedTokens"], "spec.routing.pd.nonCachedTokens", 0),
+                      _int(pd["promptTokens"], "spec.routing.pd.promptTokens", 0),
+                      _int(r["destinationFallbacks"], "spec.routing.destinationFallbacks", 0, 15))
+    _need(min(routing.prefix_cache, routing.queue, routing.kv_cache_utilization) >= 0,
+          "spec.routing.scorers: weights must be >= 0")
+    return ServiceSpec(
+        name=meta.get("name", ""), namespace=meta.get("namespace") or "default",
+        uid=meta.get("uid", ""), generation=int(meta.get("generation") or 1), model=model,
+        engine=engine, pools=pools, routing=routing, kvstore=kvstore,
+        scale_to_zero=bool(stz.get("enabled")), idle_seconds=int(stz.get("idleSeconds", 300)),
+        inference_pool=bool(raw["inferencePool"].get("enabled")),
+        slo=dict(raw.get("slo") or {}), raw=raw)
