@@ -1,0 +1,117 @@
+{{/* Names, labels and the few computed values the templates share. */}}
+
+{{- define "kvyard.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvyard.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvyard.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "kvyard.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: kvyard
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{/* Selector labels of one of the chart's own components: (dict "ctx" $ "component" "operator") */}}
+{{- define "kvyard.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvyard.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* The image the operator runs, and the default image of every InferenceService's pods. */}}
+{{- define "kvyard.operatorImage" -}}
+{{- $o := .Values.operator.image | default dict -}}
+{{- $repo := $o.repository | default .Values.image.repository -}}
+{{- $tag := $o.tag | default .Values.image.tag | default .Chart.AppVersion -}}
+{{- printf "%s:%s" $repo (toString $tag) -}}
+{{- end -}}
+
+{{- define "kvyard.operatorPullPolicy" -}}
+{{- $o := .Values.operator.image | default dict -}}
+{{- $o.pullPolicy | default .Values.image.pullPolicy -}}
+{{- end -}}
+
+{{- define "kvyard.defaultImage" -}}
+{{- printf "%s:%s" .Values.image.repository (toString (.Values.image.tag | default .Chart.AppVersion)) -}}
+{{- end -}}
+
+{{- define "kvyard.operatorName" -}}
+{{- printf "%s-operator" (include "kvyard.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvyard.redisName" -}}
+{{- printf "%s-redis" (include "kvyard.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The Secret and key that hold the Redis password, for the chart's Redis or an external one. */}}
+{{- define "kvyard.redisSecretName" -}}
+{{- if .Values.redis.enabled -}}
+{{- default (include "kvyard.redisName" .) .Values.redis.auth.existingSecret -}}
+{{- else -}}
+{{- .Values.redis.external.secretName -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvyard.redisSecretKey" -}}
+{{- if .Values.redis.enabled -}}
+{{- if .Values.redis.auth.existingSecret -}}{{ .Values.redis.auth.existingSecretKey }}{{- else -}}password{{- end -}}
+{{- else -}}
+{{- .Values.redis.external.secretKey -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvyard.redisURL" -}}
+{{- if .Values.redis.enabled -}}
+{{- printf "redis://%s.%s.svc:6379" (include "kvyard.redisName" .) .Release.Namespace -}}
+{{- else -}}
+{{- .Values.redis.external.url -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Names of the InferenceServices whose pods get per-service NetworkPolicies and PDBs. */}}
+{{- define "kvyard.services" -}}
+{{- $names := list -}}
+{{- if .Values.inferenceService.enabled -}}{{- $names = append $names .Values.inferenceService.name -}}{{- end -}}
+{{- range .Values.networkPolicy.services -}}{{- $names = append $names . -}}{{- end -}}
+{{- $names | uniq | toJson -}}
+{{- end -}}
+
+{{/* Labels the operator puts on every pod of an InferenceService: (dict "service" NAME "component" C) */}}
+{{- define "kvyard.podSelector" -}}
+app.kubernetes.io/managed-by: kvyard-operator
+kvyard.io/service: {{ .service | quote }}
+kvyard.io/component: {{ .component }}
+{{- end -}}
+
+{{/* Security contexts: non-root, read-only root filesystem, no capabilities. */}}
+{{- define "kvyard.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ .uid }}
+runAsGroup: {{ .uid }}
+fsGroup: {{ .uid }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "kvyard.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+privileged: false
+capabilities:
+  drop: [ALL]
+{{- end -}}

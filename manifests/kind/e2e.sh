@@ -1,0 +1,215 @@
+#!/usr/bin/env bash
+# kvyard on kind, end to end, the path a user runs first:
+#   1. create a kind cluster (manifests/kind/kind-config.yaml)
+#   2. build the CPU image (Dockerfile) and load it into the nodes
+#   3. install KEDA, then the chart with charts/kvyard/values-cpu.yaml (CRD, operator, Redis,
+#      and the `demo` InferenceService: two CPU workers on SmolLM2-135M, an EPP, a gateway)
+#   4. wait until the InferenceService is Ready and its Deployments have rolled out
+#   5. send chat requests through the gateway and check the answers and the routing
+#   6. delete the cluster (KEEP=1 keeps it for a look around)
+#
+# Needs: docker, kind >= 0.24 (NetworkPolicies enforced by kindnetd), kubectl, helm >= 3.14,
+# python3, and network access for the KEDA chart and the Redis image.
+# Knobs (environment): CLUSTER, NAMESPACE, IMAGE, KEDA_VERSION, LOCAL_PORT, KEEP=1, SKIP_BUILD=1.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+CLUSTER="${CLUSTER:-kvyard-e2e}"
+NAMESPACE="${NAMESPACE:-kvyard}"
+SERVICE=demo                                   # inferenceService.name in values-cpu.yaml
+CHART_VERSION="$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' "$ROOT/charts/kvyard/Chart.yaml")"
+IMAGE="${IMAGE:-ghcr.io/kvyard/kvyard:${CHART_VERSION}}"  # the operator's default worker image
+KEDA_VERSION="${KEDA_VERSION:-2.17.2}"
+LOCAL_PORT="${LOCAL_PORT:-18080}"
+KEEP="${KEEP:-0}"
+PF_PID=""
+
+log() { printf '\n=== %s\n' "$*"; }
+die() { printf 'e2e: FAILED: %s\n' "$*" >&2; exit 1; }
+
+for tool in docker kind kubectl helm python3; do
+  command -v "$tool" >/dev/null 2>&1 || die "$tool is not installed"
+done
+
+dump() {  # what a failed run leaves to read
+  kubectl -n "$NAMESPACE" get inferenceservices,deployments,pods,services,networkpolicies -o wide || true
+  kubectl -n "$NAMESPACE" describe inferenceservice "$SERVICE" || true
+  for d in $(kubectl -n "$NAMESPACE" get deployments -o name 2>/dev/null); do
+    echo "--- logs $d"; kubectl -n "$NAMESPACE" logs "$d" --all-containers --tail=40 || true
+  done
+}
+
+cleanup() {
+  local rc=$?
+  [ -n "$PF_PID" ] && kill "$PF_PID" 2>/dev/null || true
+  if [ "$rc" -ne 0 ] && kind get clusters 2>/dev/null | grep -qx "$CLUSTER"; then dump; fi
+  if [ "$KEEP" = 1 ]; then
+    echo "e2e: cluster $CLUSTER kept (kind delete cluster --name $CLUSTER)"
+  else
+    kind delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true
+  fi
+  exit "$rc"
+}
+trap cleanup EXIT
+
+log "kind cluster $CLUSTER"
+if kind get clusters 2>/dev/null | grep -qx "$CLUSTER"; then
+  die "a cluster named $CLUSTER exists already; delete it or set CLUSTER"
+fi
+kind create cluster --name "$CLUSTER" --config "$ROOT/manifests/kind/kind-config.yaml" --wait 180s
+kubectl config use-context "kind-$CLUSTER" >/dev/null
+
+log "image $IMAGE"
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
+  docker build -t "$IMAGE" "$ROOT"
+fi
+kind load docker-image "$IMAGE" --name "$CLUSTER"
+
+log "KEDA $KEDA_VERSION"
+helm repo add kedacore https://kedacore.github.io/charts --force-update >/dev/null
+helm upgrade --install keda kedacore/keda --namespace keda --create-namespace \
+  --version "$KEDA_VERSION" --wait --timeout 5m
+
+log "kvyard chart (values-cpu.yaml) into namespace $NAMESPACE"
+# --wait: the chart's own Deployments (operator, Redis) are ready; the InferenceService's
+# children come from the operator afterwards.
+helm upgrade --install kvyard "$ROOT/charts/kvyard" --namespace "$NAMESPACE" --create-namespace \
+  -f "$ROOT/charts/kvyard/values-cpu.yaml" --wait --timeout 5m
+kubectl -n "$NAMESPACE" get inferenceservice "$SERVICE" >/dev/null
+
+log "waiting for InferenceService $SERVICE to be Ready"
+# The operator creates <svc>-both, <svc>-epp and <svc>-gateway; workers load the model and
+# compile their CPU kernels on first start (a minute or two on a laptop).
+for _ in $(seq 1 60); do
+  kubectl -n "$NAMESPACE" get deployment "$SERVICE-both" "$SERVICE-epp" "$SERVICE-gateway" \
+    >/dev/null 2>&1 && break
+  sleep 5
+done
+kubectl -n "$NAMESPACE" rollout status deployment "$SERVICE-both" --timeout 10m
+kubectl -n "$NAMESPACE" rollout status deployment "$SERVICE-epp" --timeout 5m
+kubectl -n "$NAMESPACE" rollout status deployment "$SERVICE-gateway" --timeout 5m
+kubectl -n "$NAMESPACE" wait --for=condition=Ready "inferenceservice/$SERVICE" --timeout 5m
+kubectl -n "$NAMESPACE" get inferenceservice "$SERVICE"
+WORKER_IPS="$(kubectl -n "$NAMESPACE" get pods \
+  -l "kvyard.io/service=$SERVICE,kvyard.io/component=worker" \
+  --field-selector=status.phase=Running -o jsonpath='{.items[*].status.podIP}')"
+echo "workers: $WORKER_IPS"
+[ "$(wc -w <<<"$WORKER_IPS")" -eq 2 ] || die "expected 2 running workers, got: $WORKER_IPS"
+
+log "gateway: kubectl port-forward svc/$SERVICE-gateway $LOCAL_PORT:8080"
+kubectl -n "$NAMESPACE" port-forward "svc/$SERVICE-gateway" "$LOCAL_PORT:8080" >/dev/null 2>&1 &
+PF_PID=$!
+
+log "chat requests through the gateway"
+WORKER_IPS="$WORKER_IPS" python3 - "$LOCAL_PORT" <<'PY'
+"""Through the gateway: every answer a 200 in OpenAI's shape, served by one of the two
+workers (x-kvyard-endpoint), the same prompt always by the same worker (the EPP's prefix
+affinity), and a model-less 404/400 never reaching a worker as a 5xx."""
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+
+port = int(sys.argv[1])
+base = f"http://127.0.0.1:{port}"
+workers = set(os.environ["WORKER_IPS"].split())
+
+
+def post(body: dict, timeout: float = 120.0) -> tuple[int, dict, dict]:
+    req = urllib.request.Request(f"{base}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, dict(r.headers), json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read() or b"{}")
+
+
+deadline = time.monotonic() + 120
+while True:  # the port-forward and the gateway's first EDS assignment
+    try:
+        with urllib.request.urlopen(f"{base}/v1/models", timeout=5) as r:
+            models = json.load(r)
+        break
+    except Exception as e:  # noqa: BLE001
+        if time.monotonic() > deadline:
+            sys.exit(f"e2e: the gateway never answered /v1/models: {e}")
+        time.sleep(1)
+model = models["data"][0]["id"]
+print(f"model: {model}")
+
+system = ("You are a terse assistant for kvyard's end-to-end test. " * 24).strip()
+served = {}
+for i, question in enumerate(["What is 2+2?", "Name a colour.", "Say hello.", "Count to 3."]):
+    body = {"model": model, "max_tokens": 16, "temperature": 0,
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": question}]}
+    for attempt in range(3):  # the same prompt three times
+        status, headers, answer = post(body)
+        if status != 200:
+            sys.exit(f"e2e: {question!r}: HTTP {status}: {answer}")
+        text = answer["choices"][0]["message"]["content"]
+        endpoint = headers.get("x-kvyard-endpoint") or headers.get("X-Kvyard-Endpoint", "")
+        host = endpoint.rsplit(":", 1)[0]
+        if host not in workers:
+            sys.exit(f"e2e: served by {endpoint!r}, not one of the workers {sorted(workers)}")
+        served.setdefault(question, set()).add(host)
+        print(f"{question!r} #{attempt}: {endpoint}: {text!r}")
+        if not text:
+            sys.exit("e2e: empty answer")
+for question, hosts in served.items():
+    if len(hosts) != 1:
+        sys.exit(f"e2e: the same prompt went to several workers {hosts}: no prefix affinity")
+print(f"routing: each prompt stayed on one worker; workers used: {sorted(set().union(*served.values()))}")
+
+# OpenAI-shaped errors through the gateway, never a 5xx
+status, _, answer = post({"model": model, "messages": [{"role": "wizard", "content": "x"}]})
+if status != 400 or "error" not in answer:
+    sys.exit(f"e2e: a bad role got HTTP {status}: {answer}")
+print("bad input: 400 in OpenAI's shape")
+PY
+
+log "EPP view and the workers' KV tiers"
+EPP_POD="$(kubectl -n "$NAMESPACE" get pods -l "kvyard.io/service=$SERVICE,kvyard.io/component=epp" \
+  -o jsonpath='{.items[0].metadata.name}')"
+kubectl -n "$NAMESPACE" exec "$EPP_POD" -- python3 -c "
+import json, urllib.request
+eps = json.load(urllib.request.urlopen('http://127.0.0.1:9090/debug/endpoints', timeout=5))
+print(json.dumps(eps, indent=1)[:2000])
+"
+WORKER_POD="$(kubectl -n "$NAMESPACE" get pods -l "kvyard.io/service=$SERVICE,kvyard.io/component=worker" \
+  -o jsonpath='{.items[0].metadata.name}')"
+kubectl -n "$NAMESPACE" exec "$WORKER_POD" -- python3 -c "
+import urllib.request
+text = urllib.request.urlopen('http://127.0.0.1:8000/metrics', timeout=5).read().decode()
+up = [l for l in text.splitlines() if l.startswith('kvyard:kvstore_tier_up')]
+print('\n'.join(up))
+assert any('tier=\"redis\"' in l and l.endswith(' 1.0') for l in up), 'the Redis tier is not up'
+"
+
+log "NetworkPolicy: a pod outside the service cannot reach a worker; a worker can"
+WORKER_IP="${WORKER_IPS%% *}"
+PROBE="
+import socket, sys
+try:
+    socket.create_connection(('$WORKER_IP', 8000), timeout=5).close(); print('OPEN')
+except OSError as e:
+    print('BLOCKED', e)
+"
+verdict="$(kubectl -n "$NAMESPACE" run np-probe --rm -i --restart=Never --quiet --image="$IMAGE" \
+  --image-pull-policy=IfNotPresent --command -- python3 -c "$PROBE" 2>&1 || true)"
+echo "stranger -> $WORKER_IP:8000: $verdict"
+case "$verdict" in
+  *BLOCKED*) ;;
+  *OPEN*) die "a pod outside the service reached worker $WORKER_IP:8000" ;;
+  *) die "the probe pod did not run: $verdict" ;;
+esac
+OTHER_WORKER="$(kubectl -n "$NAMESPACE" get pods -l "kvyard.io/service=$SERVICE,kvyard.io/component=worker" \
+  -o jsonpath="{.items[?(@.status.podIP!='$WORKER_IP')].metadata.name}")"
+verdict="$(kubectl -n "$NAMESPACE" exec "$OTHER_WORKER" -- python3 -c "$PROBE" 2>&1 || true)"
+echo "worker -> $WORKER_IP:8000: $verdict"
+case "$verdict" in *OPEN*) ;; *) die "a worker of the service could not reach $WORKER_IP:8000" ;; esac
+
+log "e2e passed"
