@@ -9,6 +9,8 @@ import copy
 import functools
 import json
 import re
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +224,7 @@ BAD_VALUES = {
         "url": "redis://cache:6379", "secretName": "s"}}},
     "api server CIDR not a CIDR": {"networkPolicy": {"apiServer": {"cidrs": ["kubernetes"]}}},
     "pdb maxUnavailable 0": {"podDisruptionBudget": {"maxUnavailable": 0}},
+    "cleanup timeout as text": {"cleanupHook": {"timeoutSeconds": "2m"}},
     "inference service spec not an object": {"inferenceService": {"spec": "demo"}},
 }
 
@@ -343,6 +346,54 @@ def test_redis_start_script_writes_the_password_into_an_included_file(tmp_path):
     assert (tmp_path / "auth.conf").stat().st_mode & 0o077 == 0
 
 
+@pytest.mark.skipif(not shutil.which("redis-server"), reason="needs redis-server")
+def test_rendered_redis_config_runs_in_a_real_redis_server(tmp_path, free_port):
+    """The chart's redis.conf and start script, run by a real redis-server (loopback, a free
+    port): the password, with quotes, a backslash and a space in it, is required and works;
+    the cap and the policy are the rendered ones; nothing is persisted."""
+    import subprocess
+
+    import redis
+
+    objs = objects("cpu")
+    conf = one(objs, "ConfigMap", "kvyard-redis")["data"]["redis.conf"]
+    [c] = one(objs, "Deployment", "kvyard-redis")["spec"]["template"]["spec"]["containers"]
+    port = free_port()
+    (tmp_path / "data").mkdir()
+    conf = conf.replace("port 6379", f"port {port}").replace("bind * -::*", "bind 127.0.0.1") \
+        .replace("dir /data", f"dir {tmp_path / 'data'}") \
+        .replace("/run/redis-auth/auth.conf", str(tmp_path / "auth.conf"))
+    (tmp_path / "redis.conf").write_text(conf)
+    password = 'pa"ss\\ w0rd'
+    (tmp_path / "pw").write_text(password)
+    script = c["args"][0].replace("/etc/redis-secret/password", str(tmp_path / "pw")) \
+        .replace("/run/redis-auth/auth.conf", str(tmp_path / "auth.conf")) \
+        .replace("/etc/redis/redis.conf", str(tmp_path / "redis.conf"))
+    proc = subprocess.Popen(["sh", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        authed = redis.Redis(port=port, password=password, socket_timeout=2)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert authed.ping()
+                break
+            except redis.ConnectionError:
+                assert proc.poll() is None, proc.stdout.read().decode()
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, socket_timeout=2).ping()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, password="wrong", socket_timeout=2).ping()
+        got = {k: authed.config_get(k)[k] for k in ("maxmemory", "maxmemory-policy", "save",
+                                                    "appendonly")}
+        assert got == {"maxmemory": str(256 << 20), "maxmemory-policy": "allkeys-lru",
+                       "save": "", "appendonly": "no"}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_external_redis_goes_to_the_inference_service():
     objs = objects("external-redis")
     assert not [o for o in objs if "redis" in o["metadata"]["name"]]
@@ -375,7 +426,8 @@ def test_pods_are_non_root_read_only_with_probes_and_requests(preset):
             assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
             assert c["resources"]["limits"]["memory"]
             for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-                assert probe in c, (obj["metadata"]["name"], probe)
+                if obj["kind"] != "Job":  # a Job runs to completion: no probes
+                    assert probe in c, (obj["metadata"]["name"], probe)
         # what a read-only root still needs written is an emptyDir
         writable = {m["mountPath"] for c in pod["containers"] for m in c["volumeMounts"]
                     if not m.get("readOnly")}
@@ -397,10 +449,29 @@ def test_operator_runs_kvyard_operator_with_its_service_account():
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["KVYARD_IMAGE"] == "ghcr.io/kvyard/kvyard:0.1.0"
     # namespaced: a RoleBinding per watched namespace instead of the ClusterRoleBinding
-    rbs = by_kind(objs, "RoleBinding")
+    rbs = [r for r in by_kind(objs, "RoleBinding") if r["metadata"]["name"] == "kvyard-operator"]
     assert sorted(r["metadata"]["namespace"] for r in rbs) == ["llm", "team-b"]
     assert [b["metadata"]["name"] for b in by_kind(objs, "ClusterRoleBinding")] == [
         "kvyard-operator-framework"]
+
+
+def test_cleanup_hook_deletes_the_inference_service_before_the_operator_goes():
+    objs = objects("cpu")
+    hooks = [o for o in objs if o["metadata"].get("annotations", {}).get("helm.sh/hook")]
+    assert sorted(o["kind"] for o in hooks) == ["Job", "Role", "RoleBinding", "ServiceAccount"]
+    assert all(o["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete" for o in hooks)
+    job = one(objs, "Job", "kvyard-cleanup")
+    weights = {o["kind"]: int(o["metadata"]["annotations"]["helm.sh/hook-weight"]) for o in hooks}
+    assert weights["Job"] > max(weights["Role"], weights["RoleBinding"], weights["ServiceAccount"])
+    [role] = [o for o in hooks if o["kind"] == "Role"]
+    assert role["rules"] == [{"apiGroups": ["kvyard.io"], "resources": ["inferenceservices"],
+                              "resourceNames": ["demo"], "verbs": ["get", "delete", "patch"]}]
+    [c] = job["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["SERVICE"] == "demo" and env["NAMESPACE"] == NAMESPACE
+    compile(c["args"][0], "cleanup", "exec")  # the script at least parses
+    # no InferenceService from the chart: no hook
+    assert not [o for o in objects("default") if o["kind"] == "Job"]
 
 
 # --- RBAC: least privilege ------------------------------------------------------------------
@@ -544,6 +615,8 @@ def test_network_policies_let_only_the_intended_traffic_through():
     assert ok(decode, redis, 6379) and ok(other_worker, redis, 6379)
     assert not ok(gw, redis, 6379) and not ok(epp, redis, 6379) and not ok(stranger, redis, 6379)
     assert not ok(decode, redis, 6380)
+    # ... and the operator's preflight (it opens a connection, never authenticates)
+    assert ok(operator, redis, 6379) and not ok(operator, decode, 8000)
     # the operator takes no connections
     assert not ok(stranger, operator, 8080) and not ok(gw, operator, 8080)
 
@@ -565,6 +638,14 @@ def test_operator_egress_is_dns_and_the_api_server_only():
     assert ports == [("TCP", 53), ("TCP", 443), ("TCP", 6443), ("UDP", 53)]
     [api] = [r for r in rules if "to" in r]
     assert all("ipBlock" in peer for peer in api["to"])
+    # with a Redis: its port too, for the preflight's TCP connect (RedisUnreachable in status)
+    rules = one(objects("cpu"), "NetworkPolicy", "kvyard-operator")["spec"]["egress"]
+    [to_redis] = [r for r in rules if any(p["port"] == 6379 for p in r["ports"])]
+    assert to_redis["to"] == [{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "kvyard", "app.kubernetes.io/instance": RELEASE,
+        "app.kubernetes.io/component": "redis"}}}]
+    rules = one(objects("external-redis"), "NetworkPolicy", "kvyard-operator")["spec"]["egress"]
+    assert {"ports": [{"protocol": "TCP", "port": 6379}]} in rules
 
 
 def test_network_policy_ports_match_the_operators_containers():
@@ -581,6 +662,86 @@ def test_network_policy_ports_match_the_operators_containers():
     for name in ("WORKER_HTTP_PORT", "GATEWAY_HTTP_PORT"):
         if hasattr(wire, name):
             assert getattr(wire, name) in opened
+
+
+# --- the chart against what the operator actually renders ----------------------------------
+
+def _children(preset: str) -> list[dict]:
+    """The operator's children for the chart's first InferenceService, rendered by the
+    operator's own pure renderers, as the cluster would get them."""
+    try:
+        from kvyard.operator import render, spec as op_spec
+    except ImportError:
+        pytest.skip("kvyard.operator is not importable")
+    [isvc] = by_kind(objects(preset), "InferenceService")
+    body = {k: v for k, v in isvc.items() if not k.startswith("__")}
+    body["metadata"] = {**body["metadata"], "uid": "u-1", "generation": 1}
+    return render.render_all(op_spec.parse(body))
+
+
+def _pods(children: list[dict]) -> list[tuple[str, dict[str, str], dict[str, int]]]:
+    """(deployment name, pod labels, {container port name: number}) per child Deployment."""
+    out = []
+    for d in by_kind(children, "Deployment"):
+        tmpl = d["spec"]["template"]
+        ports = {p["name"]: p["containerPort"] for c in tmpl["spec"]["containers"]
+                 for p in c.get("ports", [])}
+        out.append((d["metadata"]["name"], tmpl["metadata"]["labels"], ports))
+    return out
+
+
+@pytest.mark.parametrize("preset", ["cpu", "gpu"])
+def test_chart_policies_pdbs_and_monitors_fit_the_operators_children(preset):
+    objs = objects(preset)
+    children = _children(preset)
+    pods = _pods(children)
+    pols = by_kind(objs, "NetworkPolicy")
+    comp = lambda labels: labels["kvyard.io/component"]  # noqa: E731
+    workers = [p for p in pods if comp(p[1]) == "worker"]
+    [epp] = [p for p in pods if comp(p[1]) == "epp"]
+    [gw] = [p for p in pods if comp(p[1]) == "gateway"]
+    assert workers
+    for _, labels, _ in pods:  # every child pod is isolated by some policy
+        assert [p for p in pols if _selects(p["spec"]["podSelector"], labels)], labels
+    allowed = lambda src, dst, port: ingress_allowed(pols, src[1], dst[1], port)  # noqa: E731
+    for w in workers:
+        http = w[2]["http"]
+        assert allowed(gw, w, http) and allowed(epp, w, http)
+        assert not allowed(({}, {"app": "x"}, {}), w, http)
+        for other in workers:
+            assert allowed(other, w, http)  # the P/D prefill leg
+            if "kv-peer" in w[2]:
+                assert allowed(other, w, w[2]["kv-peer"])
+                assert not allowed(gw, w, w[2]["kv-peer"])
+        if "kv-peer" in w[2]:
+            assert w[2]["kv-peer"] == chart().values["workers"]["kvPeerPort"]
+    assert allowed(gw, epp, epp[2]["ext-proc"]) and not allowed(workers[0], epp, epp[2]["ext-proc"])
+    assert allowed(({}, {"app": "client"}, {}), gw, gw[2]["http"])
+    # the workers reach the chart's Redis, named by the URL the chart put in the spec
+    redis_pod = {"app.kubernetes.io/name": "kvyard", "app.kubernetes.io/instance": RELEASE,
+                 "app.kubernetes.io/component": "redis"}
+    for w in workers:
+        assert ingress_allowed(pols, w[1], redis_pod, 6379)
+        env = {e["name"]: e for d in by_kind(children, "Deployment")
+               if d["metadata"]["name"] == w[0]
+               for e in d["spec"]["template"]["spec"]["containers"][0]["env"]}
+        ref = env["KVYARD_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+        assert "password" in one(objs, "Secret", ref["name"])["data"] and ref["key"] == "password"
+    svc = one(objs, "Service", "kvyard-redis")
+    [isvc] = by_kind(objs, "InferenceService")
+    assert isvc["spec"]["kvstore"]["redis"]["url"] == \
+        f"redis://{svc['metadata']['name']}.{NAMESPACE}.svc:{svc['spec']['ports'][0]['port']}"
+    assert _selects({"matchLabels": svc["spec"]["selector"]}, redis_pod)
+    # each child pod is under exactly one PDB of its component
+    pdbs = by_kind(objs, "PodDisruptionBudget")
+    for name, labels, _ in pods:
+        assert len([p for p in pdbs if _selects(p["spec"]["selector"], labels)]) == 1, name
+    # PodMonitors: selectors and ports are the children's
+    mons = by_kind(objects("everything"), "PodMonitor")
+    for name, labels, ports in pods:
+        for m in mons:
+            if _selects(m["spec"]["selector"], labels):
+                assert m["spec"]["podMetricsEndpoints"][0]["targetPort"] in ports.values(), name
 
 
 # --- PDBs and monitoring ---------------------------------------------------------------------
