@@ -33,9 +33,8 @@ def gather(caches: Sequence[torch.Tensor], block_ids: Sequence[int], out: np.nda
     shape = (n, len(caches), 2, *t0.shape[2:])
     ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=t0.device)
     dst = torch.from_numpy(out).view(t0.dtype).view(shape)
-    for layer, kv in enumerate(caches):
-        part = kv.index_select(1, ids).transpose(0, 1)
-        dst[:, layer].copy_(part)
+    for layer, kv in enumerate(caches):  # straight into place: no temporary per layer
+        torch.index_select(kv, 1, ids, out=dst[:, layer].transpose(0, 1))
 
 
 @torch.no_grad()

@@ -8,13 +8,17 @@ becomes the fallback metric's label; nothing partial is ever handed on.
 from __future__ import annotations
 
 import asyncio
+import socket
+
+import numpy as np
 
 from kvyard.kvstore.codec import HEADER_BYTES, CorruptBlock, check_header
 from kvyard.kvstore.layout import Namespace
 
-from .peer_wire import PeerError, message, read_message
+from .peer_wire import PeerError, message, recv_exactly, recv_message
 
-_READ_LIMIT = 8 << 20
+_RCVBUF = 4 << 20
+_RECV_TIMEOUT_S = 10.0  # per recv: a stalled peer frees the thread
 
 
 async def pull(host: str, port: int, engine_id: str, request_id: str,
@@ -36,12 +40,20 @@ async def pull(host: str, port: int, engine_id: str, request_id: str,
 
 async def _pull(host: str, port: int, engine_id: str, request_id: str,
                 namespace: Namespace, block_hashes: list[int]) -> list[memoryview]:
-    reader, writer = await asyncio.open_connection(host, port, limit=_READ_LIMIT)
+    """Connect and ask on the event loop, receive the frames in a thread (an asyncio
+    StreamReader would copy each read into its buffer, out again, and memmove what
+    is behind it on every read)."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                         socket.SOCK_STREAM)
+    sock.setblocking(False)
     try:
-        writer.write(message({"remote_engine_id": engine_id, "remote_request_id": request_id,
-                              "num_blocks": len(block_hashes)}))
-        await writer.drain()
-        head = await read_message(reader)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _RCVBUF)
+        await loop.sock_connect(sock, (host, port))
+        await loop.sock_sendall(sock, message({"remote_engine_id": engine_id,
+                                               "remote_request_id": request_id,
+                                               "num_blocks": len(block_hashes)}))
+        head = await recv_message(loop, sock)
         if head.get("ok") is not True:
             raise PeerError("transfer_refused", f"peer refused: {head.get('error')}")
         lay = namespace.layout
@@ -51,15 +63,39 @@ async def _pull(host: str, port: int, engine_id: str, request_id: str,
             raise PeerError("kv_mismatch", f"peer offers {n} blocks of "
                             f"{head.get('block_bytes')} bytes, expected {lay.nbytes}")
         frame = HEADER_BYTES + lay.nbytes
-        out: list[memoryview] = []
-        for h in block_hashes[:n]:
-            mv = memoryview(await reader.readexactly(frame))
-            payload = mv[HEADER_BYTES:]
-            try:
-                check_header(mv[:HEADER_BYTES], namespace.key(h), lay, payload)
-            except CorruptBlock as e:
-                raise PeerError("transfer_corrupt", f"block {len(out)}: {e}") from None
-            out.append(payload)
-        return out
+        return await asyncio.to_thread(_receive, sock, n, frame, namespace, block_hashes[:n])
     finally:
-        writer.close()
+        sock.close()
+
+
+def _receive(sock: socket.socket, n: int, frame: int, namespace: Namespace,
+             block_hashes: list[int]) -> list[memoryview]:
+    """In a thread: blocking recv_into straight into one buffer for every frame (the
+    loop runs at C speed, not one event-loop turn per socket buffer's worth; the
+    caller's wait_for bounds the time, the socket's timeout this thread), then
+    verify."""
+    sock.settimeout(_RECV_TIMEOUT_S)
+    buf = memoryview(np.empty(n * frame, dtype=np.uint8)).cast("B")  # not zeroed first
+    got = 0
+    while got < len(buf):
+        k = sock.recv_into(buf[got:])
+        if k == 0:
+            raise asyncio.IncompleteReadError(bytes(buf[:min(got, 64)]), len(buf))
+        got += k
+    return _verify(buf, frame, namespace, block_hashes)
+
+
+def _verify(buf: memoryview, frame: int, namespace: Namespace,
+            block_hashes: list[int]) -> list[memoryview]:
+    """Each frame's header against the key and layout expected for block i, then its
+    checksum (xxh3 releases the GIL on blocks this size)."""
+    out: list[memoryview] = []
+    for i, h in enumerate(block_hashes):
+        mv = buf[i * frame:(i + 1) * frame]
+        payload = mv[HEADER_BYTES:]
+        try:
+            check_header(mv[:HEADER_BYTES], namespace.key(h), namespace.layout, payload)
+        except CorruptBlock as e:
+            raise PeerError("transfer_corrupt", f"block {i}: {e}") from None
+        out.append(payload)
+    return out

@@ -3,9 +3,9 @@
 A hold is claimed once (a second pull of the same request is refused) and
 given back when the connection ends, sent or not, so the prefill worker's
 blocks are freed right after the pull instead of at the hold's timeout.
-Blocks are gathered and checksummed in a thread, `CHUNK_BLOCKS` at a time,
-while the previous chunk drains to the socket: memory stays bounded and the
-event loop keeps serving HTTP. The request id is an unguessable capability
+Blocks are gathered, checksummed and sent from a thread, `CHUNK_BLOCKS` at a
+time (blocking `sendall` from the frames' own buffer): memory stays bounded and
+the event loop keeps serving HTTP meanwhile. The request id is an unguessable capability
 (uuid4), valid until the hold ends; the port should be reachable from the
 pool only (a NetworkPolicy in Kubernetes, loopback in the local stack).
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,12 +22,13 @@ import numpy as np
 from kvyard.kvstore.codec import HEADER_BYTES, encode_header
 from kvyard.kvstore.layout import Namespace
 
-from .peer_wire import PeerError, message, read_message
+from .peer_wire import PeerError, message, recv_message
 
 log = logging.getLogger("kvyard.pd")
 CHUNK_BLOCKS = 16
 REQUEST_TIMEOUT_S = 10.0
 SEND_TIMEOUT_S = 60.0
+_SNDBUF = 4 << 20
 
 
 @dataclass(slots=True)
@@ -36,24 +38,48 @@ class PeerServer:
     engine_id: str
     host: str = "127.0.0.1"
     port: int = 0                # 0: an ephemeral port, known after start
-    server: asyncio.AbstractServer | None = field(default=None, init=False)
     sent_blocks: int = field(default=0, init=False)
+    _sock: socket.socket | None = field(default=None, init=False)
+    _accepting: asyncio.Task | None = field(default=None, init=False)
+    _conns: set[asyncio.Task] = field(default_factory=set, init=False)
 
     async def start(self) -> int:
-        self.server = await asyncio.start_server(self._serve, self.host, self.port)
-        self.port = self.server.sockets[0].getsockname()[1]
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        sock.listen(64)
+        sock.setblocking(False)
+        self._sock = sock
+        self.port = sock.getsockname()[1]
+        self._accepting = asyncio.ensure_future(self._accept())
         return self.port
 
     async def stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
-            self.server = None
+        tasks = [t for t in (self._accepting, *self._conns) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self._sock)
+            conn.setblocking(False)
+            task = asyncio.ensure_future(self._serve(conn))
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
         rid = None
+        pending: asyncio.Future | None = None
         try:
-            req = await asyncio.wait_for(read_message(reader), REQUEST_TIMEOUT_S)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SNDBUF)
+            req = await asyncio.wait_for(recv_message(loop, conn), REQUEST_TIMEOUT_S)
             if req.get("remote_engine_id") != self.engine_id:
                 raise PeerError("unknown_engine", "remote_engine_id is not this worker's")
             rid = str(req.get("remote_request_id"))
@@ -63,22 +89,38 @@ class PeerServer:
                 raise PeerError("unknown_request", "no such hold (pulled already, or expired)")
             n = min(int(req.get("num_blocks", len(hold.block_ids))), len(hold.block_ids))
             lay = self.namespace.layout
-            writer.write(message({"ok": True, "num_blocks": n, "block_bytes": lay.nbytes}))
-            for s in range(0, n, CHUNK_BLOCKS):
-                ids = hold.block_ids[s:s + CHUNK_BLOCKS]
-                frames = await asyncio.to_thread(self._frames, ids, hold.block_hashes[s:s + len(ids)])
-                await asyncio.wait_for(writer.drain(), SEND_TIMEOUT_S)
-                writer.write(memoryview(frames).cast("B"))
-                self.sent_blocks += len(ids)
-            await asyncio.wait_for(writer.drain(), SEND_TIMEOUT_S)
+            await loop.sock_sendall(conn, message({"ok": True, "num_blocks": n,
+                                                   "block_bytes": lay.nbytes}))
+
+            pending = asyncio.ensure_future(asyncio.to_thread(self._send, conn, hold, n))
+            await pending
+            pending = None
         except PeerError as e:
-            writer.write(message({"ok": False, "error": str(e), "reason": e.reason}))
-        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, ValueError) as e:
+            try:
+                await loop.sock_sendall(conn, message({"ok": False, "error": str(e),
+                                                       "reason": e.reason}))
+            except OSError:
+                pass
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, ValueError,
+                OSError) as e:
             log.warning("peer transfer of %s ended early: %s", rid, e)
         finally:
+            if pending is not None:  # its thread reads held blocks: done before they go back
+                await asyncio.gather(pending, return_exceptions=True)
             if rid is not None:
                 self.engine.finish_hold(rid)
-            writer.close()
+            conn.close()
+
+    def _send(self, conn: socket.socket, hold: Any, n: int) -> None:
+        """In a thread: gather, checksum and send the held blocks, a chunk at a time, with
+        blocking sendall calls (the copy loop runs in C, not one event-loop turn per
+        socket buffer's worth), bounded by the socket's timeout."""
+        conn.settimeout(SEND_TIMEOUT_S)
+        for s in range(0, n, CHUNK_BLOCKS):
+            ids = hold.block_ids[s:min(s + CHUNK_BLOCKS, n)]
+            frames = self._frames(ids, hold.block_hashes[s:s + len(ids)])
+            conn.sendall(memoryview(frames).cast("B"))
+            self.sent_blocks += len(ids)
 
     def _frames(self, block_ids: list[int], hashes: list[int]) -> np.ndarray:
         lay = self.namespace.layout

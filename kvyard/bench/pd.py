@@ -1,0 +1,321 @@
+"""`kvyard bench pd`: P/D (1 prefill + 1 decode worker) against 2 colocated workers.
+
+Same hardware budget, same run: each setup is a real local stack (Envoy, EPP, two
+workers on the demo model), each worker pinned to its own core (every thread of
+its process, after start) with one torch thread. The workload is mixed, through
+Envoy: `--streams` closed-loop clients keep short prompts decoding while long
+prompts (`--long-tokens`, 2k by default) arrive every `--long-interval` seconds.
+Per class it reports TTFT and TPOT p50/p99 and goodput (requests meeting the
+stated SLO per second). For P/D also: handoff bytes, handoff (transfer) time
+against the prefill alone (a long prompt's recompute on an idle worker), an idle
+P/D request's TTFT against that prefill, and the peer handoff's bandwidth against
+loopback TCP measured in the same process.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvyard.bench.report import Report, percentile
+
+WORDS = ("time person year way day thing man world life hand part child eye woman place work "
+         "week case point government company number group problem fact river mountain city "
+         "bridge garden window market island forest winter summer music story letter engine "
+         "paper water light table voice money field north south east west color animal").split()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of load per setup")
+    p.add_argument("--streams", type=int, default=2, help="concurrent short decoding streams")
+    p.add_argument("--short-tokens", type=int, default=64)
+    p.add_argument("--short-output", type=int, default=48)
+    p.add_argument("--long-tokens", type=int, default=2048)
+    p.add_argument("--long-output", type=int, default=8)
+    p.add_argument("--long-interval", type=float, default=10.0,
+                   help="seconds between long prompts (one prefill worker must keep up)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--slo-ttft-short", type=float, default=0.5, help="seconds")
+    p.add_argument("--slo-ttft-long", type=float, default=6.0, help="seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.06, help="seconds per output token")
+    p.add_argument("--setups", default="colocated,pd")
+    p.add_argument("--json", action="store_true")
+
+
+@dataclass(slots=True)
+class Result:
+    kind: str
+    ok: bool
+    ttft: float = float("nan")
+    tpot: float = float("nan")
+    tokens: int = 0
+
+
+@dataclass(slots=True)
+class Prompts:
+    """Unique texts of about the asked token count (calibrated once with /tokenize)."""
+
+    tokens_per_word: float
+    rng: random.Random = field(default_factory=lambda: random.Random(7))
+    n: int = 0
+
+    def text(self, tokens: int) -> str:
+        self.n += 1
+        words = [self.rng.choice(WORDS) for _ in range(int(tokens / self.tokens_per_word))]
+        return f"Request {self.n}: " + " ".join(words)
+
+
+def chat(text: str, max_tokens: int, stream: bool = True) -> dict:
+    return {"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": stream, "messages": [{"role": "user", "content": text}]}
+
+
+async def one(session, url: str, body: dict, kind: str) -> Result:
+    t0 = time.perf_counter()
+    first = last = None
+    n = 0
+    try:
+        async with session.post(url + "/v1/chat/completions", json=body) as r:
+            if r.status != 200:
+                await r.read()
+                return Result(kind, False)
+            async for line in r.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                ch = json.loads(line[6:]).get("choices") or []
+                if ch and ch[0].get("delta", {}).get("content"):
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+                    n += 1
+    except Exception:  # noqa: BLE001 - a failed request counts as not good
+        return Result(kind, False)
+    if first is None:
+        return Result(kind, False)
+    return Result(kind, True, first - t0, (last - first) / (n - 1) if n > 1 else float("nan"), n)
+
+
+async def workload(url: str, a: argparse.Namespace, prompts: Prompts) -> list[Result]:
+    import aiohttp
+
+    results: list[Result] = []
+    stop = time.monotonic() + a.duration
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+        async def stream() -> None:
+            while time.monotonic() < stop:
+                results.append(await one(s, url, chat(prompts.text(a.short_tokens),
+                                                      a.short_output), "short"))
+
+        async def longs() -> None:
+            tasks = []
+            while time.monotonic() < stop:
+                tasks.append(asyncio.ensure_future(one(s, url, chat(prompts.text(a.long_tokens),
+                                                                    a.long_output), "long")))
+                await asyncio.sleep(a.long_interval)  # the arrival process, not a synchronisation
+            results.extend(await asyncio.gather(*tasks))
+        await asyncio.gather(longs(), *[stream() for _ in range(a.streams)])
+    return results
+
+
+def pin(pid: int, cpu: int) -> None:
+    """Every thread of `pid` on `cpu` (threads it starts later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), {cpu})
+        except OSError:
+            pass
+
+
+def metrics(address: str) -> dict[str, float]:
+    from kvyard.stack import procs
+
+    code, body = procs.http_get(f"http://{address}/metrics", 5.0)
+    out: dict[str, float] = {}
+    for line in body.decode().splitlines() if code == 200 else []:
+        if line and not line.startswith("#"):
+            k, _, v = line.rpartition(" ")
+            out[k] = float(v)
+    return out
+
+
+_SENDER = """
+import os, socket, sys
+os.sched_setaffinity(0, {int(sys.argv[1])})
+c = socket.create_connection(("127.0.0.1", int(sys.argv[2])))
+buf = bytearray(1 << 20)
+for _ in range(int(sys.argv[3])):
+    c.sendall(buf)
+c.close()
+"""
+
+
+def loopback_gbps(send_cpu: int, recv_cpu: int, mib: int = 512) -> float:
+    """One TCP connection over loopback between two processes pinned as the prefill
+    and decode workers are: sendall of 1 MiB buffers, recv_into a reused buffer."""
+    import subprocess
+    import sys
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    out: list[float] = []
+
+    def receive() -> None:
+        os.sched_setaffinity(0, {recv_cpu})  # this thread only
+        conn, _ = srv.accept()
+        sink = memoryview(bytearray(4 << 20))
+        got, t0 = 0, time.perf_counter()
+        while (k := conn.recv_into(sink)) > 0:
+            got += k
+        out.append(got / (time.perf_counter() - t0) / 1e9)
+        conn.close()
+    t = threading.Thread(target=receive)
+    t.start()
+    sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(send_cpu),
+                               str(srv.getsockname()[1]), str(mib)])
+    sender.wait(120)
+    t.join(120)
+    srv.close()
+    return out[0] if out else float("nan")
+
+
+def _delta(after: dict, before: dict, key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+async def _direct(url: str, body: dict) -> float:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+        t0 = time.perf_counter()
+        r = await one(s, url, body, "probe")
+        return r.ttft if r.ok else (time.perf_counter() - t0)
+
+
+def run_setup(name: str, a: argparse.Namespace, run_dir: Path, prompts: Prompts | None
+              ) -> tuple[list[Result], dict, Prompts]:
+    from kvyard.stack.launch import StackSpec, start_stack, stop_stack
+
+    pd = name == "pd"
+    spec = StackSpec(run_dir=run_dir / name, workers=2, prefill=int(pd), decode=int(pd),
+                     dtype=a.dtype, gateway_port=None, worker_base_port=None,
+                     epp_ports=(None, None, None), admin_port=None, ready_timeout_s=600.0,
+                     kv_tiers=False,
+                     worker_args=["--max-model-len", "4096", "--kv-cache-memory-bytes",
+                                  "768MiB", "--num-threads", "1"])
+    state = start_stack(spec)
+    extra: dict = {}
+    try:
+        workers = [p for p in state.procs if p.name.startswith("worker-")]
+        cpus = sorted(os.sched_getaffinity(0))
+        for i, p in enumerate(workers):
+            pin(p.pid, cpus[i % len(cpus)])
+        if prompts is None:
+            import urllib.request
+            sample = " ".join(random.Random(1).choice(WORDS) for _ in range(400))
+            req = urllib.request.Request(
+                f"http://{state.endpoints[0]}/tokenize",
+                json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": sample}).encode(),
+                {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                prompts = Prompts(json.loads(r.read())["count"] / 400)
+        # warm-up: one long and one short request (kernels, caches, EPP tokenizer)
+        asyncio.run(_direct(state.gateway_url, chat(prompts.text(a.long_tokens), 2)))
+        asyncio.run(_direct(state.gateway_url, chat(prompts.text(a.short_tokens), 2)))
+        if pd:
+            prefill_addr, decode_addr = state.endpoints
+            alone = [asyncio.run(_direct(f"http://{prefill_addr}",
+                                         chat(prompts.text(a.long_tokens), 1)))
+                     for _ in range(3)]
+            m0 = metrics(decode_addr)
+            idle_pd = [asyncio.run(_direct(state.gateway_url, chat(prompts.text(a.long_tokens), 2)))
+                       for _ in range(3)]
+            m1 = metrics(decode_addr)
+            extra["prefill_alone_s"] = statistics.median(alone)
+            extra["pd_idle_ttft_s"] = statistics.median(idle_pd)
+            extra["cpus"] = [cpus[0], cpus[1 % len(cpus)]]
+        results = asyncio.run(workload(state.gateway_url, a, prompts))
+        if pd:
+            from kvyard.common import wire
+
+            m2 = metrics(decode_addr)
+            sec = f'{wire.M_PD_HANDOFF_SECONDS}_sum{{path="peer"}}'
+            cnt = f'{wire.M_PD_HANDOFF_SECONDS}_count{{path="peer"}}'
+            byt = wire.M_PD_HANDOFF_BYTES
+            for phase, (x, y) in (("idle", (m1, m0)), ("load", (m2, m1))):
+                extra[phase] = {"handoffs": _delta(x, y, cnt), "bytes": _delta(x, y, byt),
+                                "seconds": _delta(x, y, sec)}
+            extra["fallbacks"] = sum(v for key, v in m2.items()
+                                     if key.startswith(wire.M_PD_FALLBACKS))
+    finally:
+        stop_stack(state)
+    return results, extra, prompts
+
+
+def _good(r: Result, a: argparse.Namespace) -> bool:
+    slo = a.slo_ttft_long if r.kind == "long" else a.slo_ttft_short
+    return r.ok and r.ttft <= slo and (r.tpot != r.tpot or r.tpot <= a.slo_tpot)
+
+
+def run(a: argparse.Namespace) -> int:
+    rep = Report("kvyard bench pd: 2 colocated workers vs 1 prefill + 1 decode (one core each)",
+                 ["setup", "class", "requests", "failed", "ttft_p50_s", "ttft_p99_s",
+                  "tpot_p50_ms", "tpot_p99_ms", "goodput_rps"])
+    tpot_p99: dict[str, float] = {}
+    prompts = None
+    with tempfile.TemporaryDirectory(prefix="kvyard-bench-pd-") as td:
+        for name in [s.strip() for s in a.setups.split(",") if s.strip()]:
+            results, extra, prompts = run_setup(name, a, Path(td), prompts)
+            for kind in ("short", "long"):
+                rs = [r for r in results if r.kind == kind]
+                ok = [r for r in rs if r.ok]
+                tp = [r.tpot * 1e3 for r in ok if r.tpot == r.tpot]
+                rep.add(setup=name, **{"class": kind}, requests=len(rs), failed=len(rs) - len(ok),
+                        ttft_p50_s=percentile([r.ttft for r in ok], 50),
+                        ttft_p99_s=percentile([r.ttft for r in ok], 99),
+                        tpot_p50_ms=percentile(tp, 50), tpot_p99_ms=percentile(tp, 99),
+                        goodput_rps=sum(_good(r, a) for r in rs) / a.duration)
+                if kind == "short":
+                    tpot_p99[name] = percentile(tp, 99)
+            rep.meta[name] = extra
+    rep.notes.append(f"SLO: TTFT <= {a.slo_ttft_short}s (short, ~{a.short_tokens} tokens) / "
+                     f"{a.slo_ttft_long}s (long, ~{a.long_tokens} tokens), TPOT <= "
+                     f"{a.slo_tpot * 1e3:.0f} ms; {a.streams} short streams, a long prompt "
+                     f"every {a.long_interval}s, {a.duration:.0f}s per setup, {a.dtype}.")
+    if "colocated" in tpot_p99 and "pd" in tpot_p99:
+        rep.notes.append(f"short-stream TPOT p99: P/D {tpot_p99['pd']:.1f} ms vs colocated "
+                         f"{tpot_p99['colocated']:.1f} ms (ratio "
+                         f"{tpot_p99['pd'] / tpot_p99['colocated']:.2f}; target <= 0.5)")
+    pd = rep.meta.get("pd")
+    if pd:
+        lo = loopback_gbps(*pd["cpus"])
+        pd["loopback_gbps"] = lo
+        for phase in ("idle", "load"):
+            ph = pd[phase]
+            n, secs = ph["handoffs"], ph["seconds"]
+            ph["gbps"] = ph["bytes"] / secs / 1e9 if secs else float("nan")
+            ph["seconds_mean"] = secs / n if n else float("nan")
+            rep.notes.append(
+                f"{phase}: {n:.0f} peer handoffs, {ph['bytes'] / n / 1e6 if n else 0:.1f} MB "
+                f"each, transfer {ph['seconds_mean'] * 1e3:.0f} ms mean "
+                f"({ph['seconds_mean'] / pd['prefill_alone_s']:.1%} of the prefill alone, "
+                f"{pd['prefill_alone_s'] * 1e3:.0f} ms); {ph['gbps']:.2f} GB/s = "
+                f"{ph['gbps'] / lo:.0%} of loopback TCP between the same cores "
+                f"({lo:.2f} GB/s; target >= 50%)")
+        rep.notes.append(f"fallbacks to a local prefill: {pd['fallbacks']:.0f}")
+        rep.notes.append(f"idle P/D TTFT {pd['pd_idle_ttft_s'] * 1e3:.0f} ms vs prefill alone "
+                         f"{pd['prefill_alone_s'] * 1e3:.0f} ms "
+                         f"(+{pd['pd_idle_ttft_s'] / pd['prefill_alone_s'] - 1:.0%}; "
+                         "target <= +10%)")
+    rep.emit(a.json)
+    return 0
