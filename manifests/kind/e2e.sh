@@ -19,10 +19,11 @@ NAMESPACE="${NAMESPACE:-kvyard}"
 SERVICE=demo                                   # inferenceService.name in values-cpu.yaml
 CHART_VERSION="$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' "$ROOT/charts/kvyard/Chart.yaml")"
 IMAGE="${IMAGE:-ghcr.io/kvyard/kvyard:${CHART_VERSION}}"  # the operator's default worker image
-KEDA_VERSION="${KEDA_VERSION:-2.17.2}"
+KEDA_VERSION="${KEDA_VERSION:-}"              # empty: the kedacore chart's latest
 LOCAL_PORT="${LOCAL_PORT:-18080}"
 KEEP="${KEEP:-0}"
 PF_PID=""
+CREATED=0                                      # only a cluster this run created is deleted
 
 log() { printf '\n=== %s\n' "$*"; }
 die() { printf 'e2e: FAILED: %s\n' "$*" >&2; exit 1; }
@@ -42,11 +43,13 @@ dump() {  # what a failed run leaves to read
 cleanup() {
   local rc=$?
   [ -n "$PF_PID" ] && kill "$PF_PID" 2>/dev/null || true
-  if [ "$rc" -ne 0 ] && kind get clusters 2>/dev/null | grep -qx "$CLUSTER"; then dump; fi
-  if [ "$KEEP" = 1 ]; then
-    echo "e2e: cluster $CLUSTER kept (kind delete cluster --name $CLUSTER)"
-  else
-    kind delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true
+  if [ "$CREATED" = 1 ]; then
+    if [ "$rc" -ne 0 ]; then dump; fi
+    if [ "$KEEP" = 1 ]; then
+      echo "e2e: cluster $CLUSTER kept (kind delete cluster --name $CLUSTER)"
+    else
+      kind delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true
+    fi
   fi
   exit "$rc"
 }
@@ -56,6 +59,7 @@ log "kind cluster $CLUSTER"
 if kind get clusters 2>/dev/null | grep -qx "$CLUSTER"; then
   die "a cluster named $CLUSTER exists already; delete it or set CLUSTER"
 fi
+CREATED=1
 kind create cluster --name "$CLUSTER" --config "$ROOT/manifests/kind/kind-config.yaml" --wait 180s
 kubectl config use-context "kind-$CLUSTER" >/dev/null
 
@@ -65,10 +69,10 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
 fi
 kind load docker-image "$IMAGE" --name "$CLUSTER"
 
-log "KEDA $KEDA_VERSION"
+log "KEDA ${KEDA_VERSION:-(latest)}"
 helm repo add kedacore https://kedacore.github.io/charts --force-update >/dev/null
 helm upgrade --install keda kedacore/keda --namespace keda --create-namespace \
-  --version "$KEDA_VERSION" --wait --timeout 5m
+  ${KEDA_VERSION:+--version "$KEDA_VERSION"} --wait --timeout 5m
 
 log "kvyard chart (values-cpu.yaml) into namespace $NAMESPACE"
 # --wait: the chart's own Deployments (operator, Redis) are ready; the InferenceService's
@@ -104,7 +108,8 @@ log "chat requests through the gateway"
 WORKER_IPS="$WORKER_IPS" python3 - "$LOCAL_PORT" <<'PY'
 """Through the gateway: every answer a 200 in OpenAI's shape, served by one of the two
 workers (x-kvyard-endpoint), the same prompt always by the same worker (the EPP's prefix
-affinity), and a model-less 404/400 never reaching a worker as a 5xx."""
+affinity: each prompt's blocks are its own from the first token, so only the worker that
+served it holds them), and bad input answered with a 400 in OpenAI's shape."""
 import json
 import os
 import sys
@@ -117,14 +122,15 @@ base = f"http://127.0.0.1:{port}"
 workers = set(os.environ["WORKER_IPS"].split())
 
 
-def post(body: dict, timeout: float = 120.0) -> tuple[int, dict, dict]:
+def post(body: dict, timeout: float = 120.0):
+    """(status, headers (case-insensitive), JSON body)."""
     req = urllib.request.Request(f"{base}/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, dict(r.headers), json.load(r)
+            return r.status, r.headers, json.load(r)
     except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), json.loads(e.read() or b"{}")
+        return e.code, e.headers, json.loads(e.read() or b"{}")
 
 
 deadline = time.monotonic() + 120
@@ -140,9 +146,10 @@ while True:  # the port-forward and the gateway's first EDS assignment
 model = models["data"][0]["id"]
 print(f"model: {model}")
 
-system = ("You are a terse assistant for kvyard's end-to-end test. " * 24).strip()
+filler = ("You are a terse assistant for kvyard's end-to-end test. " * 24).strip()
 served = {}
 for i, question in enumerate(["What is 2+2?", "Name a colour.", "Say hello.", "Count to 3."]):
+    system = f"Conversation {i}. {filler}"  # ~300 tokens (~19 blocks) no other prompt shares
     body = {"model": model, "max_tokens": 16, "temperature": 0,
             "messages": [{"role": "system", "content": system},
                          {"role": "user", "content": question}]}
@@ -151,18 +158,18 @@ for i, question in enumerate(["What is 2+2?", "Name a colour.", "Say hello.", "C
         if status != 200:
             sys.exit(f"e2e: {question!r}: HTTP {status}: {answer}")
         text = answer["choices"][0]["message"]["content"]
-        endpoint = headers.get("x-kvyard-endpoint") or headers.get("X-Kvyard-Endpoint", "")
+        endpoint = headers.get("x-kvyard-endpoint", "")
         host = endpoint.rsplit(":", 1)[0]
         if host not in workers:
             sys.exit(f"e2e: served by {endpoint!r}, not one of the workers {sorted(workers)}")
-        served.setdefault(question, set()).add(host)
+        served.setdefault(question, set()).add(endpoint)
         print(f"{question!r} #{attempt}: {endpoint}: {text!r}")
         if not text:
             sys.exit("e2e: empty answer")
 for question, hosts in served.items():
     if len(hosts) != 1:
         sys.exit(f"e2e: the same prompt went to several workers {hosts}: no prefix affinity")
-print(f"routing: each prompt stayed on one worker; workers used: {sorted(set().union(*served.values()))}")
+print(f"routing: each prompt stayed on one worker; used: {sorted(set().union(*served.values()))}")
 
 # OpenAI-shaped errors through the gateway, never a 5xx
 status, _, answer = post({"model": model, "messages": [{"role": "wizard", "content": "x"}]})
@@ -176,8 +183,12 @@ EPP_POD="$(kubectl -n "$NAMESPACE" get pods -l "kvyard.io/service=$SERVICE,kvyar
   -o jsonpath='{.items[0].metadata.name}')"
 kubectl -n "$NAMESPACE" exec "$EPP_POD" -- python3 -c "
 import json, urllib.request
-eps = json.load(urllib.request.urlopen('http://127.0.0.1:9090/debug/endpoints', timeout=5))
-print(json.dumps(eps, indent=1)[:2000])
+eps = json.load(urllib.request.urlopen('http://127.0.0.1:9090/debug/endpoints', timeout=5))['endpoints']
+for e in eps:
+    print(e['address'], e['role'], 'picks', e['picks'], 'prefix hits', e['prefix_hits'], 'fresh', e['fresh'])
+hosts = sorted(e['address'].rsplit(':', 1)[0] for e in eps if e['fresh'] and not e['down'])
+assert hosts == sorted('$WORKER_IPS'.split()), f'the EPP sees {hosts}, not the workers'
+assert sum(e['picks'] for e in eps) >= 12, 'the EPP did not route the 12 chat requests'
 "
 WORKER_POD="$(kubectl -n "$NAMESPACE" get pods -l "kvyard.io/service=$SERVICE,kvyard.io/component=worker" \
   -o jsonpath='{.items[0].metadata.name}')"
