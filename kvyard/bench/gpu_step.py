@@ -10,9 +10,11 @@ variants differ only where named:
   kvyard     the same GEMMs, norms and RoPE; KV written by slot mapping into
              the paged cache (`write_kv`) and `paged_decode` over it;
   fused      kvyard with RoPE done inside the KV write (`rope_write_kv`);
-  norm       fused plus two probe kernels defined here: residual add +
-             RMSNorm in one pass, and SiLU(gate) * up in one pass (what such
-             fusions buy; the engine's versions belong with its CUDA linear ops);
+  norm       fused plus the engine's CUDA ops (workers/model/cuda_ops.py):
+             residual add + RMSNorm in one pass, SiLU(gate) * up in one pass;
+  engine     the engine's own model (LlamaForCausalLM on CudaOps + the Triton
+             backend, loaded through `build` from random weights of this shape):
+             what `kvyard worker --device cuda` replays per decode step;
   gemms      only the step's GEMMs (the cuBLAS floor: what no attention or
              elementwise work can beat without other GEMMs).
 """
@@ -23,11 +25,13 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
+from kvyard.workers.attention import AttentionMetadata
+from kvyard.workers.attention.triton_backend import TRITON_PLAN_KEY, DevicePlan
 from kvyard.workers.attention.triton_decode import DecodeConfig, DecodeWorkspace, paged_decode
 from kvyard.workers.attention.triton_kv_write import rope_write_kv, write_kv
+from kvyard.workers.model.config import ModelConfig
+from kvyard.workers.model.cuda_ops import add_rms_norm as _add_rms_norm, silu_mul
 from kvyard.workers.model.rope import apply_rope
 
 DEV, DTYPE = "cuda", torch.bfloat16
@@ -36,40 +40,8 @@ BLOCK = 16
 EPS = 1e-5
 
 
-@triton.jit
-def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, eps, N: tl.constexpr):
-    """res += x (rounded to res's dtype, as torch's add), out = rms_norm(res) * w."""
-    row = tl.program_id(0).to(tl.int64) * N
-    c = tl.arange(0, N)
-    h = (tl.load(x_ptr + row + c).to(tl.float32) + tl.load(res_ptr + row + c).to(tl.float32))
-    h = h.to(res_ptr.dtype.element_ty)
-    tl.store(res_ptr + row + c, h)
-    hf = h.to(tl.float32)
-    y = hf * tl.rsqrt(tl.sum(hf * hf, 0) / N + eps)
-    tl.store(out_ptr + row + c, (y * tl.load(w_ptr + c).to(tl.float32)).to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    g = tl.load(gu_ptr + row * 2 * N + c).to(tl.float32)
-    u = tl.load(gu_ptr + row * 2 * N + N + c).to(tl.float32)
-    tl.store(out_ptr + row * N + c, (g / (1 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty))
-
-
 def add_rms_norm(x: Any, res: Any, w: Any) -> Any:
-    out = torch.empty_like(res)
-    _add_rms_norm_kernel[(res.shape[0],)](x, res, w, out, EPS, N=res.shape[1], num_warps=8)
-    return out
-
-
-def silu_mul(gu: Any) -> Any:
-    n = gu.shape[1] // 2
-    assert n % 1024 == 0, "the probe covers whole 1024-wide blocks only"
-    out = torch.empty(gu.shape[0], n, dtype=gu.dtype, device=gu.device)
-    _silu_mul_kernel[(gu.shape[0], n // 1024)](gu, out, N=n, BLOCK=1024, num_warps=4)
-    return out
+    return _add_rms_norm(x, res, w, EPS)
 
 
 @dataclass(slots=True)
@@ -211,3 +183,64 @@ def capture(fn: Callable[[], Any]) -> tuple[Any, Any]:
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+def config_8b(max_pos: int = 8192) -> ModelConfig:
+    return ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
+                       num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                       rms_norm_eps=EPS, rope_theta=500000.0, rope_scaling=None, max_position_embeddings=max_pos,
+                       tie_word_embeddings=False, attention_bias=False)
+
+
+class RandomSource:
+    """A WeightSource of random bf16 tensors made on the GPU (no checkpoint: speed only)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+        self.shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "lm_head.weight": (cfg.vocab_size, h),
+                       "model.norm.weight": (h,)}
+        per = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+               "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+               "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
+               "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+        for layer in range(cfg.num_layers):
+            self.shapes.update({f"model.layers.{layer}.{k}": v for k, v in per.items()})
+
+    def has(self, name: str) -> bool:
+        return name in self.shapes
+
+    def get(self, name: str) -> Any:
+        shape = self.shapes[name]
+        if len(shape) == 1:
+            return torch.ones(shape, dtype=DTYPE, device=DEV)
+        return torch.randn(shape, dtype=DTYPE, device=DEV) * shape[-1] ** -0.5
+
+    def get_int4(self, name: str) -> None:
+        return None
+
+    def get_quant(self, name: str) -> None:
+        return None
+
+
+def engine_model(layers: int, max_pos: int) -> Any:
+    from dataclasses import replace
+
+    from kvyard.workers.model.loader import build
+
+    cfg = replace(config_8b(max_pos), num_layers=layers)
+    return build(cfg, RandomSource(cfg), DTYPE, max_pos, device=DEV)
+
+
+def engine_step_fn(model: Any, b: Batch) -> Callable[[], Any]:
+    """The engine's decode step over the batch's paged caches, metadata as persistent device tensors."""
+    B = b.ids.shape[0]
+    qsl = torch.arange(B + 1, dtype=torch.int32, device=DEV)
+    meta = AttentionMetadata(slot_mapping=b.slots, query_start_loc=list(range(B + 1)), seq_lens=[1] * B,
+                             block_tables=b.tables, num_decodes=B)
+    meta.scratch[TRITON_PLAN_KEY] = DevicePlan(b.slots, b.tables, b.lens, qsl, 0, b.pos)
+
+    def step() -> Any:
+        return model.compute_logits(model(b.ids, b.pos, b.paged, meta))
+
+    step.meta = meta  # type: ignore[attr-defined]  # what the captured graph reads lives with the closure
+    return step

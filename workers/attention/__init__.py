@@ -1,8 +1,10 @@
 """The attention backend boundary: the only place that knows how K/V are paged.
 
 The engine builds an `AttentionMetadata` per step; the model passes it to the
-backend in every layer. A Triton GPU backend will implement the same
-`AttentionBackend` later; nothing above this boundary changes.
+backend in every layer. The CPU backend (torch_cpu.py) and the Triton one
+(triton_backend.py) implement the same `AttentionBackend`; the Triton one can
+also apply RoPE to q and k inside its KV write (the model then hands it q/k
+unrotated; `positions` says where the tokens sit).
 
 KV cache layout, per layer: one tensor `[2, num_blocks, block_size,
 num_kv_heads, head_dim]` (index 0 = K, 1 = V) in the model's dtype. A token's
@@ -29,6 +31,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor       # [B, max_blocks] int64 block ids, padded with 0
     num_decodes: int                 # sequences [0, num_decodes) are single-token decodes
     scratch: dict[str, Any] = field(default_factory=dict)  # backend caches per-step derived tensors here
+    positions: torch.Tensor | None = None  # [T] the new tokens' positions, for backends that apply RoPE
 
     @property
     def num_seqs(self) -> int:

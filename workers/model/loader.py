@@ -20,6 +20,7 @@ from ..attention.torch_cpu import TorchCPUBackend
 from .config import ModelConfig, config_from_gguf, config_from_hf
 from .. import cpu_ops
 from .gguf_file import GGUFFile, int4_parts, quant_parts
+from .linear_ops import GemmOps, select_ops
 from .llama import Int4Weight, LayerWeights, LlamaForCausalLM
 from .rope import rope_table
 
@@ -145,23 +146,30 @@ def _int4(src: WeightSource, names: list[str], dtype: torch.dtype) -> Int4Weight
 
 def build(cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, max_len: int | None = None,
           freq_factors: torch.Tensor | None = None, progress: bool = False,
-          int4_max_tokens: int = 8, cpu_kernels: bool = True) -> LlamaForCausalLM:
+          int4_max_tokens: int = 8, cpu_kernels: bool = True,
+          device: torch.device | str = "cpu", ops=None, backend=None) -> LlamaForCausalLM:
+    """The model on `device` with the linear-ops strategy `select_ops` picks there and the
+    attention backend for the device (`ops`, `backend`: others, for tests)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+
     def w(name: str) -> torch.Tensor:
-        return src.get(name).to(dtype)
+        return src.get(name).to(device=device, dtype=dtype)
 
     def cat(*names: str) -> torch.Tensor:
         """Fuse along rows, casting while copying into one buffer (one pass per part)."""
         parts = [src.get(n) for n in names]
-        out = torch.empty(sum(p.shape[0] for p in parts), *parts[0].shape[1:], dtype=dtype)
+        out = torch.empty(sum(p.shape[0] for p in parts), *parts[0].shape[1:], dtype=dtype, device=device)
         row = 0
         for p in parts:
             out[row:row + p.shape[0]].copy_(p)
             row += p.shape[0]
         return out
 
-    ops = cpu_ops.load() if cpu_kernels else None
-    tiled = ops is not None and ops.has_gemm(dtype)
-    if tiled:
+    ops = ops or select_ops(cfg, dtype, device, cpu_kernels)
+    tiled = isinstance(ops, GemmOps)
+    if tiled or device.type != "cpu":
         int4_max_tokens = 0  # gemm.c serves every step size, faster than torch's int4 kernel here
     # float32 reads GGUF blocks in place (5-9 bits a weight, expanded exactly: measured 1.1-1.9x
     # faster at 1 row, even at 32); bf16 keeps dense tiles, faster there than expanding blocks
@@ -179,7 +187,7 @@ def build(cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, max_len: int 
         p = f"model.layers.{i}."
         qkv_b = [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
         int4 = None
-        if int4_max_tokens > 0 and dtype == torch.bfloat16:  # torch's fp32 int4 kernel is slow
+        if int4_max_tokens > 0 and dtype == torch.bfloat16:  # torch's fp32 int4 kernel is slow (CPU only)
             ws = [_int4(src, [p + f"self_attn.{x}_proj.weight" for x in "qkv"], dtype),
                   _int4(src, [p + "self_attn.o_proj.weight"], dtype),
                   _int4(src, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], dtype),
@@ -204,18 +212,23 @@ def build(cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, max_len: int 
     tied = cfg.tie_word_embeddings or not src.has("lm_head.weight")
     head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
     lm_head = (_quant(src, [head_name], dtype) if quant_tiles else None) or (embed if tied else w(head_name).contiguous())
-    rope = rope_table(cfg, max_len or cfg.max_position_embeddings, dtype, freq_factors)
-    model = LlamaForCausalLM(cfg, embed, layers, w("model.norm.weight"), lm_head, rope, TorchCPUBackend(),
-                             int4_max_tokens, tied=tied)
+    rope = rope_table(cfg, max_len or cfg.max_position_embeddings, dtype, freq_factors).to(device)
+    if backend is None and (device.type == "cuda" or hasattr(ops, "rope_in_attention")):  # CudaOps
+        from ..attention.triton_backend import TritonBackend
+
+        # CudaOps leaves RoPE to the KV write: cos and +sin halves of the table
+        backend = TritonBackend((rope[:, 0, 0], rope[:, 1, 1]) if getattr(ops, "rope_in_attention", False) else None)
+    backend = backend or TorchCPUBackend()
+    model = LlamaForCausalLM(cfg, embed, layers, w("model.norm.weight"), lm_head, rope, backend,
+                             int4_max_tokens, tied=tied, ops=ops)
     model.eval().requires_grad_(False)
-    model.use_cpu_ops(cpu_kernels)
-    model.pack()
     return model
 
 
 def load_model(src: ModelSource, dtype: torch.dtype, max_len: int | None = None,
                on_progress: Callable[[str], None] | None = None,
-               int4_max_tokens: int = 8, cpu_kernels: bool = True) -> tuple[LlamaForCausalLM, ModelConfig]:
+               int4_max_tokens: int = 8, cpu_kernels: bool = True,
+               device: torch.device | str = "cpu") -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load `src` (from `kvyard.common.models.resolve_model`) in `dtype` (float32 or bfloat16).
 
     `max_len` bounds the RoPE table (defaults to the model's max positions).
@@ -225,6 +238,7 @@ def load_model(src: ModelSource, dtype: torch.dtype, max_len: int | None = None,
     0 keeps every step on the dense weights. Where workers/cpu_ops/gemm.c runs
     (AVX-512; AVX512-BF16 for bf16) it serves every step and int4 is not built.
     `cpu_kernels=False` keeps the model on torch's ops (tests compare the two).
+    `device`: where weights live and the step runs ('cuda': cuBLAS + Triton, cuda_ops.py).
     """
     t0 = time.perf_counter()
     if src.kind == "gguf":
@@ -240,7 +254,7 @@ def load_model(src: ModelSource, dtype: torch.dtype, max_len: int | None = None,
         raise ValueError(f"unknown model source kind {src.kind!r}")
     with torch.inference_mode():
         model = build(cfg, weights, dtype, max_len, factors, progress=weights.nbytes >= _PROGRESS_MIN_BYTES,
-                      int4_max_tokens=int4_max_tokens, cpu_kernels=cpu_kernels)
+                      int4_max_tokens=int4_max_tokens, cpu_kernels=cpu_kernels, device=device)
     if on_progress:
         on_progress(f"loaded {src.served_name} in {time.perf_counter() - t0:.1f}s")
     return model, cfg

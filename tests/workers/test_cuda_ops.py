@@ -1,0 +1,151 @@
+"""The decoder's CUDA ops (workers/model/cuda_ops.py) against torch, and a whole model on
+them (CudaOps + the Triton attention backend) against the same weights on torch's CPU ops.
+
+Without a GPU the kernels run under TRITON_INTERPRET=1 on CPU tensors (float32, float16);
+on CUDA in float32 and bfloat16. Tolerances are ‖out − ref‖ / ‖ref‖ against float64.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, so before they import
+triton = pytest.importorskip("triton")
+
+from kvyard.workers.attention.reference import SeqStep, build_metadata  # noqa: E402
+from kvyard.workers.attention.triton_backend import TritonBackend  # noqa: E402
+from kvyard.workers.model.config import ModelConfig  # noqa: E402
+from kvyard.workers.model.cuda_ops import CudaOps, add_rms_norm, rms_norm, silu_mul  # noqa: E402
+from kvyard.workers.model.linear_ops import TorchOps  # noqa: E402
+from kvyard.workers.model.loader import build, kv_cache_shape  # noqa: E402
+
+if not CUDA:  # the same interpreter fix as test_triton_attention.py (triton-lang/triton#9171)
+    from triton.runtime import interpreter as _interp
+
+    if not getattr(_interp, "_kvyard_index_patch", False):
+        _patch_tensor = _interp._patch_lang_tensor
+
+        def _patch_lang_tensor(tensor, scope) -> None:
+            _patch_tensor(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        _interp._patch_lang_tensor = _patch_lang_tensor
+        _interp._kvyard_index_patch = True
+
+DEV = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32, torch.float16]
+TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+EPS = 1e-5
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double().cpu() - ref.cpu()).norm() / ref.cpu().norm()).item()
+
+
+def _ref_norm(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = h.double()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * w.double()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 64), (5, 576), (3, 1000)])
+def test_norms_against_float64(dtype, rows, n) -> None:
+    g = torch.Generator().manual_seed(rows * n)
+    x = (torch.randn(rows, n, generator=g) * 3).to(dtype).to(DEV)
+    res = torch.randn(rows, n, generator=g).to(dtype).to(DEV)
+    w = (1 + 0.3 * torch.randn(n, generator=g)).to(dtype).to(DEV)
+    assert _rel(rms_norm(x, w, EPS), _ref_norm(x, w)) < TOL[dtype]
+    summed = (x.double() + res.double()).to(dtype)   # the residual as the add rounds it
+    before = res.clone()
+    out = add_rms_norm(x, res, w, EPS)
+    assert torch.equal(res, summed.to(DEV)) or _rel(res, summed.double()) < TOL[dtype]
+    assert not torch.equal(res, before)
+    assert _rel(out, _ref_norm(summed, w)) < TOL[dtype]
+    wide = torch.randn(rows, 2 * n, generator=g).to(dtype).to(DEV)[:, :n]  # a row stride > n
+    assert _rel(rms_norm(wide, w, EPS), _ref_norm(wide, w)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 96), (4, 1536), (2, 1100)])
+def test_silu_mul_against_float64(dtype, rows, inter) -> None:
+    g = torch.Generator().manual_seed(inter)
+    gu = (torch.randn(rows, 2 * inter, generator=g) * 2).to(dtype).to(DEV)
+    ref = torch.nn.functional.silu(gu[:, :inter].double()) * gu[:, inter:].double()
+    assert _rel(silu_mul(gu), ref) < TOL[dtype]
+    assert silu_mul(gu[:0]).shape == (0, inter)
+
+
+def _tiny_cfg() -> ModelConfig:
+    return ModelConfig(architecture="llama", vocab_size=97, hidden_size=64, intermediate_size=96,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=EPS,
+                       rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128,
+                       tie_word_embeddings=False, attention_bias=False)
+
+
+class _Dict:
+    """A WeightSource over a dict of HF-named tensors."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.t = tensors
+
+    def has(self, name: str) -> bool:
+        return name in self.t
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.t[name]
+
+    def get_int4(self, name: str) -> None:
+        return None
+
+    def get_quant(self, name: str) -> None:
+        return None
+
+
+def _weights(cfg: ModelConfig) -> _Dict:
+    g = torch.Generator().manual_seed(7)
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    t = {"model.embed_tokens.weight": torch.randn(cfg.vocab_size, h, generator=g),
+         "lm_head.weight": torch.randn(cfg.vocab_size, h, generator=g) * h ** -0.5,
+         "model.norm.weight": 1 + 0.1 * torch.randn(h, generator=g)}
+    shapes = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+              "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+              "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}."
+        for name, shape in shapes.items():
+            t[p + name] = torch.randn(*shape, generator=g) * shape[1] ** -0.5
+        for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            t[p + name] = 1 + 0.1 * torch.randn(h, generator=g)
+    return _Dict(t)
+
+
+@pytest.mark.parametrize("rope_in_attention", [True, False])
+def test_model_on_cuda_ops_matches_torch_ops(rope_in_attention) -> None:
+    """A prefill of 11 + a chunk of 6 (a prefix hit) beside a 1-token decode, then two decodes:
+    CudaOps + TritonBackend (RoPE in its KV write, or in torch) against TorchOps + the CPU
+    backend, float32."""
+    cfg, src = _tiny_cfg(), _weights(_tiny_cfg())
+    ours = build(cfg, src, torch.float32, device=DEV, ops=CudaOps(cfg, rope_in_attention))
+    assert isinstance(ours.backend, TritonBackend) and (ours.backend.rope is not None) == rope_in_attention
+    ref = build(cfg, src, torch.float32, ops=TorchOps(cfg), cpu_kernels=False)
+    ids = torch.randint(0, cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(3))
+    steps = [([SeqStep([3, 1], 0, 11)], 0), ([SeqStep([3, 1], 11, 1), SeqStep([0, 2], 0, 6)], 1),
+             ([SeqStep([3, 1], 12, 1), SeqStep([0, 2], 6, 1)], 2)]
+    outs = []
+    for model, dev in ((ours, DEV), (ref, "cpu")):
+        caches = [torch.zeros(kv_cache_shape(cfg, 4, 8), device=dev) for _ in range(cfg.num_layers)]
+        logits = []
+        with torch.inference_mode():
+            for seqs, nd in steps:
+                n = sum(s.num_new for s in seqs)
+                pos = torch.cat([torch.arange(s.num_cached, s.num_cached + s.num_new) for s in seqs])
+                meta = build_metadata(seqs, 8, nd)
+                h = model(ids[:n].to(dev), pos.to(dev), caches, meta)
+                logits.append(model.compute_logits(h).cpu())
+        outs.append(torch.cat(logits))
+    assert _rel(outs[0], outs[1].double()) < 1e-5
+    assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
