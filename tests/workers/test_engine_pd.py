@@ -120,3 +120,36 @@ def test_aborted_hold_request_and_parked_request_free_everything(loaded, prompt)
     eng.abort_request("d")
     assert not eng.has_unfinished_requests() and len(eng.kv_holds) == 0
     assert all(r == 0 for r in eng.block_manager.ref_cnt)
+
+
+async def test_parked_request_never_stalls_the_step_loop(loaded, prompt) -> None:
+    """While one request waits for its remote KV (a future nobody resolves yet), the
+    engine thread serves another from start to finish; then the parked one runs."""
+    import asyncio
+
+    from kvyard.workers.engine.async_engine import AsyncLLMEngine
+
+    ref = make(loaded)
+    ref.add_request("r", prompt, GREEDY)
+    want, _ = run(ref, "r")
+    eng = AsyncLLMEngine(EngineConfig(dtype="float32"), engine=make(loaded))
+    await eng.start()
+    try:
+        arrived: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def parked() -> list[int]:
+            out: list[int] = []
+            async for o in eng.generate("parked", prompt, GREEDY, remote_kv=arrived):
+                out += o.new_token_ids
+            return out
+        task = asyncio.ensure_future(parked())
+        other = [t for o in [o async for o in eng.generate(
+            "other", loaded[2].encode_chat([{"role": "user", "content": "Hi"}]),
+            SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))]
+            for t in o.new_token_ids]
+        assert len(other) == 5 and not task.done()
+        assert eng.stats().num_waiting == 1            # the parked one, still waiting
+        arrived.set_result(None)                       # nothing came: it prefills itself
+        assert await asyncio.wait_for(task, 120) == want
+    finally:
+        await eng.shutdown()

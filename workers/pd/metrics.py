@@ -19,6 +19,10 @@ def worker_info(registry: CollectorRegistry, role: str) -> None:
 
 
 class PDMetrics:
+    """All on the live registry (rendered on every scrape): the histogram has two
+    series, so it costs a scrape little, and its count then always matches the
+    counters beside it."""
+
     def __init__(self, registry: CollectorRegistry, slow_registry: CollectorRegistry) -> None:
         self.handoffs = Counter(wire.M_PD_HANDOFFS.removesuffix("_total"),
                                 "P/D prefills whose KV this worker loaded, by path.",
@@ -33,7 +37,7 @@ class PDMetrics:
                                 registry=registry)
         self.seconds = Histogram(wire.M_PD_HANDOFF_SECONDS,
                                  "Time to receive a handoff's KV (the transfer, not the prefill).",
-                                 ["path"], buckets=_SECONDS, registry=slow_registry)
+                                 ["path"], buckets=_SECONDS, registry=registry)
         for p in PATHS:
             self.handoffs.labels(path=p)
         for r in FALLBACK_REASONS:

@@ -23,10 +23,9 @@ from kvyard.common import wire
 from kvyard.common.tokenizer import ChatTemplateError
 from kvyard.workers.engine.api import RequestOutput, SamplingParams
 from kvyard.workers.engine.async_engine import EngineError
-
-from .body import parse_object, read_body
 from kvyard.workers.pd.params import wants_remote_decode
 
+from .body import parse_object, read_body
 from .errors import ApiError, sse_error
 from .metrics import RequestClock
 from .protocol import GenerateRequest, check_length, parse_request, token_ids
