@@ -46,11 +46,40 @@ def scatter(caches: Sequence[torch.Tensor], block_ids: Sequence[int],
         return
     t0 = caches[0]
     nbytes = layout_of(caches).nbytes
-    src = np.empty((n, nbytes), dtype=np.uint8)
-    for i, p in enumerate(payloads[:n]):
-        src[i] = np.frombuffer(p, dtype=np.uint8, count=nbytes)
+    src = _rows(payloads[:n], nbytes)
+    if src is None:
+        src = np.empty((n, nbytes), dtype=np.uint8)
+        for i, p in enumerate(payloads[:n]):
+            src[i] = np.frombuffer(p, dtype=np.uint8, count=nbytes)
     blocks = torch.from_numpy(src).view(t0.dtype).view(n, len(caches), 2, *t0.shape[2:])
     blocks = blocks.to(t0.device)
     ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=t0.device)
     for layer, kv in enumerate(caches):
         kv.index_copy_(1, ids, blocks[:, layer].transpose(0, 1))
+
+
+def _rows(payloads: Sequence[object], nbytes: int) -> np.ndarray | None:
+    """The payloads as one strided `[n, nbytes]` view when they lie evenly spaced in
+    one numpy buffer (a peer pull's frames do), so the engine thread copies each block
+    once, into the cache, instead of gathering it into a temporary first."""
+    first = payloads[0]
+    base = getattr(first, "obj", None)
+    if not isinstance(base, np.ndarray) or base.ndim != 1 or base.dtype != np.uint8 \
+            or not base.flags.writeable:  # torch.from_numpy wants a writable array
+        return None
+    start = base.ctypes.data
+    offs = []
+    for p in payloads:
+        if not isinstance(p, memoryview) or p.obj is not base or p.nbytes != nbytes:
+            return None
+        offs.append(np.frombuffer(p, dtype=np.uint8).ctypes.data - start)
+    stride = offs[1] - offs[0] if len(offs) > 1 else nbytes
+    if stride < nbytes or any(o != offs[0] + i * stride for i, o in enumerate(offs)):
+        return None
+    end = offs[0] + (len(offs) - 1) * stride + nbytes
+    if end > base.nbytes:
+        return None
+    if len(offs) == 1:
+        return base[offs[0]:end].reshape(1, nbytes)
+    return np.lib.stride_tricks.as_strided(base[offs[0]:end], shape=(len(offs), nbytes),
+                                           strides=(stride, 1))
