@@ -11,8 +11,12 @@ each beside torch's own path measured in the same run.
   other tile configs and reports the best beside them.
 - decode: the Llama-3-8B-shape step of kvyard/bench/gpu_step.py at each
   batch size, context `--context`: tokens/s and roofline fraction (bytes of
-  weights + KV read per step / copy bandwidth / step time) for kvyard's step
-  (`decode`) and plain torch (`decode_ref`), timed in alternating rounds.
+  weights + KV read per step / copy bandwidth / step time) for the engine's
+  own model step (`decode`: LlamaForCausalLM on CudaOps + Triton) and plain
+  torch (`decode_ref`), beside the hand-written variants, timed in
+  alternating rounds.
+- hf: kvyard's engine vs HF `generate` on one random 8B-shape HF directory
+  (gpu_e2e.py): `hf_generate_ratio` per batch size (HF time / kvyard time).
 Timing: CUDA events around `--iters` back-to-back calls (graph replays for
 the step), median of `--rounds` rounds. Data sizes are far above the 60 MB L2.
 """
@@ -42,7 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=32, help="decode-step layers (32 is the 8B shape)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--parts", default="kernels,decode",
+    p.add_argument("--e2e-batches", default="1,8", help="hf part: batch sizes")
+    p.add_argument("--e2e-prompt", type=int, default=128, help="hf part: prompt tokens")
+    p.add_argument("--e2e-new", type=int, default=128, help="hf part: new tokens per sequence")
+    p.add_argument("--e2e-rounds", type=int, default=3)
+    p.add_argument("--scratch", default=None, help="hf part: where the 8B HF directory is written (default: tmp)")
+    p.add_argument("--parts", default="kernels,decode,hf",
                    help="comma list of kernels,decode; or profile alone: kernel profiles of eager steps")
     p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
                    help="also time other tile configs of the kernels")
@@ -227,7 +236,8 @@ def decode_steps(torch, args: argparse.Namespace, copy_bps: float) -> dict[str, 
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     w = S.make_weights(args.layers, args.context + 16)
-    variants = ["fused", "ref", "kvyard", "norm", "gemms"]
+    model = S.engine_model(args.layers, args.context + 16)
+    variants = ["engine", "fused", "ref", "kvyard", "norm", "gemms"]
     res: dict[str, dict[str, Any]] = {v: {} for v in variants}
     for B in [int(x) for x in args.batches.split(",") if x]:
         b = S.make_batch(B, args.context, args.layers)
@@ -235,7 +245,7 @@ def decode_steps(torch, args: argparse.Namespace, copy_bps: float) -> dict[str, 
         graphs, logits, fns = {}, {}, {}
         for v in variants:
             # the closure owns the tensors its graph reads and writes: keep it as long as the graph
-            fns[v] = fn = S.step_fn(v, w, b, cfg)
+            fns[v] = fn = S.engine_step_fn(model, b) if v == "engine" else S.step_fn(v, w, b, cfg)
             logits[v] = fn().float()
             graphs[v] = S.capture(fn)[0]
         times: dict[str, list[float]] = {v: [] for v in variants}
@@ -247,12 +257,15 @@ def decode_steps(torch, args: argparse.Namespace, copy_bps: float) -> dict[str, 
             nbytes = w.bytes_per_step(B) + (0 if v == "gemms" else b.kv_bytes())
             floor_ms = nbytes / copy_bps * 1e3
             ms = statistics.median(times[v])
-            err = ((logits[v] - logits["ref"]).norm() / logits["ref"].norm()).item()
+            # the engine's model has weights of its own: no logits to compare
+            err = None if v == "engine" else ((logits[v] - logits["ref"]).norm() / logits["ref"].norm()).item()
             res[v][str(B)] = dict(ms_per_step=ms, tok_s=B / ms * 1e3, roofline_frac=floor_ms / ms,
                                   gb_per_step=nbytes / 1e9, logits_rel_err_vs_ref=err,
                                   spread_ms=[min(times[v]), max(times[v])], decode_config=_cfg(cfg))
         del graphs, logits, fns, fn, b
         torch.cuda.empty_cache()
+    del model
+    torch.cuda.empty_cache()
     return res
 
 
@@ -306,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
     doc: dict[str, Any] = {
         "title": "kvyard bench gpu", "kernels": None, "decode": None, "decode_ref": None,
         "hf_generate_ratio": None, "wake_s": None, "targets": TARGETS,
-        "notes": ["hf_generate_ratio and wake_s need the engine on CUDA (not in this build): null, not measured"],
+        "notes": ["wake_s needs sleep mode (not in this build): null, not measured"],
         "meta": dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
                      sms=torch.cuda.get_device_properties(0).multi_processor_count, copy_tb_s=copy_bps / 1e12,
                      commit=args.label, rounds=args.rounds, iters=args.iters, context=args.context,
@@ -341,19 +354,32 @@ def run(args: argparse.Namespace) -> int:
         save()
     if "decode" in parts:
         steps = decode_steps(torch, args, copy_bps)
-        doc["decode"], doc["decode_ref"] = steps["fused"], steps["ref"]
-        doc["decode_variants"] = {"kvyard_unfused_rope": steps["kvyard"], "fused_norm_probe": steps["norm"],
-                                  "gemms_only": steps["gemms"]}
-        doc["notes"].append("decode = kvyard's step (RoPE inside the KV write, paged decode attention); "
-                            "decode_ref = plain torch (cuBLAS + SDPA); both whole-step CUDA graphs, same GEMMs")
+        doc["decode"], doc["decode_ref"] = steps["engine"], steps["ref"]
+        doc["decode_variants"] = {"rope_in_kv_write": steps["fused"], "kvyard_unfused_rope": steps["kvyard"],
+                                  "rope_in_kv_write_engine_norm_ops": steps["norm"], "gemms_only": steps["gemms"]}
+        doc["notes"].append("decode = the engine's model step (LlamaForCausalLM on CudaOps: cuBLAS, Triton "
+                            "add+RMSNorm and SiLU*up, RoPE in torch, Triton KV write and paged decode); "
+                            "decode_ref = plain torch (cuBLAS + SDPA); all whole-step CUDA graphs, same GEMM shapes")
         t = Report(f"decode step, 8B shape, context {args.context} (roofline at {copy_bps / 1e12:.2f} TB/s copy)",
-                   ["batch", "kvyard_tok_s", "kvyard_roof", "ref_tok_s", "ref_roof", "unfused_roof", "norm_roof",
+                   ["batch", "engine_tok_s", "engine_roof", "ref_tok_s", "ref_roof", "fused_roof", "norm_roof",
                     "gemms_roof"])
         for B in steps["ref"]:
-            t.add(batch=B, kvyard_tok_s=steps["fused"][B]["tok_s"], kvyard_roof=steps["fused"][B]["roofline_frac"],
+            t.add(batch=B, engine_tok_s=steps["engine"][B]["tok_s"], engine_roof=steps["engine"][B]["roofline_frac"],
                   ref_tok_s=steps["ref"][B]["tok_s"], ref_roof=steps["ref"][B]["roofline_frac"],
-                  unfused_roof=steps["kvyard"][B]["roofline_frac"], norm_roof=steps["norm"][B]["roofline_frac"],
+                  fused_roof=steps["fused"][B]["roofline_frac"], norm_roof=steps["norm"][B]["roofline_frac"],
                   gemms_roof=steps["gemms"][B]["roofline_frac"])
+        tables.append(t)
+        save()
+    if "hf" in parts:
+        from kvyard.bench.gpu_e2e import hf_generate_ratio
+
+        e2e = hf_generate_ratio(torch, args)
+        doc["hf_generate"] = e2e
+        doc["hf_generate_ratio"] = {b: r["ratio"] for b, r in e2e["batches"].items()}
+        t = Report(f"end to end, 8B-shape HF dir, {e2e['prompt_tokens']} + {e2e['new_tokens']} tokens, greedy",
+                   ["batch", "kvyard_tok_s", "hf_tok_s", "ratio"])
+        for b, r in e2e["batches"].items():
+            t.add(batch=b, kvyard_tok_s=r["kvyard_tok_s"], hf_tok_s=r["hf_tok_s"], ratio=r["ratio"])
         tables.append(t)
         save()
     if args.json:

@@ -20,7 +20,7 @@ from .choice_mode import ChoiceState
 from .config import EngineConfig
 from .kv_blocks import scatter
 from .kv_holds import KVHolds
-from .model_runner import ModelRunner, num_blocks_for, resolve_dtype
+from .model_runner import ModelRunner, kv_cache_bytes, num_blocks_for, resolve_device, resolve_dtype
 from .regex_mode import RegexState, compile_regex
 from .json_mode import JsonConstraint, JsonState
 from .json_schema import SchemaState, compile_schema
@@ -49,11 +49,14 @@ class LLMEngine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name or config.served_model_name or config.model
-        self.dtype = resolve_dtype(config.dtype)
+        device = torch.device(getattr(model, "device", "cpu"))
+        self.dtype = resolve_dtype(config.dtype, device)
         bs = config.block_size
-        num_blocks = num_blocks_for(model_config, bs, self.dtype, config.kv_cache_memory_bytes)
+        num_blocks = num_blocks_for(model_config, bs, self.dtype, kv_cache_bytes(config, device))
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-        self.runner = ModelRunner(model, model_config, bs, num_blocks, self.dtype, config.num_threads)
+        self.runner = ModelRunner(model, model_config, bs, num_blocks, self.dtype, config.num_threads,
+                                  cuda_graphs=not config.enforce_eager, max_batch=config.max_num_seqs,
+                                  max_model_len=config.max_model_len)
         self.connector = config.kv_connector
         if self.connector is not None:
             self.connector.bind(self.runner.kv_caches, bs)
@@ -81,7 +84,9 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         src = resolve_model(config.model)
-        model, model_config = load_model(src, resolve_dtype(config.dtype), config.max_model_len)
+        device = resolve_device(config.device)
+        model, model_config = load_model(src, resolve_dtype(config.dtype, device), config.max_model_len,
+                                         device=device)
         tokenizer = load_tokenizer(config.model)
         return cls(config, model, model_config, tokenizer,
                    config.served_model_name or src.served_name)

@@ -35,9 +35,23 @@ def cpu_has_native_bf16() -> bool:
     return False
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    """'auto' is bfloat16 only where the CPU computes it natively; emulated bf16 is slower than fp32."""
+def resolve_device(name: str = "auto") -> torch.device:
+    """'auto' is CUDA when a GPU is visible (vLLM's choice), else the CPU."""
     if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise ValueError(f"unsupported device {name!r}: auto, cpu or cuda")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible to torch")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
+    """'auto' is bfloat16 on CUDA, and on a CPU only where it computes bf16 natively
+    (emulated bf16 is slower than fp32)."""
+    if name == "auto":
+        if torch.device(device).type == "cuda":
+            return torch.bfloat16
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     try:
         return _DTYPES[name]
@@ -53,6 +67,30 @@ def kv_block_bytes(model_config, block_size: int, dtype: torch.dtype) -> int:
 
 def num_blocks_for(model_config, block_size: int, dtype: torch.dtype, memory_bytes: int) -> int:
     return memory_bytes // kv_block_bytes(model_config, block_size, dtype)
+
+
+CPU_KV_CACHE_BYTES = 1 << 30
+# Room left beside the KV cache on a GPU for a step's activations, the decode graphs'
+# pool and cuBLAS workspaces (an 8B step at 1,024 tokens needs ~0.6 GiB).
+CUDA_ACTIVATION_RESERVE = 2 << 30
+
+
+def kv_cache_bytes(config, device: torch.device) -> int:
+    """The KV cache's size: `kv_cache_memory_bytes` when set; on CUDA otherwise vLLM's rule,
+    `gpu_memory_utilization` of the card's memory minus what is in use now (the weights,
+    anything else on the card) and a reserve for activations; on the CPU 1 GiB."""
+    if config.kv_cache_memory_bytes:
+        return config.kv_cache_memory_bytes
+    if device.type != "cuda":
+        return CPU_KV_CACHE_BYTES
+    if not 0 < config.gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {config.gpu_memory_utilization}")
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(total * config.gpu_memory_utilization) - (total - free) - CUDA_ACTIVATION_RESERVE
+    if budget <= 0:
+        raise ValueError(f"no room for a KV cache: {free / 2**30:.1f} GiB free of {total / 2**30:.1f}, "
+                         f"gpu_memory_utilization {config.gpu_memory_utilization}")
+    return budget
 
 
 def _passive_omp() -> bool:
@@ -72,7 +110,11 @@ GREEDY_SCREEN_MIN_ROWS = 5
 
 class ModelRunner:
     def __init__(self, model, model_config, block_size: int, num_blocks: int, dtype: torch.dtype,
-                 num_threads: int | None = None, single_thread_max_tokens: int | None = None) -> None:
+                 num_threads: int | None = None, single_thread_max_tokens: int | None = None,
+                 cuda_graphs: bool = True, max_batch: int = 128, max_model_len: int | None = None) -> None:
+        """On CUDA (the model's device) decode steps of up to `max_batch` sequences of up
+        to `max_model_len` tokens replay CUDA graphs unless `cuda_graphs` is False
+        (--enforce-eager); plain greedy rows take their argmax on the GPU."""
         # OpenMP's thread count is per calling thread: the engine may run steps on a
         # thread of its own, which would not inherit a set_num_threads made elsewhere,
         # so every step sets it (a no-op when unchanged).
@@ -88,8 +130,32 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.dtype = dtype
+        self.device = torch.device(getattr(model, "device", "cpu"))
         shape = (2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in range(model_config.num_layers)]
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device)
+                          for _ in range(model_config.num_layers)]
+        self.graphs = None
+        if self.device.type == "cuda" and cuda_graphs:
+            from .cuda_runner import DecodeGraphs
+
+            max_len = min(max_model_len or model_config.max_position_embeddings, num_blocks * block_size)
+            self.graphs = DecodeGraphs(model, self.kv_caches, max_batch, -(-max_len // block_size))
+        if self.device.type == "cuda":
+            self._warm_up()
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """One prefill and one decode through the eager path before serving: Triton compiles a
+        kernel at its first launch, which would otherwise land on the first request. Slots are
+        -1, so nothing reaches the cache."""
+        dev, bs = self.device, self.block_size
+        for n, nd in ((min(16, bs * self.num_blocks), 0), (1, 1)):
+            meta = AttentionMetadata(slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
+                                     query_start_loc=[0, n], seq_lens=[n], num_decodes=nd,
+                                     block_tables=torch.zeros(1, -(-n // bs), dtype=torch.int64, device=dev))
+            h = self.model.forward(torch.zeros(n, dtype=torch.int64, device=dev), torch.arange(n, device=dev),
+                                   self.kv_caches, meta)
+            self.model.compute_logits(h[-1:]).argmax(-1).tolist()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, prompt_logits=None, plain_greedy=None
@@ -136,6 +202,12 @@ class ModelRunner:
                 hi = min(end, seq.num_prompt_tokens - 1)
                 if hi > lo:
                     prompt_spans.append((seq, lo, qsl[-2] + lo - c, hi - lo))
+        cuda = self.device.type == "cuda"
+        if cuda and self.graphs is not None and sched.num_decodes == len(tables) and not prompt_spans \
+                and self.graphs.fits(len(tables), max(len(t) for t in tables)):
+            slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
+            logits = self.graphs.run(ids, pos, slots, seq_lens, tables)
+            return self._gpu_sample(logits, samplers, plain_greedy)
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
         positions = torch.tensor(pos, dtype=torch.int64)
@@ -144,6 +216,10 @@ class ModelRunner:
         if len(ids) != len(tables):             # some sequence brings several tokens
             row = torch.repeat_interleave(row, torch.tensor(sched.num_new_tokens, dtype=torch.int64))
         slot_mapping = block_tables[row, positions // bs] * bs + positions % bs
+        if cuda:
+            dev = self.device
+            input_ids, positions = input_ids.to(dev, non_blocking=True), positions.to(dev, non_blocking=True)
+            slot_mapping, block_tables = slot_mapping.to(dev), block_tables.to(dev)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             query_start_loc=qsl,
@@ -160,14 +236,19 @@ class ModelRunner:
             # (the model may then skip the other rows' last-layer MLP).
             narrow = not prompt_spans and len(sample_rows) < len(ids)
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta,
-                                        torch.tensor(sample_rows) if narrow else None)
+                                        torch.tensor(sample_rows, device=self.device) if narrow else None)
             for seq, p0, r0, n in prompt_spans:
                 for j in range(0, n, PROMPT_LOGITS_ROWS):
                     k = min(PROMPT_LOGITS_ROWS, n - j)
-                    prompt_logits(seq, p0 + j, self.model.compute_logits(hidden[r0 + j:r0 + j + k]).float())
+                    prompt_logits(seq, p0 + j, self.model.compute_logits(hidden[r0 + j:r0 + j + k]).float().cpu())
             if not samplers:
                 return None, samplers, None
-            last = hidden[sample_rows] if len(sample_rows) < hidden.shape[0] else hidden
+            if narrow or len(sample_rows) == hidden.shape[0]:
+                last = hidden
+            else:
+                last = hidden[torch.tensor(sample_rows, device=hidden.device)]
+            if cuda:
+                return self._gpu_sample(self.model.compute_logits(last), samplers, plain_greedy)
             fast = []
             if plain_greedy is not None and getattr(self.model, "greedy", None) is not None:
                 fast = [i for i, seq in enumerate(samplers) if plain_greedy(seq)]
@@ -182,3 +263,20 @@ class ModelRunner:
         finally:
             if before != threads:
                 torch.set_num_threads(before)  # in-process callers (LLM.generate, a bench) keep theirs
+
+    @staticmethod
+    def _gpu_sample(logits: torch.Tensor, samplers: list[Sequence], plain_greedy
+                    ) -> tuple[torch.Tensor | None, list[Sequence], list[int] | None]:
+        """Plain greedy rows' tokens by argmax on the GPU (reading them is the step's one
+        sync); the other rows' logits go to the host sampler."""
+        fast = [i for i, seq in enumerate(samplers) if plain_greedy(seq)] if plain_greedy is not None else []
+        if not fast:
+            return logits.float().cpu(), samplers, None
+        chosen = set(fast)
+        rest = [i for i in range(len(samplers)) if i not in chosen]
+        toks = logits.argmax(dim=-1) if not rest else logits[torch.tensor(fast, device=logits.device)].argmax(dim=-1)
+        rest_logits = logits[torch.tensor(rest, device=logits.device)].float().cpu() if rest else None
+        picked = [-1] * len(samplers)
+        for i, tok in zip(fast, toks.tolist()):
+            picked[i] = tok
+        return rest_logits, samplers, picked

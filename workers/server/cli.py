@@ -49,6 +49,8 @@ def _kvconnector() -> ModuleType | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvyard.workers.engine.config import add_device_arguments
+
     p.add_argument("--model", default="demo",
                    help="'demo', a .gguf file, or a Hugging Face directory (never downloaded)")
     p.add_argument("--served-model-name", nargs="+", default=None,
@@ -61,8 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=parse_size, default=1024)
-    p.add_argument("--kv-cache-memory-bytes", type=parse_size, default=1 << 30,
-                   help="KV-cache capacity, e.g. 1GiB, 512MiB, 2G (G = 10^9, Gi = 2^30)")
+    p.add_argument("--kv-cache-memory-bytes", type=parse_size, default=None,
+                   help="KV-cache capacity, e.g. 1GiB, 512MiB, 2G (G = 10^9, Gi = 2^30); default: "
+                        "1GiB on CPU, --gpu-memory-utilization on CUDA")
+    add_device_arguments(p)  # --device, --gpu-memory-utilization, --enforce-eager
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True)
     p.add_argument("--seed", type=int, default=0)
@@ -94,14 +98,14 @@ def advertise_address(args: argparse.Namespace) -> str:
 
 
 def engine_config(args: argparse.Namespace) -> Any:
-    from kvyard.workers.engine.config import EngineConfig
+    from kvyard.workers.engine.config import EngineConfig, device_options
 
     return EngineConfig(
         model=args.model,
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
         dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, **device_options(args),
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, role=args.role,
         num_threads=args.num_threads, kv_hold_ttl_s=args.kv_hold_timeout)
 

