@@ -429,3 +429,21 @@ def test_blocks_come_from_the_shared_store_when_the_peer_fails(tmp_path, key_fil
         dw.stop()
         if pw.proc.poll() is None:
             pw.stop()
+
+
+def test_handoff_between_unlike_kv_layouts_is_refused(tmp_path, key_file, decode, prefill) -> None:
+    """A bfloat16 prefill worker's blocks are not a float32 decode worker's: the offer's
+    namespace differs, the decode worker pulls nothing and answers as it would alone."""
+    args = [a if a != "float32" else "bfloat16" for a in WORKER_ARGS]
+    other = start_worker([*args, "--role", "prefill"], tmp_path / "bf16.log", env=_env(key_file))
+    try:
+        user = "Which sea borders Marseille?"
+        want = reference(prefill, user)
+        before = fallbacks(decode, "kv_mismatch")
+        status, got = post(decode.base_url, body(user), signed(key_file, prefill_address(other)))
+        assert status == 200, got
+        assert text_of(got) == text_of(want)
+        assert fallbacks(decode, "kv_mismatch") == before + 1
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    finally:
+        other.stop()
