@@ -74,6 +74,9 @@ def connection_from(info: kopf.ConnectionInfo) -> Connection:
 
 
 def configure(settings: kopf.OperatorSettings, cfg: OperatorConfig) -> None:
+    # The CRD is installed before the operator (the chart's crds/) and the namespaces
+    # are given, so kopf needs no watch on CRDs or namespaces (nor the RBAC for them).
+    settings.scanning.disabled = True
     settings.persistence.finalizer = f"{wire.K8S_GROUP}/operator"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
         prefix=wire.K8S_GROUP)

@@ -29,19 +29,13 @@ RULES: list[dict[str, Any]] = [
      "verbs": APPLIED},
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-    # kopf: events about the objects it handles, and its discovery of CRDs.
+    # kopf posts warnings about the objects it handles as Events. It watches no CRDs
+    # or namespaces (scanning is off: handlers.configure), so it needs no rule for them.
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
-    {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
-    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
-     "verbs": ["list", "watch"]},
-]
-# Only with --all-namespaces or namespace patterns: kopf follows namespaces appearing.
-NAMESPACE_RULES: list[dict[str, Any]] = [
-    {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
 ]
 
 
-def cluster_role(name: str = "kvyard-operator", cluster_wide: bool = True) -> dict[str, Any]:
-    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-            "metadata": {"name": name, "labels": {wire.MANAGED_BY_LABEL: "Helm"}},
-            "rules": RULES + (NAMESPACE_RULES if cluster_wide else [])}
+def role(kind: str = "ClusterRole", name: str = "kvyard-operator") -> dict[str, Any]:
+    """The rules as a ClusterRole (all namespaces) or a Role (one namespace)."""
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": kind,
+            "metadata": {"name": name}, "rules": RULES}

@@ -243,3 +243,26 @@ def test_gateway_config_is_kvyard_gateway_configs_and_envoy_accepts_it(tmp_path:
     out = subprocess.run([str(envoy_binary()), "--mode", "validate", "-c", str(conf)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_operator_rbac_covers_every_call_and_is_a_valid_role() -> None:
+    from kvyard.operator import rbac
+    from kvyard.operator.client import KINDS
+
+    for kind in ("ClusterRole", "Role"):
+        kubernetes_validate.validate({**rbac.role(kind), "metadata": {
+            "name": "kvyard-operator", **({"namespace": "x"} if kind == "Role" else {})}},
+            "1.33", strict=True)
+    granted = {(g, r): set(rule["verbs"]) for rule in rbac.RULES
+               for g in rule["apiGroups"] for r in rule["resources"]}
+    for kind, (api, plural) in KINDS.items():
+        group = api.rpartition("/")[0]
+        assert (group, plural) in granted, kind
+    # Children the operator applies: apply = get + create + patch; pruned kinds: list + delete.
+    for kind in ("Deployment", "Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding",
+                 "InferencePool"):
+        api, plural = KINDS[kind]
+        assert {"get", "list", "create", "patch", "delete"} <= \
+            granted[(api.rpartition("/")[0], plural)]
+    assert granted[("", "secrets")] == {"get", "create"}
+    assert granted[("", "pods")] == {"get", "list", "watch"}  # what the EPP's Role grants
