@@ -41,11 +41,11 @@ def seed_kernel_cache(run: LocalRun) -> None:
         shutil.copytree(src, worker.root / cache.lstrip("/") / "kernels", dirs_exist_ok=True)
 
 
-def chat(address: str, text: str) -> tuple[int, dict, dict]:
+def chat(address: str, text: str, headers: dict | None = None) -> tuple[int, dict, dict]:
     body = json.dumps({"model": "SmolLM2-135M-Instruct", "max_tokens": 8, "temperature": 0,
                        "messages": [{"role": "user", "content": text}]}).encode()
     req = urllib.request.Request(f"http://{address}/v1/chat/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=60) as r:  # noqa: S310 - loopback
         return r.status, dict(r.headers), json.loads(r.read())
 
@@ -70,9 +70,10 @@ def test_rendered_pods_serve_a_chat_request_through_the_rendered_gateway(tmp_pat
                 f"http://127.0.0.1:{epp.port('metrics')}/debug/endpoints", timeout=5) as r:
             text = r.read().decode()
         assert f"127.0.0.1:{worker.port('http')}" in text
-        # Envoy's own reply for a missing upstream pick stays OpenAI-shaped (fail closed).
-        assert "kvyard_gateway" in (run.pod("gateway").root / "etc/kvyard/gateway/envoy.yaml"
-                                    ).read_text()
+        # A client's own routing header is stripped by the gateway; the EPP still routes.
+        status, headers, _ = chat(gateway, "Again.", {wire.DESTINATION_HEADER: "127.0.0.1:9"})
+        assert status == 200
+        assert headers[wire.ENDPOINT_HEADER] == f"127.0.0.1:{worker.port('http')}"
     finally:
         run.stop()
 
