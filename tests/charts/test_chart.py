@@ -751,6 +751,24 @@ def test_chart_policies_pdbs_and_monitors_fit_the_operators_children(preset):
                 assert m["spec"]["podMetricsEndpoints"][0]["targetPort"] in ports.values(), name
 
 
+def test_notes_name_the_gateway_the_operator_creates():
+    try:
+        from kvyard.operator import render, spec as op_spec
+    except ImportError:
+        pytest.skip("kvyard.operator is not importable")
+    notes = dict(_render("cpu"))["kvyard/templates/NOTES.txt"]
+    [isvc] = by_kind(objects("cpu"), "InferenceService")
+    body = {**{k: v for k, v in isvc.items() if not k.startswith("__")},
+            "metadata": {**isvc["metadata"], "uid": "u-1"}}
+    address = render.gateway_address(op_spec.parse(body))
+    assert address in notes, (address, notes)
+    gateway_svc = [o for o in _children("cpu") if o["kind"] == "Service"
+                   and o["metadata"]["labels"]["kvyard.io/component"] == "gateway"]
+    [svc] = gateway_svc
+    assert f"port-forward svc/{svc['metadata']['name']} 8080:{svc['spec']['ports'][0]['port']}" \
+        in notes
+
+
 # --- PDBs and monitoring ---------------------------------------------------------------------
 
 def test_pdbs_cover_each_component_of_each_listed_service():

@@ -29,7 +29,8 @@ NS = "default"
 
 def _rendered(values: dict[str, Any]) -> list[dict[str, Any]]:
     out = helm.Chart.load(str(CHART)).render(values, name="kvyard", namespace=NS)
-    return [d for text in out.values() for d in yaml.safe_load_all(text) if d]
+    return [d for path, text in out.items() if path.endswith(".yaml")
+            for d in yaml.safe_load_all(text) if d]
 
 
 def _hook_and_service() -> tuple[dict, dict]:
