@@ -115,9 +115,11 @@ def test_a_port_that_does_not_line_up_fails_the_run(tmp_path) -> None:
     args = _container(objs, "demo-both")["args"]
     args[args.index("--port") + 1] = "8001"
     run = LocalRun(objs, tmp_path)
+    seed_kernel_cache(run)
     try:
-        with pytest.raises(StartupError, match="not ready after"):
-            run.start(order=("worker",), timeout_s=20)
+        # Up and serving, but where nothing routes: its probe on the declared port fails.
+        with pytest.raises(StartupError, match=r"not ready after(.|\n)*on http://127\.0\.0\.1:8001"):
+            run.start(order=("worker",), timeout_s=30)
     finally:
         run.stop()
     # A Service whose targetPort names no container port cannot route at all.
