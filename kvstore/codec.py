@@ -60,6 +60,14 @@ def encode_header(key: bytes, layout: KVLayout, payload, hold_gil: bool = False)
     return _fixed_part(layout) + checksum(payload, hold_gil).to_bytes(8, "little") + key
 
 
+def header_of(key: bytes, layout: KVLayout, payload_checksum: int) -> bytes:
+    """The header of a block whose payload's xxh3-64 the caller computed (a payload
+    sent from several buffers, hashed with `xxhash.xxh3_64().update` over each)."""
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"key is {len(key)} bytes, needs {KEY_BYTES}")
+    return _fixed_part(layout) + payload_checksum.to_bytes(8, "little") + key
+
+
 @functools.lru_cache(maxsize=64)
 def _fixed_part(layout: KVLayout) -> bytes:
     """The header's first 40 bytes (magic .. payload length): the same for every block

@@ -440,10 +440,12 @@ def test_handoff_between_unlike_kv_layouts_is_refused(tmp_path, key_file, decode
         user = "Which sea borders Marseille?"
         want = reference(prefill, user)
         before = fallbacks(decode, "kv_mismatch")
+        peer = f'{wire.M_PD_HANDOFFS}{{path="peer"}}'
+        loaded = scrape(decode.base_url)[peer]
         status, got = post(decode.base_url, body(user), signed(key_file, prefill_address(other)))
         assert status == 200, got
         assert text_of(got) == text_of(want)
         assert fallbacks(decode, "kv_mismatch") == before + 1
-        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert scrape(decode.base_url)[peer] == loaded     # nothing was pulled
     finally:
         other.stop()

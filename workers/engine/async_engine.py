@@ -25,6 +25,7 @@ import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence as Seq
 
 import numpy as np
+import torch
 
 from .api import EngineStats, RemoteKV, RequestOutput, SamplingParams
 from .kv_blocks import gather, layout_of
@@ -148,6 +149,15 @@ class AsyncLLMEngine:
     def gather_blocks(self, block_ids: Seq[int], out: np.ndarray) -> None:
         """Copy held blocks into `out` (any thread; see kv_blocks.gather)."""
         gather(self.engine.runner.kv_caches, block_ids, out)
+
+    def block_pieces(self) -> list[np.ndarray] | None:
+        """Per layer, the KV cache as uint8 `[2, blocks, bytes]` views (CPU caches; None
+        on a device): a block's payload is, for each layer, its K row then its V row, so
+        the peer server can send held blocks from where they lie (see gather_blocks)."""
+        caches = self.engine.runner.kv_caches
+        if caches[0].device.type != "cpu":
+            return None
+        return [c.view(-1).view(torch.uint8).numpy().reshape(2, c.shape[1], -1) for c in caches]
 
     @property
     def kv_layout(self) -> Any:

@@ -8,7 +8,9 @@ becomes the fallback metric's label; nothing partial is ever handed on.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
+import time
 
 import numpy as np
 
@@ -17,6 +19,7 @@ from kvyard.kvstore.layout import Namespace
 
 from .peer_wire import PeerError, message, recv_exactly, recv_message
 
+log = logging.getLogger("kvyard.pd")
 _RCVBUF = 4 << 20
 _RECV_TIMEOUT_S = 10.0  # per recv: a stalled peer frees the thread
 
@@ -75,6 +78,7 @@ def _receive(sock: socket.socket, n: int, frame: int, namespace: Namespace,
     caller's wait_for bounds the time, the socket's timeout this thread), then
     verify."""
     sock.settimeout(_RECV_TIMEOUT_S)
+    t0 = time.perf_counter()
     buf = memoryview(np.empty(n * frame, dtype=np.uint8)).cast("B")  # not zeroed first
     got = 0
     while got < len(buf):
@@ -82,7 +86,11 @@ def _receive(sock: socket.socket, n: int, frame: int, namespace: Namespace,
         if k == 0:
             raise asyncio.IncompleteReadError(bytes(buf[:min(got, 64)]), len(buf))
         got += k
-    return _verify(buf, frame, namespace, block_hashes)
+    t1 = time.perf_counter()
+    out = _verify(buf, frame, namespace, block_hashes)
+    log.debug("received %d blocks (%d bytes) in %.1f ms, verified in %.1f ms", n, len(buf),
+              (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
+    return out
 
 
 def _verify(buf: memoryview, frame: int, namespace: Namespace,

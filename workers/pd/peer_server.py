@@ -3,9 +3,13 @@
 A hold is claimed once (a second pull of the same request is refused) and
 given back when the connection ends, sent or not, so the prefill worker's
 blocks are freed right after the pull instead of at the hold's timeout.
-Blocks are gathered, checksummed and sent from a thread, `CHUNK_BLOCKS` at a
-time (blocking `sendall` from the frames' own buffer): memory stays bounded and
-the event loop keeps serving HTTP meanwhile. The request id is an unguessable capability
+Blocks are sent from a thread with blocking calls (the copy loop runs in C, not
+one event-loop turn per socket buffer's worth), so the event loop keeps serving
+HTTP meanwhile. CPU caches: each block's K and V rows go out straight from the
+cache tensors (sendmsg over the rows; held blocks are never written, so nothing
+changes under the send), checksummed over the same rows. Device caches:
+gathered into frames `CHUNK_BLOCKS` at a time, the next chunk framed while the
+last one is sent. The request id is an unguessable capability
 (uuid4), valid until the hold ends; the port should be reachable from the
 pool only (a NetworkPolicy in Kubernetes, loopback in the local stack).
 """
@@ -14,12 +18,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import xxhash
 
-from kvyard.kvstore.codec import HEADER_BYTES, encode_header
+from kvyard.kvstore.codec import HEADER_BYTES, encode_header, header_of
 from kvyard.kvstore.layout import Namespace
 
 from .peer_wire import PeerError, message, recv_message
@@ -29,6 +36,8 @@ CHUNK_BLOCKS = 16
 REQUEST_TIMEOUT_S = 10.0
 SEND_TIMEOUT_S = 60.0
 _SNDBUF = 4 << 20
+_IOV_MAX = 1024            # Linux's UIO_MAXIOV
+_IOV_BATCH = 960           # buffers gathered before a sendmsg (a block is 1 + 2 x layers)
 
 
 @dataclass(slots=True)
@@ -42,6 +51,7 @@ class PeerServer:
     _sock: socket.socket | None = field(default=None, init=False)
     _accepting: asyncio.Task | None = field(default=None, init=False)
     _conns: set[asyncio.Task] = field(default_factory=set, init=False)
+    _block_pieces: list[np.ndarray] | None = field(default=None, init=False)
 
     async def start(self) -> int:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
@@ -112,21 +122,85 @@ class PeerServer:
             conn.close()
 
     def _send(self, conn: socket.socket, hold: Any, n: int) -> None:
+        conn.settimeout(SEND_TIMEOUT_S)
+        t0 = time.perf_counter()
+        pieces = self._pieces()
+        if pieces is not None:
+            self._send_in_place(conn, pieces, hold, n)
+        else:
+            self._send_gathered(conn, hold, n)
+        log.debug("sent %d blocks in %.1f ms (%s)", n, (time.perf_counter() - t0) * 1e3,
+                  "in place" if pieces is not None else "gathered")
+
+    def _pieces(self) -> list[np.ndarray] | None:
+        if self._block_pieces is None:
+            fn = getattr(self.engine, "block_pieces", None)
+            self._block_pieces = (fn() if fn is not None else None) or []
+        return self._block_pieces or None
+
+    def _send_in_place(self, conn: socket.socket, pieces: list[np.ndarray], hold: Any,
+                       n: int) -> None:
+        """CPU caches: each block goes out as its header plus, per layer, its K and V
+        rows straight from the cache tensors (sendmsg, no gather copy); the checksum is
+        hashed over the same rows."""
+        lay = self.namespace.layout
+        bufs: list[memoryview] = []
+        for b, h in zip(hold.block_ids[:n], hold.block_hashes[:n]):
+            rows = [memoryview(p[kv, b]) for p in pieces for kv in (0, 1)]
+            x = xxhash.xxh3_64()
+            for r in rows:
+                x.update(r)
+            bufs.append(memoryview(header_of(self.namespace.key(h), lay, x.intdigest())))
+            bufs.extend(rows)
+            if len(bufs) >= _IOV_BATCH:
+                _sendmsg_all(conn, bufs)
+                bufs = []
+            self.sent_blocks += 1
+        if bufs:
+            _sendmsg_all(conn, bufs)
+
+    def _send_gathered(self, conn: socket.socket, hold: Any, n: int) -> None:
         """In a thread: gather, checksum and send the held blocks, a chunk at a time, with
         blocking sendall calls (the copy loop runs in C, not one event-loop turn per
-        socket buffer's worth), bounded by the socket's timeout."""
-        conn.settimeout(SEND_TIMEOUT_S)
-        for s in range(0, n, CHUNK_BLOCKS):
-            ids = hold.block_ids[s:min(s + CHUNK_BLOCKS, n)]
-            frames = self._frames(ids, hold.block_hashes[s:s + len(ids)])
-            conn.sendall(memoryview(frames).cast("B"))
-            self.sent_blocks += len(ids)
+        socket buffer's worth), bounded by the socket's timeout. A second thread frames
+        the next chunk while this one waits on the socket; two frame buffers, reused
+        (a chunk's buffer is overwritten only after sendall handed it to the kernel)."""
+        frame = HEADER_BYTES + self.namespace.layout.nbytes
+        bufs = [np.empty((min(CHUNK_BLOCKS, n), frame), dtype=np.uint8) for _ in range(2)]
+        starts = list(range(0, n, CHUNK_BLOCKS))
 
-    def _frames(self, block_ids: list[int], hashes: list[int]) -> np.ndarray:
+        def frame_chunk(k: int) -> int:
+            s = starts[k]
+            ids = hold.block_ids[s:min(s + CHUNK_BLOCKS, n)]
+            self._frames(ids, hold.block_hashes[s:s + len(ids)], bufs[k % 2])
+            return len(ids)
+        with ThreadPoolExecutor(1, thread_name_prefix="kvyard-pd-frames") as pool:
+            ahead = pool.submit(frame_chunk, 0)
+            for k in range(len(starts)):
+                m = ahead.result()
+                if k + 1 < len(starts):
+                    ahead = pool.submit(frame_chunk, k + 1)
+                conn.sendall(memoryview(bufs[k % 2][:m]).cast("B"))
+                self.sent_blocks += m
+
+    def _frames(self, block_ids: list[int], hashes: list[int], out: np.ndarray) -> None:
         lay = self.namespace.layout
-        frames = np.empty((len(block_ids), HEADER_BYTES + lay.nbytes), dtype=np.uint8)
+        frames = out[:len(block_ids)]
         self.engine.gather_blocks(block_ids, frames[:, HEADER_BYTES:])
         for row, h in zip(frames, hashes):
             row[:HEADER_BYTES] = np.frombuffer(
                 encode_header(self.namespace.key(h), lay, row[HEADER_BYTES:]), dtype=np.uint8)
-        return frames
+
+
+def _sendmsg_all(conn: socket.socket, bufs: list[memoryview]) -> None:
+    """sendmsg until every buffer is out (a send may stop anywhere, mid-buffer too)."""
+    i = 0
+    while i < len(bufs):
+        sent = conn.sendmsg(bufs[i:i + _IOV_MAX])
+        while sent and i < len(bufs):
+            if sent >= bufs[i].nbytes:
+                sent -= bufs[i].nbytes
+                i += 1
+            else:
+                bufs[i] = bufs[i][sent:]
+                sent = 0
