@@ -3,8 +3,8 @@
 Each Deployment's container runs with its own command, args and env, rewritten only
 where a pod and a laptop differ: every port a pod declares (and Envoy's loopback
 admin port) gets a free local port, bind addresses 0.0.0.0 become 127.0.0.1,
-ConfigMap volumes are written as files under a temp dir at their mount paths
-(emptyDirs become dirs there), and a Service name (`<svc>.<ns>.svc`) becomes
+ConfigMap and Secret volumes are written as files under a temp dir at their mount
+paths (emptyDirs become dirs there), and a Service name (`<svc>.<ns>.svc`) becomes
 127.0.0.1 with the local port of the pod port its targetPort names. There is no
 API server, so the EPP's Kubernetes discovery (`--k8s-*`) is replaced by an
 endpoints file listing the worker pods with their role label, and `fieldRef`s are
@@ -14,6 +14,7 @@ not line up between a flag, a containerPort, a Service and a probe fails the run
 """
 from __future__ import annotations
 
+import base64
 import re
 import shlex
 import subprocess
@@ -63,6 +64,7 @@ class LocalRun:
         self.root = root
         self.config_maps = {o["metadata"]["name"]: o for o in children if o["kind"] == "ConfigMap"}
         self.services = {o["metadata"]["name"]: o for o in children if o["kind"] == "Service"}
+        self.secrets = {o["metadata"]["name"]: o for o in children if o["kind"] == "Secret"}
         self.namespace = children[0]["metadata"]["namespace"]
         self.pods: list[Pod] = []
         taken: set[int] = set()
@@ -117,6 +119,13 @@ class LocalRun:
                     raise RenderedRunError(f"{pod.name}: no ConfigMap {vol['configMap']['name']}")
                 for key, text in cm["data"].items():
                     (local / key).write_text(self._rewrite_file(pod, text))
+            elif "secret" in vol:
+                sec = self.secrets.get(vol["secret"]["secretName"])
+                if sec is None:
+                    raise RenderedRunError(f"{pod.name}: no Secret {vol['secret']['secretName']}")
+                for key, b64 in sec.get("data", {}).items():
+                    (local / key).write_bytes(base64.b64decode(b64))
+                    (local / key).chmod(vol["secret"].get("defaultMode", 0o644))
             elif "emptyDir" not in vol:
                 raise RenderedRunError(f"{pod.name}: volume {m['name']} cannot run locally")
             out[m["mountPath"]] = local

@@ -35,10 +35,12 @@ def seed_kernel_cache(run: LocalRun) -> None:
     """A pod's cache emptyDir starts empty and the worker compiles its CPU kernels
     there; here it gets this machine's compiled ones, to skip a minute of compiling."""
     src = Path.home() / ".cache" / "kvyard" / "kernels"
-    worker = run.pod("worker")
-    cache = next(m["mountPath"] for m in worker.container["volumeMounts"] if m["name"] == "cache")
-    if src.is_dir():
-        shutil.copytree(src, worker.root / cache.lstrip("/") / "kernels", dirs_exist_ok=True)
+    for pod in run.pods:
+        if pod.labels.get(wire.COMPONENT_LABEL) != "worker" or not src.is_dir():
+            continue
+        cache = next(m["mountPath"] for m in pod.container["volumeMounts"]
+                     if m["name"] == "cache")
+        shutil.copytree(src, pod.root / cache.lstrip("/") / "kernels", dirs_exist_ok=True)
 
 
 def chat(address: str, text: str, headers: dict | None = None) -> tuple[int, dict, dict]:
@@ -129,3 +131,38 @@ def test_a_port_that_does_not_line_up_fails_the_run(tmp_path) -> None:
     svc["spec"]["ports"][0]["targetPort"] = "web"
     with pytest.raises(RenderedRunError, match="no port 'web'"):
         LocalRun(objs, tmp_path / "svc").service_address("demo-gateway", 8080)
+
+
+def _metric_sum(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_rendered_pd_pools_hand_off_through_the_shared_key(tmp_path) -> None:
+    """Prefill + decode pools: the P/D scheduler config, the key Secret mounted in the EPP and
+    both workers, the prefill pod's kv-peer port; a long prompt is prefilled on the prefill
+    pod and its KV loaded by the decode pod, which answers."""
+    from kvyard.operator.render import pd_key_secret
+
+    cr = copy.deepcopy(CR)
+    cr["spec"]["pools"] = {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+    cr["spec"]["routing"] = {"pd": {"nonCachedTokens": 16}}
+    s = parse(cr)
+    run = LocalRun(render_all(s) + [pd_key_secret(s, "ab" * 32)], tmp_path)
+    seed_kernel_cache(run)
+    try:
+        run.start()
+        gateway = run.service_address("demo-gateway", wire.GATEWAY_HTTP_PORT)
+        prompt = "Tell me about the sea. " * 12
+        status, headers, doc = chat(gateway, prompt)
+        decode = next(p for p in run.pods if p.name == "demo-decode")
+        assert status == 200 and doc["choices"][0]["message"]["content"].strip()
+        assert headers[wire.ENDPOINT_HEADER] == f"127.0.0.1:{decode.port('http')}"
+        with urllib.request.urlopen(  # noqa: S310 - loopback
+                f"http://127.0.0.1:{decode.port('http')}/metrics", timeout=5) as r:
+            metrics = r.read().decode()
+        assert _metric_sum(metrics, wire.M_PD_HANDOFFS) >= 1, \
+            [ln for ln in metrics.splitlines() if "pd_" in ln and not ln.startswith("#")]
+        assert _metric_sum(metrics, wire.M_PD_REJECTED) == 0
+    finally:
+        run.stop()
