@@ -22,6 +22,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="kopf's liveness endpoint ('' for none)")
     p.add_argument("--server", default=os.environ.get("KVYARD_OPERATOR_SERVER"),
                    help="API server URL used without credentials (kubectl proxy)")
+    p.add_argument("--image", default=os.environ.get("KVYARD_IMAGE") or None,
+                   help="kvyard's image for the EPP, the gateway and kvyard workers (default: "
+                        "$KVYARD_IMAGE, else ghcr.io/kvyard/kvyard:<version>)")
+    p.add_argument("--image-pull-policy", choices=("Always", "IfNotPresent", "Never"),
+                   default=os.environ.get("KVYARD_IMAGE_PULL_POLICY") or "IfNotPresent")
     p.add_argument("--log-level", default="info")
 
 
@@ -30,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     from .handlers import OperatorConfig, run_operator
+    from .spec import Defaults
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -37,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     if not namespaces and not args.all_namespaces and os.environ.get("WATCH_NAMESPACE"):
         namespaces = [n.strip() for n in os.environ["WATCH_NAMESPACE"].split(",") if n.strip()]
     cfg = OperatorConfig(resync_s=args.resync_seconds, retry_s=args.retry_seconds,
-                         server=args.server)
+                         server=args.server,
+                         defaults=Defaults(args.image, args.image_pull_policy))
     asyncio.run(run_operator(cfg, namespaces, clusterwide=not namespaces,
                              liveness=args.liveness or None))
     return 0

@@ -22,6 +22,7 @@ from kvyard.common import wire
 
 from .client import Client, Connection
 from .reconcile import Retry, reconcile
+from .spec import Defaults
 
 SA_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 RESOURCE = (wire.K8S_GROUP, wire.CRD_VERSION, wire.CRD_PLURAL)
@@ -32,6 +33,7 @@ class OperatorConfig:
     resync_s: float = 30.0
     retry_s: float = 5.0
     server: str | None = None   # an API URL used without credentials (tests, kubectl proxy)
+    defaults: Defaults = field(default_factory=Defaults)  # image and pull policy
 
 
 @dataclass(slots=True)
@@ -126,7 +128,7 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
             if fresh is None or (fresh.get("metadata") or {}).get("deletionTimestamp"):
                 return
             try:
-                new = await reconcile(api, fresh)
+                new = await reconcile(api, fresh, cfg.defaults)
             except Retry as e:
                 raise kopf.TemporaryError(str(e), delay=cfg.retry_s) from e
         ready = next((c for c in new.get("conditions", []) if c["type"] == "Ready"), {})

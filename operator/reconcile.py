@@ -23,7 +23,7 @@ from kvyard.common import wire
 from . import render, status
 from .client import ApiError, Client
 from .render_workers import pd_secret_name
-from .spec import ServiceSpec, SpecError, parse
+from .spec import Defaults, ServiceSpec, SpecError, parse
 from .status import Observed, Problem
 
 log = logging.getLogger("kvyard.operator")
@@ -146,14 +146,15 @@ def _same(new: dict[str, Any], old: dict[str, Any]) -> bool:
     return all(old.get(k) == v for k, v in new.items())
 
 
-async def reconcile(api: Client, body: dict[str, Any]) -> dict[str, Any]:
+async def reconcile(api: Client, body: dict[str, Any],
+                    defaults: Defaults | None = None) -> dict[str, Any]:
     """One pass over a custom resource as the API returned it; returns its new status."""
     meta = body.get("metadata") or {}
     ns, name = meta.get("namespace") or "default", meta.get("name", "")
     old = dict(body.get("status") or {})
     try:
         try:
-            s = parse(body)
+            s = parse(body, defaults)
         except SpecError as e:
             obs = Observed(generation=int(meta.get("generation") or 1),
                            problems=[Problem("InvalidSpec", str(e), True)])

@@ -24,12 +24,13 @@ def kvyard_version() -> str:
         return "0.1.0"
 
 
-def default_image() -> str:
-    return f"{wire.IMAGE_REPOSITORY}:{kvyard_version()}"
+def default_image(s: ServiceSpec) -> str:
+    """kvyard's image: the operator's `--image` (the chart's), else this version's."""
+    return s.defaults.image or f"{wire.IMAGE_REPOSITORY}:{kvyard_version()}"
 
 
 def worker_image(s: ServiceSpec) -> str:
-    return s.engine.image or (VLLM_IMAGE if s.engine.name == "vllm" else default_image())
+    return s.engine.image or (VLLM_IMAGE if s.engine.name == "vllm" else default_image(s))
 
 
 def name_of(s: ServiceSpec, component: str, role: str | None = None) -> str:

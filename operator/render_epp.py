@@ -111,7 +111,7 @@ def render_epp(s: ServiceSpec) -> list[dict[str, Any]]:
         mounts.append({"name": "pd-key", "mountPath": PD_KEY_DIR, "readOnly": True})
     grpc = {"grpc": {"port": wire.EPP_HEALTH_PORT}, "timeoutSeconds": 2}
     container = {
-        "name": "epp", "image": rc.default_image(), "imagePullPolicy": "IfNotPresent",
+        "name": "epp", "image": rc.default_image(s), "imagePullPolicy": s.defaults.pull_policy,
         "command": ["kvyard"], "args": epp_args(s, model_arg),
         "env": [{"name": "HOME", "value": "/tmp"},
                 {"name": "NAMESPACE", "valueFrom": {"fieldRef": {

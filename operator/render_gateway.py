@@ -50,7 +50,7 @@ def render_gateway(s: ServiceSpec) -> list[dict[str, Any]]:
     mounts.append({"name": "config", "mountPath": CONFIG_DIR, "readOnly": True})
     ready = {"exec": {"command": ["python3", "-c", _READY]}, "timeoutSeconds": 3}
     container = {
-        "name": "envoy", "image": rc.default_image(), "imagePullPolicy": "IfNotPresent",
+        "name": "envoy", "image": rc.default_image(s), "imagePullPolicy": s.defaults.pull_policy,
         "command": [ENVOY], "args": envoy_args(),
         "env": [{"name": "HOME", "value": "/tmp"}],
         "ports": [{"name": "http", "containerPort": wire.GATEWAY_HTTP_PORT, "protocol": "TCP"}],

@@ -120,7 +120,7 @@ def worker_container(s: ServiceSpec, role: str) -> tuple[dict[str, Any], list[di
                       "protocol": "TCP"})
     health = rc.http_probe("/health", "http", timeoutSeconds=5)
     container = {
-        "name": "worker", "image": rc.worker_image(s), "imagePullPolicy": "IfNotPresent",
+        "name": "worker", "image": rc.worker_image(s), "imagePullPolicy": s.defaults.pull_policy,
         "command": command, "args": args, "env": _env(s), "ports": ports,
         "resources": s.engine.resources or _default_resources(s),
         "volumeMounts": mounts, "securityContext": rc.container_security(),
@@ -139,9 +139,13 @@ def pool_replicas(s: ServiceSpec, pool: Pool) -> int | None:
 def render_pool(s: ServiceSpec, pool: Pool) -> list[dict[str, Any]]:
     name = rc.name_of(s, "worker", pool.role)
     container, vols = worker_container(s, pool.role)
-    pod = {"containers": [container], "volumes": vols,
-           # In-flight generations get the worker's own drain time (--shutdown-timeout 30 s).
-           "terminationGracePeriodSeconds": 45}
+    pod: dict[str, Any] = {"containers": [container], "volumes": vols,
+                           # In-flight generations get the worker's drain (--shutdown-timeout 30 s).
+                           "terminationGracePeriodSeconds": 45}
+    if s.engine.node_selector:
+        pod["nodeSelector"] = dict(s.engine.node_selector)
+    if s.engine.tolerations:
+        pod["tolerations"] = [dict(t) for t in s.engine.tolerations]
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(wire.WORKER_HTTP_PORT),
                    "prometheus.io/path": "/metrics"}
     ports = [("http", wire.WORKER_HTTP_PORT)]

@@ -92,6 +92,17 @@ ENGINE = _obj("The model server every pool runs.", {
     "kvCacheMemory": _str("KV-cache capacity per worker, e.g. 2Gi.", pattern=QUANTITY),
     "extraArgs": {"type": "array", "items": {"type": "string"}, "maxItems": 64,
                   "description": "More flags for the model server, appended as given."},
+    "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"},
+                     "description": "Worker pods' node selector (e.g. GPU nodes)."},
+    "tolerations": {"type": "array", "maxItems": 32, "description": "Worker pods' tolerations.",
+                    "items": _obj("A toleration.", {
+                        "key": _str("Taint key."),
+                        "operator": _str("Exists or Equal.", enum=["Exists", "Equal"]),
+                        "value": _str("Taint value."),
+                        "effect": _str("Taint effect.",
+                                       enum=["NoSchedule", "PreferNoSchedule", "NoExecute"]),
+                        "tolerationSeconds": _int("For NoExecute."),
+                    })},
 }, default={})
 
 ROUTING = _obj("How the EPP scores workers.", {

@@ -32,6 +32,14 @@ def quantity_bytes(text: str) -> int:
 
 
 @dataclass(slots=True)
+class Defaults:
+    """What the operator's deployment decides for every service (the chart's values)."""
+
+    image: str | None = None          # kvyard's image; None: ghcr.io/kvyard/kvyard:<version>
+    pull_policy: str = "IfNotPresent"
+
+
+@dataclass(slots=True)
 class Pool:
     role: str
     min_replicas: int
@@ -59,6 +67,8 @@ class Engine:
     block_size: int
     kv_cache_memory: str | None
     extra_args: list[str]
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -99,6 +109,7 @@ class ServiceSpec:
     inference_pool: bool
     slo: dict[str, int] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict)
+    defaults: Defaults = field(default_factory=Defaults)
 
     @property
     def disaggregated(self) -> bool:
@@ -168,7 +179,8 @@ def _engine(e: dict[str, Any]) -> Engine:
     _need(all(isinstance(a, str) for a in extra), "spec.engine.extraArgs: want strings")
     return Engine(e["name"], e["device"], e.get("image"), dict(e.get("resources") or {}),
                   e.get("maxModelLen"), _int(e.get("blockSize", 16), "spec.engine.blockSize", 1,
-                                             1024), kv, list(extra))
+                                             1024), kv, list(extra),
+                  dict(e.get("nodeSelector") or {}), list(e.get("tolerations") or []))
 
 
 def _kvstore(k: dict[str, Any] | None) -> KVStore | None:
@@ -188,7 +200,7 @@ def _kvstore(k: dict[str, Any] | None) -> KVStore | None:
     return out
 
 
-def parse(body: dict[str, Any]) -> ServiceSpec:
+def parse(body: dict[str, Any], defaults: Defaults | None = None) -> ServiceSpec:
     """The custom resource (as the API returns it) -> a ServiceSpec, or SpecError."""
     meta = body.get("metadata") or {}
     raw = defaulted_spec(body.get("spec"))
@@ -216,4 +228,4 @@ def parse(body: dict[str, Any]) -> ServiceSpec:
         engine=engine, pools=pools, routing=routing, kvstore=kvstore,
         scale_to_zero=bool(stz.get("enabled")), idle_seconds=int(stz.get("idleSeconds", 300)),
         inference_pool=bool(raw["inferencePool"].get("enabled")),
-        slo=dict(raw.get("slo") or {}), raw=raw)
+        slo=dict(raw.get("slo") or {}), raw=raw, defaults=defaults or Defaults())

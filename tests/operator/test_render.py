@@ -266,3 +266,32 @@ def test_operator_rbac_covers_every_call_and_is_a_valid_role() -> None:
             granted[(api.rpartition("/")[0], plural)]
     assert granted[("", "secrets")] == {"get", "create"}
     assert granted[("", "pods")] == {"get", "list", "watch"}  # what the EPP's Role grants
+
+
+def test_the_operators_image_and_gpu_placement() -> None:
+    from kvyard.operator.spec import Defaults
+
+    cr = {"metadata": {"name": "demo", "namespace": "team-a", "uid": UID},
+          "spec": {"engine": {"device": "cuda", "nodeSelector": {"gpu": "h200"},
+                              "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                               "effect": "NoSchedule"}]}}}
+    children = render_all(parse(cr, Defaults("kind.local/kvyard:dev", "Never")))
+    for dep in by_kind(children, "Deployment").values():
+        c = container(dep)
+        assert (c["image"], c["imagePullPolicy"]) == ("kind.local/kvyard:dev", "Never")
+        kubernetes_validate.validate(dep, "1.33", strict=True)
+    pod = by_kind(children, "Deployment")["demo-both"]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"gpu": "h200"}
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert container(by_kind(children, "Deployment")["demo-both"])["resources"]["limits"] == \
+        {"nvidia.com/gpu": 1}
+    assert "nodeSelector" not in by_kind(children, "Deployment")["demo-epp"]["spec"][
+        "template"]["spec"]
+
+
+def test_kvyard_operator_is_a_subcommand(monkeypatch) -> None:
+    monkeypatch.setenv("KVYARD_IMAGE", "reg.example/kvyard:1")
+    a = build_parser(["operator"]).parse_args(["operator", "--namespace", "a",
+                                               "--namespace", "b", "--resync-seconds", "10"])
+    assert (a.namespace, a.resync_seconds, a.image, a.image_pull_policy) == \
+        (["a", "b"], 10.0, "reg.example/kvyard:1", "IfNotPresent")
