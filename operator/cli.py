@@ -16,6 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--all-namespaces", action="store_true", help="watch every namespace")
     p.add_argument("--resync-seconds", type=float, default=30.0,
                    help="every object is reconciled again this often (drift repair)")
+    p.add_argument("--rollout-poll-seconds", type=float, default=5.0,
+                   help="how often an object is reconciled while its rollout is in progress")
     p.add_argument("--retry-seconds", type=float, default=5.0,
                    help="delay before a pass that hit an API error runs again")
     p.add_argument("--liveness", default="http://0.0.0.0:8081/healthz",
@@ -43,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if not namespaces and not args.all_namespaces and os.environ.get("WATCH_NAMESPACE"):
         namespaces = [n.strip() for n in os.environ["WATCH_NAMESPACE"].split(",") if n.strip()]
     cfg = OperatorConfig(resync_s=args.resync_seconds, retry_s=args.retry_seconds,
+                         rollout_poll_s=args.rollout_poll_seconds,
                          server=args.server,
                          defaults=Defaults(args.image, args.image_pull_policy))
     asyncio.run(run_operator(cfg, namespaces, clusterwide=not namespaces,

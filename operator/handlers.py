@@ -1,10 +1,13 @@
 """kopf wiring: which events run a reconcile pass, and with what settings.
 
-Every cause (resume after a restart, create, update, and a resync timer) runs the
-same idempotent pass (`reconcile.reconcile`), one at a time per object. There is
-no delete handler: children carry owner references, so Kubernetes' garbage
-collector removes them, with or without the operator running. kopf adds its
-finalizer for the timer and releases it itself when the object is deleted.
+Every cause (resume after a restart, create, update, and a resync daemon) runs the
+same idempotent pass (`reconcile.reconcile`), one at a time per object. The daemon
+passes again every `resync_s` (drift repair), or every `rollout_poll_s` while the
+status says Progressing, so Ready follows a rollout within seconds without
+watching every Deployment. There is no delete handler: children carry owner
+references, so Kubernetes' garbage collector removes them, with or without the
+operator running. kopf adds its finalizer for the daemon and releases it itself
+when the object is deleted.
 kopf's bookkeeping lives in annotations, so `status` is kvyard's alone.
 """
 from __future__ import annotations
@@ -32,6 +35,7 @@ RESOURCE = (wire.K8S_GROUP, wire.CRD_VERSION, wire.CRD_PLURAL)
 class OperatorConfig:
     resync_s: float = 30.0
     retry_s: float = 5.0
+    rollout_poll_s: float = 5.0  # pass interval while a rollout is in progress
     server: str | None = None   # an API URL used without credentials (tests, kubectl proxy)
     defaults: Defaults = field(default_factory=Defaults)  # image and pull policy
 
@@ -117,34 +121,52 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
             await memo.state.client.close()
             memo.state.client = None
 
-    async def run_pass(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+    async def run_pass(body: kopf.Body, memo: kopf.Memo, logger: Any,
+                       **_: Any) -> dict[str, Any] | None:
         state: State = memo.state
         uid = body.metadata.uid or f"{body.metadata.namespace}/{body.metadata.name}"
         lock = state.locks.setdefault(uid, asyncio.Lock())
         async with lock:
-            # The freshest object: a timer's or a queued handler's body may be stale.
+            # The freshest object: the daemon's or a queued handler's body may be stale.
             api = state.api()
             fresh = await api.get(wire.CRD_KIND, body.metadata.namespace, body.metadata.name)
             if fresh is None or (fresh.get("metadata") or {}).get("deletionTimestamp"):
-                return
+                return None
             try:
                 new = await reconcile(api, fresh, cfg.defaults)
             except Retry as e:
                 raise kopf.TemporaryError(str(e), delay=cfg.retry_s) from e
         ready = next((c for c in new.get("conditions", []) if c["type"] == "Ready"), {})
         logger.debug("pass done: Ready=%s (%s)", ready.get("status"), ready.get("reason"))
+        return new
 
     for reason, decorator in (("resume", kopf.on.resume), ("create", kopf.on.create),
                               ("update", kopf.on.update)):
         decorator(*RESOURCE, id=f"reconcile-{reason}", registry=registry,
                   backoff=cfg.retry_s)(run_pass)
 
-    @kopf.timer(*RESOURCE, id="resync", interval=cfg.resync_s, initial_delay=cfg.resync_s,
-                registry=registry)
-    async def resync(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
-        await run_pass(body, memo, logger)
+    @kopf.daemon(*RESOURCE, id="resync", cancellation_timeout=5.0, registry=registry)
+    async def resync(body: kopf.Body, memo: kopf.Memo, logger: Any, stopped: kopf.DaemonStopped,
+                     **_: Any) -> None:
+        # kopf cancels the sleep when the object goes or the operator stops (a pass cut
+        # short that way is completed by the next, like after a restart).
+        delay = cfg.rollout_poll_s
+        while not stopped:
+            await asyncio.sleep(delay)
+            try:
+                new = await run_pass(body, memo, logger)
+            except kopf.TemporaryError as e:
+                logger.warning("resync: %s", e)
+                delay = cfg.retry_s
+                continue
+            delay = cfg.rollout_poll_s if _progressing(new) else cfg.resync_s
 
     return registry
+
+
+def _progressing(status: dict[str, Any] | None) -> bool:
+    return any(c.get("type") == "Progressing" and c.get("status") == "True"
+               for c in (status or {}).get("conditions", []))
 
 
 async def run_operator(cfg: OperatorConfig, namespaces: list[str], clusterwide: bool,

@@ -99,7 +99,8 @@ def operator(api: ApiServer) -> Callable[..., contextlib.AbstractAsyncContextMan
     @contextlib.asynccontextmanager
     async def run(resync_s: float = 0.5) -> AsyncIterator[asyncio.Task]:
         stop = asyncio.Event()
-        cfg = OperatorConfig(resync_s=resync_s, retry_s=0.2, server=str(api.url))
+        cfg = OperatorConfig(resync_s=resync_s, retry_s=0.2, rollout_poll_s=0.2,
+                             server=str(api.url))
         task = asyncio.create_task(run_operator(cfg, [NS], clusterwide=False, stop_flag=stop))
         try:
             yield task

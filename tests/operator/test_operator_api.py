@@ -44,7 +44,8 @@ def status(kube, kind: str) -> tuple[str, str]:
 
 
 async def test_create_then_ready_only_after_the_rollout(kube, operator, wait_for) -> None:
-    async with operator():
+    # A 30 s resync: Ready follows the rollout through the daemon's rollout polling.
+    async with operator(resync_s=30.0):
         cr = await kube.create("demo", CPU)
         uid = cr["metadata"]["uid"]
         await wait_for(lambda: set(kube.children()) == EXPECTED, what="children")
