@@ -178,8 +178,11 @@ def test_presets_install_what_they_say():
         one(objs, "Deployment", "kvyard-redis")
     # GPU preset: the operator and Redis keep off GPU nodes
     for name in ("kvyard-operator", "kvyard-redis"):
-        aff = one(gpu, "Deployment", name)["spec"]["template"]["spec"]["affinity"]
-        assert "nvidia.com/gpu.present" in json.dumps(aff)
+        pod = one(gpu, "Deployment", name)["spec"]["template"]["spec"]
+        assert "nvidia.com/gpu.present" in json.dumps(pod["affinity"])
+        assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in \
+            pod["tolerations"]
 
 
 def test_crds_ship_in_crds_dir_not_templates():
