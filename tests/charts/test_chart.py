@@ -843,8 +843,8 @@ def _dashboard_exprs(dash: dict) -> list[str]:
     return [re.sub(r"label_values\([^)]*\)", "", e) for e in exprs]
 
 
-def exported_metric_names() -> set[str]:
-    """Every sample name kvyard's components expose, from their own collectors rendered in the
+def _exposition_texts() -> list[str]:
+    """Every sample kvyard's components expose, from their own collectors rendered in the
     Prometheus text format (so histograms' _bucket/_sum/_count and counters' _total are the
     real ones): the worker (vllm:*), its kvstore and P/D metrics (kvyard:*), the EPP."""
     from prometheus_client import CollectorRegistry, generate_latest
@@ -889,12 +889,24 @@ def exported_metric_names() -> set[str]:
     epp.picks.labels("a").inc()
     epp.endpoints.labels("known").set(1)
     texts.append(generate_latest(epp.registry).decode())
-    names = set()
-    for text in texts:
+    return texts
+
+
+def exported_metric_names() -> set[str]:
+    return set(exported_metric_labels())
+
+
+@functools.cache
+def exported_metric_labels() -> dict[str, frozenset[str]]:
+    """sample name -> the label names its samples carry."""
+    out: dict[str, set[str]] = {}
+    for text in _exposition_texts():
         for line in text.splitlines():
             if line and not line.startswith("#"):
-                names.add(re.match(r"[A-Za-z_:][A-Za-z0-9_:]*", line).group(0))
-    return names
+                m = re.match(r"([A-Za-z_:][A-Za-z0-9_:]*)(\{([^}]*)\})?", line)
+                labels = set(re.findall(r'([A-Za-z_][A-Za-z0-9_]*)="', m.group(3) or ""))
+                out.setdefault(m.group(1), set()).update(labels)
+    return {k: frozenset(v) for k, v in out.items()}
 
 
 def test_promql_metric_name_extraction():
@@ -920,6 +932,66 @@ def test_dashboard_uses_only_metrics_kvyard_exports():
     families = {re.sub(r"_(bucket|sum|count|total|created)$", "", n) for n in exported}
     shown = {re.sub(r"_(bucket|sum|count|total)$", "", n) for n in used}
     assert families - shown == set(), sorted(families - shown)
+
+
+# labels Prometheus adds to every scraped series (PodMonitor / kubernetes_sd relabelling)
+_TARGET_LABELS = {"namespace", "pod", "instance", "job", "container"}
+
+
+def promql_label_names(expr: str) -> set[str]:
+    """Label names an expression groups by or matches on."""
+    e = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    labels = set()
+    for m in re.finditer(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)", e):
+        labels |= {x.strip() for x in m.group(1).split(",") if x.strip()}
+    for m in re.finditer(r"\{([^}]*)\}", e):
+        labels |= set(re.findall(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)", m.group(1)))
+    return labels
+
+
+def test_dashboard_groups_and_matches_only_labels_the_metrics_carry():
+    """An empty panel from a misspelt label is as broken as one from a misspelt metric."""
+    dash = json.loads((CHART / "dashboards" / "kvyard.json").read_text())
+    labels = exported_metric_labels()
+    for expr in _dashboard_exprs(dash):
+        names = promql_metric_names(expr)
+        if not names:
+            continue
+        have = set().union(*(labels[n] for n in names)) | _TARGET_LABELS
+        missing = promql_label_names(expr) - have
+        assert not missing, f"{expr}: no metric in it has the labels {sorted(missing)}"
+    assert promql_label_names('sum by (le, pod) (rate(x{tier="redis", a=~"b"}[5m]))') == \
+        {"le", "pod", "tier", "a"}
+
+
+@pytest.mark.skipif(not shutil.which("promtool"), reason="needs promtool (Debian: prometheus)")
+def test_dashboard_promql_parses_with_prometheus(tmp_path):
+    """Prometheus's own parser on every expression (Grafana's variables filled in), through
+    `promtool check rules` with each expression as a recording rule."""
+    import subprocess
+
+    dash = json.loads((CHART / "dashboards" / "kvyard.json").read_text())
+    exprs = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            if isinstance(node.get("expr"), str):
+                exprs.append(node["expr"])
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+    walk(dash)
+    assert len(exprs) >= 30
+    subst = lambda e: e.replace("$__rate_interval", "5m").replace("$namespace", ".*")  # noqa: E731
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"kvyard_dashboard_check_{i}", "expr": subst(e)} for i, e in enumerate(exprs)]}]}
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump(rules))
+    out = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"{len(exprs)} rules found" in out.stdout + out.stderr
 
 
 # --- the image the chart runs ------------------------------------------------------------------
