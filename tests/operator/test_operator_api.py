@@ -236,3 +236,26 @@ async def test_restart_mid_pass_converges_to_the_same_children(kube, operator, a
         await wait_for(lambda: status(kube, "Progressing")[0] == "True")
     assert {k: content(v) for k, v in kube.children().items()} == \
         {k: content(v) for k, v in rendered(kube).items()}
+
+
+async def test_a_recreated_service_leaves_no_orphans(kube, operator, wait_for) -> None:
+    """`helm upgrade --force` deletes and recreates the object (a new uid): the children end
+    owned by the new one, none left behind with the old owner."""
+    async with operator():
+        old = (await kube.create("demo", CPU))["metadata"]["uid"]
+        await wait_for(lambda: set(kube.children()) == EXPECTED)
+        await kube.delete(f"{CRS}/demo")
+        await wait_for(lambda: kube.cr() is None)
+        new = (await kube.create("demo", {**CPU, "pools": {"both": {"maxReplicas": 2,
+                                                                    "replicas": 2}}}))["metadata"]["uid"]
+        assert new != old
+
+        def adopted() -> bool:
+            kids = kube.children()
+            return set(kids) == EXPECTED and all(
+                [r["uid"] for r in o["metadata"]["ownerReferences"]] == [new]
+                for o in kids.values())
+        await wait_for(adopted, what="children owned by the new object")
+        assert kube.children()[("Deployment", "demo-both")]["spec"]["replicas"] == 2
+    assert all(o["metadata"]["ownerReferences"][0]["uid"] == new for o in kube.api.live()
+               if o["metadata"].get("ownerReferences"))
