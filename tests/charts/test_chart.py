@@ -486,6 +486,33 @@ def test_cleanup_hook_deletes_the_inference_service_before_the_operator_goes():
     assert not [o for o in objects("default") if o["kind"] == "Job"]
 
 
+@pytest.mark.parametrize("preset", ["cpu", "everything"])
+def test_operator_container_parses_with_the_operators_own_cli(preset, monkeypatch):
+    """The args and environment the chart gives `kvyard operator`, through its real parser:
+    the image the operator gives its children is the chart's, the liveness endpoint is the
+    probed port, the namespaces are the watched ones."""
+    from urllib.parse import urlsplit
+
+    from kvyard.cli import build_parser
+
+    [c] = one(objects(preset), "Deployment", "kvyard-operator")["spec"]["template"]["spec"][
+        "containers"]
+    for e in c["env"]:
+        if "value" in e:
+            monkeypatch.setenv(e["name"], e["value"])
+    args = build_parser(c["args"]).parse_args(c["args"])
+    if not hasattr(args, "image"):
+        pytest.skip("this operator takes no --image / $KVYARD_IMAGE yet")
+    assert args.image == "ghcr.io/kvyard/kvyard:0.1.0"
+    assert args.image_pull_policy == "IfNotPresent"
+    assert urlsplit(args.liveness).port == c["ports"][0]["containerPort"]
+    assert c["livenessProbe"]["httpGet"]["path"] == urlsplit(args.liveness).path
+    if preset == "everything":
+        assert args.namespace == ["llm", "team-b"] and not args.all_namespaces
+    else:
+        assert args.all_namespaces and args.namespace == []
+
+
 # --- RBAC: least privilege ------------------------------------------------------------------
 
 def _rules(objs, name):
