@@ -129,7 +129,7 @@ def validate_inference_service(obj: dict[str, Any]) -> None:
 
 # --- Helm: lint and render -----------------------------------------------------------------
 
-@pytest.mark.parametrize("preset", ["default", "cpu", "gpu"])
+@pytest.mark.parametrize("preset", list(PRESETS))
 def test_lint_clean(preset):
     report = helm.lint(str(CHART), copy.deepcopy(PRESETS[preset]), strict=True,
                        namespace=NAMESPACE)
