@@ -5,8 +5,10 @@
 #   3. install KEDA, then the chart with charts/kvyard/values-cpu.yaml (CRD, operator, Redis,
 #      and the `demo` InferenceService: two CPU workers on SmolLM2-135M, an EPP, a gateway)
 #   4. wait until the InferenceService is Ready and its Deployments have rolled out
-#   5. send chat requests through the gateway and check the answers and the routing
-#   6. delete the cluster (KEEP=1 keeps it for a look around)
+#   5. send chat requests through the gateway and check the answers and the routing, the EPP's
+#      view, the Redis tier, and one NetworkPolicy
+#   6. helm uninstall, and check nothing of the InferenceService is left
+#   7. delete the cluster (KEEP=1 keeps it for a look around)
 #
 # Needs: docker, kind >= 0.24 (NetworkPolicies enforced by kindnetd), kubectl, helm >= 3.14,
 # python3, and network access for the KEDA chart and the Redis image.
@@ -222,5 +224,23 @@ OTHER_WORKER="$(kubectl -n "$NAMESPACE" get pods -l "kvyard.io/service=$SERVICE,
 verdict="$(kubectl -n "$NAMESPACE" exec "$OTHER_WORKER" -- python3 -c "$PROBE" 2>&1 || true)"
 echo "worker -> $WORKER_IP:8000: $verdict"
 case "$verdict" in *OPEN*) ;; *) die "a worker of the service could not reach $WORKER_IP:8000" ;; esac
+
+log "helm uninstall: nothing of the InferenceService is left"
+# The chart's pre-delete Job deletes the InferenceService while the operator still runs; the
+# operator releases it and the garbage collector removes its children (owner references).
+helm uninstall kvyard --namespace "$NAMESPACE" --wait --timeout 5m
+left="?"
+for _ in $(seq 1 60); do
+  left="$(kubectl -n "$NAMESPACE" get inferenceservices,deployments,services,configmaps,secrets,serviceaccounts,roles,rolebindings \
+    -l "kvyard.io/service=$SERVICE" -o name 2>/dev/null || true)"
+  if [ -z "$left" ] && ! kubectl -n "$NAMESPACE" get inferenceservice "$SERVICE" >/dev/null 2>&1; then
+    break
+  fi
+  sleep 2
+done
+kubectl -n "$NAMESPACE" get inferenceservice "$SERVICE" >/dev/null 2>&1 \
+  && die "InferenceService $SERVICE survived helm uninstall"
+[ -z "$left" ] || die "left behind after helm uninstall: $left"
+echo "nothing left"
 
 log "e2e passed"
