@@ -781,6 +781,39 @@ def test_chart_policies_pdbs_and_monitors_fit_the_operators_children(preset):
                 assert m["spec"]["podMetricsEndpoints"][0]["targetPort"] in ports.values(), name
 
 
+def _example_children(path: Path) -> list[dict]:
+    from kvyard.operator import render, spec as op_spec
+
+    out = []
+    for doc in yaml.safe_load_all(path.read_text()):
+        if doc:
+            doc["metadata"] = {**doc["metadata"], "namespace": NAMESPACE, "uid": "u-1"}
+            out += render.render_all(op_spec.parse(doc))
+    return out
+
+
+@pytest.mark.parametrize("source", ["cpu", "gpu", *sorted(p.name for p in EXAMPLES.glob("*.yaml"))])
+def test_presets_and_examples_become_commands_kvyard_accepts(source):
+    """Each kvyard container the operator renders for the presets' InferenceServices and the
+    examples, through the real `kvyard` parser: a value a preset sets that a worker or the EPP
+    would refuse (a size it cannot read, a flag it lacks) fails here, not in a pod."""
+    from kvyard.cli import build_parser
+
+    children = _children(source) if source in PRESETS else _example_children(EXAMPLES / source)
+    parsed = 0
+    for d in by_kind(children, "Deployment"):
+        for c in d["spec"]["template"]["spec"]["containers"]:
+            if c.get("command") != ["kvyard"]:
+                continue  # Envoy, stock vLLM
+            args = c["args"]
+            try:
+                build_parser(args).parse_args(args)
+            except SystemExit:
+                pytest.fail(f"{d['metadata']['name']}: kvyard refuses {args}")
+            parsed += 1
+    assert parsed >= 1 + (source != "vllm-gpu.yaml")  # the EPP, and kvyard workers
+
+
 def test_notes_name_the_gateway_the_operator_creates():
     try:
         from kvyard.operator import render, spec as op_spec
