@@ -41,11 +41,11 @@ _GIL_FREE_BYTES = 64 << 10
 def checksum(payload, hold_gil: bool = False) -> int:
     """xxh3-64 of the payload. Blocks of 64 KiB and up go through python-xxhash's
     streaming object, whose update() releases the GIL around the hash loop (the
-    one-shot `xxh3_64_intdigest` holds it): the same value, but a checksum in one
-    thread no longer stalls the sender's or the I/O pool's other threads.
+    one-shot `xxh3_64_intdigest` holds it): the same value, and a checksum in one
+    thread does not stall the sender's or the I/O pool's other threads.
     `hold_gil`: the one-shot form whatever the size, for a thread that sends the
     block right after (the Redis sender): giving the GIL up and queueing for it
-    again cost that thread more than the other threads gained."""
+    again costs that thread more than the other threads gain."""
     if not hold_gil and memoryview(payload).nbytes >= _GIL_FREE_BYTES:
         return xxhash.xxh3_64(payload).intdigest()
     return xxhash.xxh3_64_intdigest(payload)

@@ -6,9 +6,8 @@ replaced. With glibc's defaults a burst of such frees coalesces at the top of
 the heap, exceeds `M_TRIM_THRESHOLD` (2x the dynamic mmap threshold, i.e. a
 few MiB) and is handed back with `brk`; the next burst faults every page back
 in, and the kernel zeroes each one: a memset per block on top of the copy.
-Measured here: a 64-block MGET of 360 KiB values took 62,000 minor faults
-per 256 MB (0.69 GB/s) against none (0.98 GB/s) with these settings, and an
-8B-class (2 MiB) DRAM put paid the same toll on every fresh frame.
+That toll falls on every Redis read of block-sized values and on every fresh
+frame a DRAM put fills (measured: see docs/benchmarks.md, kvstore).
 
 Fixing both thresholds (`M_MMAP_THRESHOLD` 32 MiB, the largest glibc allows,
 so blocks come from the heap; `M_TRIM_THRESHOLD` 256 MiB) keeps up to that

@@ -1,11 +1,11 @@
 """The settings every Redis that kvyard starts or configures gets, in one place.
 
 A block cache must be bounded: without `maxmemory` Redis keeps every value it is
-sent (the local stack's grew to 12 GB in 7 minutes of traffic), and with any
-other policy than `allkeys-lru` a full Redis answers SETs with OOM errors
-instead of dropping its coldest blocks. The local stack (`kvyard up`), the test
-and benchmark servers (`redis_server.py`) and, later, the Helm chart all take
-their cap from `DEFAULT_MAX_MEMORY_BYTES` unless told otherwise.
+sent and grows with the traffic, without limit (see docs/benchmarks.md,
+kvstore), and with any other policy than `allkeys-lru` a full Redis answers
+SETs with OOM errors instead of dropping its coldest blocks. The local stack
+(`kvyard up`), the test and benchmark servers (`redis_server.py`) and the Helm
+chart all take their cap from `DEFAULT_MAX_MEMORY_BYTES` unless told otherwise.
 
 Scratch servers also persist nothing and listen on loopback only, behind a
 password: a cache that dies with the stack.

@@ -253,8 +253,8 @@ class RedisTier:
         `prepare(i, on_sender)`, when given, runs before value i goes out (the store
         fills the header there; `on_sender`: on the sending thread) as the send
         proceeds, a group ahead (`_prepared`), not for the whole batch up front: a
-        batch checksummed first is cold again by the time it is sent (measured:
-        0.96 vs 0.91 of raw pipelined SETs of 360 KiB values)."""
+        batch checksummed first is cold again by the time it is sent, so every byte
+        is read from memory twice (measured: see docs/benchmarks.md, kvstore)."""
         rkeys = [self.rkey(k) for k, _ in items]
         values = [memoryview(v).cast("B") for _, v in items]
         if self.cluster:
@@ -276,12 +276,11 @@ class RedisTier:
         Checksums run on a helper thread one group of about `GROUP_BYTES` ahead of
         the send: a group's hash (GIL-free) overlaps the previous group's send. The
         first group is prepared on the sender itself while the helper starts on the
-        second. Groups rather than single values: a hand-off per 360 KiB value cost
-        more than its hash (0.69-0.75 of raw SET against 0.81-0.93 inline, an earlier
-        session). Against that policy (1 MiB and more one value ahead, smaller inline),
-        same process, 6 runs of 25 pairs on a 2-core box: 360 KiB values 0.94 -> 0.98 of
-        raw SET, 2 MiB unchanged (they keep the one-value-ahead overlap they had). A
-        batch of one group has nothing to overlap: it stays inline."""
+        second. Groups rather than single values: a thread hand-off per value costs
+        more than the hash of a sub-MiB block, while a group of about 2 MiB carries
+        the hand-off for every block size, so small and large blocks take the same
+        path (measured: see docs/benchmarks.md, kvstore). A batch of one group has
+        nothing to overlap: it stays inline."""
         if prepare is None:
             yield from values
             return

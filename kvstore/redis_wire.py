@@ -24,15 +24,17 @@ def zero_copy_packer() -> PythonRespSerializer:
     """redis-py's pure-Python RESP packer, which sends a memoryview argument as a
     chunk of its own, uncopied. Once hiredis is installed redis-py packs with
     hiredis instead, which copies every value twice (`bytes()`, then
-    `pack_command`): measured 4x slower pipelined SETs of 360 KiB values.
-    Replies still parse with hiredis (2x faster MGETs than the Python parser)."""
+    `pack_command`), several times slower for block-sized SETs. Replies still
+    parse with hiredis, faster than the Python parser for MGETs (both measured:
+    see docs/benchmarks.md, kvstore)."""
     return PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
 
 
 def set_head(rkey: bytes, nbytes: int, ttl_s: int | None) -> tuple[bytes, bytes]:
     """RESP for `SET rkey <value of nbytes> [EX ttl_s]`, less the value: (head, tail).
-    Formatted directly: redis-py's packer costs ~2 us a command, a few % of a
-    360 KiB SET on loopback, where every per-value microsecond shows."""
+    Formatted directly: redis-py's packer costs microseconds a command, a few
+    percent of a block-sized SET on loopback, where every per-value microsecond
+    shows."""
     if ttl_s:
         ex = b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(int(ttl_s))), int(ttl_s))
         return (b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(rkey), rkey, nbytes),
@@ -69,8 +71,8 @@ def _send_all(sock, bufs: list) -> None:
     """Every byte of `bufs`, in order, through sendmsg: a SET's head (the previous
     command's tail, `*3 $3 SET $len key $len`) and its value go out in one syscall,
     uncopied, where redis-py's `send_packed_command` does a `sendall` per chunk,
-    so with TCP_NODELAY every head left as a tiny segment of its own and woke the
-    server once more per value. A partial send resumes where it stopped."""
+    so with TCP_NODELAY every head would leave as a tiny segment of its own and
+    wake the server once more per value. A partial send resumes where it stopped."""
     views = [memoryview(b).cast("B") for b in bufs]
     while views:
         n = sock.sendmsg(views)

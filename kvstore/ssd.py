@@ -195,8 +195,8 @@ class SsdTier:
     def _touch(self, key: bytes, path: str, size: int) -> None:
         """Count a hit and move the key to the LRU's young end. The file's mtime, the
         order a restart recovers, is bumped at most every TOUCH_S per key: a utime per
-        read dirtied an inode per block (a syscall and a journal update), and an order
-        to the minute is all a restart needs."""
+        read dirties an inode per block (a syscall and a journal update, a visible
+        share of read throughput), and an order to the minute is all a restart needs."""
         now = time.monotonic()
         if now - self._bumped.get(key, -TOUCH_S) >= TOUCH_S:
             try:

@@ -134,11 +134,10 @@ class KVStore:
         """Stage 1 of the write pipeline: headers (checksums) and SSD files for a batch,
         while the sender thread still ships the previous batch to Redis. Without an
         SSD tier, a caller's frame gets its header in the sender's pipeline, a group
-        ahead of its send (see `RedisTier.put_many`): measured with a GIL-free checksum,
-        headers computed here a batch ahead (on the core Redis leaves idle) gave
-        0.81/0.69 of raw SETs (360 KiB / 2 MiB) against 0.91/0.78 inline: on this
-        2-core box the two cold passes over each block (hash here, socket copy
-        there) cost more than a checksum a group ahead of the send."""
+        ahead of its send (see `RedisTier.put_many`), not here a batch ahead: that
+        would make two cold passes over each block (hash here, socket copy there),
+        which cost more than they overlap when the raw send already keeps the cores
+        busy (measured: see docs/benchmarks.md, kvstore)."""
         while True:
             batch = self._q.take(_BATCH)
             if batch is None:  # closed and drained
@@ -184,8 +183,8 @@ class KVStore:
     def _map(self, fn, items: list, big_only: bool = False) -> list:
         """`fn` over items on the I/O threads. Threads pay off for file I/O and for
         checksums of big blocks; for sub-MiB blocks without file I/O their GIL
-        hand-offs cost more than they save (measured: 0.84 vs 0.94 of raw redis-py
-        GETs for 360 KiB blocks), hence `big_only`."""
+        hand-offs cost more than they save (measured on Redis gets: see
+        docs/benchmarks.md, kvstore), hence `big_only`."""
         if self._pool is None or len(items) < 2 or (big_only and self.layout.nbytes < 1 << 20):
             return [fn(x) for x in items]
         return list(self._pool.map(fn, items))

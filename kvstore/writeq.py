@@ -1,9 +1,9 @@
 """The store's write queue: bounded in blocks, filled one `put` call at a time.
 
-Why not `queue.Queue`: a put of N blocks paid N lock round trips and N wake-ups
-of the writer, each with the GIL held, while the Redis sender waited for the
-GIL to come back from its sendmsg; a block count under one lock per call
-leaves the sender alone. `pending` counts blocks accepted and not yet written
+Why not `queue.Queue`: a put of N blocks would pay N lock round trips and N
+wake-ups of the writer, each with the GIL held, while the Redis sender waits
+for the GIL to come back from its sendmsg; a block count under one lock per
+call leaves the sender alone. `pending` counts blocks accepted and not yet written
 (queued or in flight), so memory stays bounded by `capacity` blocks; `offer`
 takes what fits and never waits: writes that do not fit are the caller's to drop.
 """

@@ -1,10 +1,10 @@
 """Host frames for CUDA KV saves: pinned slabs, bump-allocated, recycled by reference.
 
-Why an arena rather than a pinned allocation per save: a fresh 32 MiB pinned
-allocation took 12-13 ms on an H200 host, 20x the 0.6 ms its D2H copy takes;
-reusing a slab takes 0.02 ms. torch's own pinned cache reuses as fast but
-rounds each request up to a power of two (a one-block 8B-class save, 2 MiB +
-80 B, would pin 4 MiB), so the arena asks it only for whole slabs.
+Why an arena rather than a pinned allocation per save: pinning a fresh slab
+costs many times the D2H copy into it, while reusing one costs next to nothing
+(measured: see docs/benchmarks.md, connector). torch's own pinned cache reuses
+as fast but rounds each request up to a power of two (a one-block 8B-class
+save, 2 MiB + 80 B, would pin 4 MiB), so the arena asks it only for whole slabs.
 
 The store keeps the frames (its DRAM tier holds views of them), so a slab is
 reused only once no view of any run carved from it is left. `locate` maps a

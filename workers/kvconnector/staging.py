@@ -133,8 +133,9 @@ class StagedPaths:
         """The leading DRAM hits whose frames sit in a pinned slab of the arena: one
         non_blocking H2D copy per run of adjacent frames (a save's frames lie
         back to back) into one device buffer, then index_copy_ per layer. No
-        host copy: measured on an H200, a host memcpy into the staging buffer
-        held DRAM loads to about half of a memcpy's rate. Returns how many."""
+        host copy: a memcpy into a staging buffer would bound DRAM loads by host
+        memcpy bandwidth, far below the DMA's (measured: see docs/benchmarks.md,
+        connector). Returns how many."""
         arena = self._arena
         if not self._direct_ok():
             return 0
@@ -174,8 +175,9 @@ class StagedPaths:
         frames into the arena, one sync, then the store owns the frames.
 
         The gather covers up to `_GATHER_BYTES` of frames at once (two ops per
-        layer), not one arena run at a time: per run, a 256 MB save of demo
-        blocks made 480 small ops, launch-bound at 11 ms on an H200 (23 GB/s)."""
+        layer), not one arena run at a time: per run, a large save of small blocks
+        makes hundreds of small device ops and is bound by their launches
+        (measured: see docs/benchmarks.md, connector)."""
         lay = self.layout
         frame = HEADER_BYTES + lay.nbytes
         dtype = self._caches[0].dtype
