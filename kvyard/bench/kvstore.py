@@ -42,7 +42,7 @@ from typing import Callable
 
 TARGETS = {"dram": 0.70, "ssd": 0.70, "redis": 0.90, "redis-cluster": 0.90}
 # Fewer usable CPUs than this and the report says the Redis put row is CPU-bound:
-# the smallest count at which it was ~1.0 of raw SET (docs/benchmarks.md, eighth session)
+# the smallest count at which it was ~1.0 of raw SET (docs/benchmarks.md, the kvstore section)
 SPARE_CPUS = 4
 LAYOUTS = {  # name -> (layers, kv heads, head dim); bf16, 16-token blocks
     "demo": (30, 3, 64),

@@ -1,9 +1,8 @@
 """Redis memory under a soak: unique ~2k-token prompts through a `kvyard up --kv-redis`
 stack of real workers, Redis's INFO sampled as it goes, against its maxmemory.
 
-Why: the local stack's Redis once grew without bound (0.6 -> 12.4 GB in 7 minutes);
-every Redis kvyard starts is now capped (kvstore/redis_conf.py), and this shows where
-its memory settles under a load that writes far more than the cap. Every prompt
+Why: every Redis kvyard starts is capped (kvstore/redis_conf.py); this shows where its
+memory settles under a load that writes far more than the cap. Every prompt
 starts with a fresh random line, so no two share a block: nothing is ever a hit,
 every prefill writes its whole KV to Redis.
 
