@@ -87,3 +87,9 @@ def test_crds_ship_in_crds_dir_not_templates(ch):
     for path in ch.crd_files():
         crd = yaml.safe_load(path.read_text())
         kubernetes_validate.validate(crd, ch.K8S_VERSIONS[-1], strict=True)
+
+
+def test_parametrized_preset_names_are_conftests(ch):
+    # test_chart_values.py spells the same tuple: a preset added to conftest alone would
+    # silently escape the parametrized tests.
+    assert set(PRESETS) == set(ch.PRESETS)
