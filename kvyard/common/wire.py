@@ -53,6 +53,9 @@ M_PD_HANDOFF_SECONDS = "kvyard:pd_handoff_seconds"
 M_PD_HANDOFF_BYTES = "kvyard:pd_handoff_bytes_total"
 M_PD_REJECTED = "kvyard:pd_rejected_prefill_targets_total"
 
+# Sleep mode (vLLM's --enable-sleep-mode): 1 while a worker sleeps; the EPP sends it nothing.
+M_SLEEPING = "kvyard:sleeping"
+
 # Kubernetes: the CRD, the labels and ports the operator (operator/) and the Helm
 # chart (charts/kvyard) both write. Fixed contracts; operator/README.md lists them.
 K8S_GROUP = "kvyard.io"

@@ -18,6 +18,8 @@ off the engine thread (`gather_blocks`: nobody writes them while held).
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -41,6 +43,10 @@ class EngineError(RuntimeError):
     """The engine failed while serving this request (the request did not complete)."""
 
 
+class EngineSleeping(EngineError):
+    """The engine is asleep (sleep mode) or going to sleep: it takes no request."""
+
+
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
         self.engine = engine if engine is not None else LLMEngine.from_config(config)
@@ -55,6 +61,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue] = {}
+        self._lifecycle: collections.deque = collections.deque()  # sleep/wake ops, in order
 
     # ---- lifecycle -----------------------------------------------------------
     @property
@@ -169,6 +176,42 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    # ---- sleep mode (sleep_mode.py; the routes: kvyard.workers.server.sleep) ---
+    @property
+    def sleep_level(self) -> int:
+        return self.engine.sleep_level
+
+    async def sleep(self, level: int = 1) -> None:
+        """Sleeps once the engine holds no request (requests in it finish first; the
+        server stops sending new ones before it calls this)."""
+        await self._lifecycle_op("sleep", level)
+
+    async def wake_up(self) -> None:
+        await self._lifecycle_op("wake", 0)
+
+    async def _lifecycle_op(self, op: str, level: int) -> None:
+        if self._thread is None:
+            await self.start()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(("lifecycle", op, level, fut))
+        await asyncio.wrap_future(fut)
+
+    def _run_lifecycle(self) -> None:
+        """Engine thread: sleep/wake ops in arrival order; a sleep waits for the drain."""
+        eng = self.engine
+        while self._lifecycle:
+            op, level, fut = self._lifecycle[0]
+            if op == "sleep" and eng.has_unfinished_requests():
+                return
+            self._lifecycle.popleft()
+            try:
+                eng.sleep(level) if op == "sleep" else eng.wake_up()
+            except BaseException as e:  # noqa: BLE001 - the caller hears it
+                log.exception("%s failed", op)
+                fut.set_exception(e)
+            else:
+                fut.set_result(None)
+
     def add_kv_event_listener(self, callback: Callable[[KVEvent], None]) -> None:
         """See LLMEngine.add_kv_event_listener: runs on the engine thread, not the event loop."""
         self.engine.add_kv_event_listener(callback)
@@ -185,6 +228,8 @@ class AsyncLLMEngine:
             out: list[RequestOutput | tuple[str, BaseException]] = []
             self._apply_commands(out)
             eng.reap_kv_holds()
+            if self._lifecycle:
+                self._run_lifecycle()
             if self._stopping:
                 self._deliver(out)
                 return
@@ -201,6 +246,8 @@ class AsyncLLMEngine:
                         log.exception("could not free the failed requests' blocks")
                     out.extend((rid, err) for rid in failed)
             self._deliver(out)
+            if self._lifecycle:         # the step may have finished the last request
+                self._run_lifecycle()
             if not eng.has_schedulable_requests() and self._cmds.empty():
                 deadline = eng.kv_holds.next_deadline()
                 self._wake.wait(None if deadline is None
@@ -213,8 +260,14 @@ class AsyncLLMEngine:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "add":
+            if cmd[0] == "lifecycle":
+                self._lifecycle.append(cmd[1:])
+            elif cmd[0] == "add":
                 _, rid, ids, params, hold_kv, parked = cmd
+                if eng.sleep_level or self._lifecycle:
+                    out.append((rid, EngineSleeping("the model is sleeping (sleep mode); "
+                                                    "wake it with POST /wake_up")))
+                    continue
                 try:
                     eng.add_request(rid, ids, params, hold_kv=hold_kv, parked=parked)
                 except Exception as e:  # noqa: BLE001 - reported to that request only

@@ -22,7 +22,8 @@ from .sequence import Sequence
 
 @dataclass(slots=True)
 class KVEvent:
-    """`kind` is "stored" (blocks entered the prefix cache) or "removed" (evicted)."""
+    """`kind` is "stored" (blocks entered the prefix cache), "removed" (evicted) or
+    "all_cleared" (the whole cache dropped: sleep mode; no hashes)."""
 
     kind: str
     block_hashes: list[int]
@@ -199,6 +200,17 @@ class BlockManager:
             self.block_hash[b] = None
             if self.cached.get(h) == b:
                 del self.cached[h]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (the KV cache's contents are gone: sleep mode); only
+        with no block in use. Listeners hear one "all_cleared" event (vLLM's AllBlocksCleared)."""
+        if any(self.ref_cnt):
+            raise RuntimeError("reset_prefix_cache with blocks in use")
+        self.block_hash = [None] * self.num_blocks
+        self.cached.clear()
+        self.free_queue = OrderedDict.fromkeys(range(self.num_blocks))
+        if self.listeners:
+            self._emit(KVEvent("all_cleared", [], block_size=self.block_size))
 
     # ---- internals -----------------------------------------------------------
     def _available(self, prefix_blocks: Seq[int]) -> int:

@@ -74,6 +74,7 @@ class LLMEngine:
         self.last_step_time = 0.0
         self._texts: dict[int, str] = {}
         self._first_code_table: np.ndarray | None = None
+        self._sleep: Any = None      # sleep_mode.SleepMode after the first sleep
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -193,6 +194,23 @@ class LLMEngine:
         for ids in self.kv_holds.drain():
             self.block_manager.release(ids)
         return out
+
+    # ---- sleep mode (sleep_mode.py) -------------------------------------------
+    @property
+    def sleep_level(self) -> int:
+        """0 awake, else the level it sleeps at."""
+        return 0 if self._sleep is None else self._sleep.level
+
+    def sleep(self, level: int = 1) -> None:
+        from .sleep_mode import SleepMode
+
+        if self._sleep is None:
+            self._sleep = SleepMode(self)
+        self._sleep.sleep(level)
+
+    def wake_up(self) -> None:
+        if self._sleep is not None:
+            self._sleep.wake_up()
 
     def add_kv_event_listener(self, callback: Callable[[KVEvent], None]) -> None:
         """Blocks entering/leaving the prefix cache; called on the engine's thread, so keep it cheap."""

@@ -135,11 +135,20 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device)
                           for _ in range(model_config.num_layers)]
         self.graphs = None
+        self._graph_shape = None  # (max batch, max blocks) when decode steps are CUDA graphs
         if self.device.type == "cuda" and cuda_graphs:
+            max_len = min(max_model_len or model_config.max_position_embeddings, num_blocks * block_size)
+            self._graph_shape = (max_batch, -(-max_len // block_size))
+        self.rebuild_device_state()
+
+    def rebuild_device_state(self) -> None:
+        """CUDA: capture the decode graphs over the current weights and KV cache, then warm
+        up the eager path (at start, and again after a wake from sleep: sleep_mode.py)."""
+        if self._graph_shape is not None:
             from .cuda_runner import DecodeGraphs
 
-            max_len = min(max_model_len or model_config.max_position_embeddings, num_blocks * block_size)
-            self.graphs = DecodeGraphs(model, self.kv_caches, max_batch, -(-max_len // block_size))
+            self.graphs = None
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, *self._graph_shape)
         if self.device.type == "cuda":
             self._warm_up()
 

@@ -17,6 +17,7 @@ from .errors import error_middleware
 from .generate import chat_completions, completions, detokenize, tokenize
 from kvyard.workers.pd.metrics import PDMetrics, worker_info
 
+from . import sleep
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .state import STATE, ServerState, get_state
 
@@ -54,7 +55,20 @@ async def _health(request: web.Request) -> web.Response:
     state = get_state(request.app)
     if getattr(state.engine, "is_running", True) is False:
         return web.json_response({"status": "engine stopped", "role": state.role}, status=503)
-    return web.json_response({"status": "ok", "role": state.role})
+    # asleep: still 200, as vLLM (alive, not to be restarted), and the body says so
+    return web.json_response({"status": "ok", "role": state.role, "sleeping": False,
+                              **sleep.health_fields(request.app)})
+
+
+def _awake_only(handler):
+    """Generation while the model sleeps (or drains, or wakes) is a 503 at once (sleep.py)."""
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        g = sleep.gate(request.app)
+        if g is not None and (g.refusing or g.sleeping):
+            return sleep.refusal()
+        return await handler(request)
+
+    return guarded
 
 
 async def _version(request: web.Request) -> web.Response:
@@ -81,12 +95,13 @@ async def _stamp_endpoint(request: web.Request, response: web.StreamResponse) ->
 def build_app(engine: Any, *, advertise: str, served_names: list[str] | None = None,
               role: str = "both", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               manage_engine: bool = True, extra_collectors: Sequence[Any] = (),
-              pd: Any = None) -> web.Application:
+              pd: Any = None, enable_sleep_mode: bool = False) -> web.Application:
     """An app serving `engine`; with `manage_engine` the app starts and shuts it down.
 
     `extra_collectors` (e.g. the kvstore connector's) join this app's /metrics.
     `pd`: P/D options (kvyard.workers.pd.runtime.PDOptions); its runtime starts
-    with the engine (it needs the bound KV cache)."""
+    with the engine (it needs the bound KV cache). `enable_sleep_mode`: vLLM's sleep
+    routes (sleep.py)."""
     names = list(served_names or [engine.served_model_name])
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
     state = ServerState(
@@ -107,8 +122,10 @@ def build_app(engine: Any, *, advertise: str, served_names: list[str] | None = N
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
+    if enable_sleep_mode:
+        sleep.install(app, engine, state.metrics.registry, names[0])
+    app.router.add_post("/v1/completions", _awake_only(completions))
+    app.router.add_post("/v1/chat/completions", _awake_only(chat_completions))
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", _version)

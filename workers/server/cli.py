@@ -82,6 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch intra-op threads (default: all cores)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM")
+    p.add_argument("--enable-sleep-mode", action="store_true",
+                   help="vLLM's sleep routes: POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping")
     p.add_argument("--log-level", default="info")
     add_pd_arguments(p)
     # --- kvstore hook: the connector module adds its own flags when it is installed.
@@ -138,4 +140,5 @@ def run(args: argparse.Namespace) -> int:
                              served_names=args.served_model_name, role=args.role,
                              max_body_bytes=args.max_body_bytes,
                              shutdown_timeout=args.shutdown_timeout,
-                             extra_collectors=collectors))
+                             extra_collectors=collectors,
+                             enable_sleep_mode=args.enable_sleep_mode))

@@ -22,7 +22,7 @@ from aiohttp import web
 from kvyard.common import wire
 from kvyard.common.tokenizer import ChatTemplateError
 from kvyard.workers.engine.api import RequestOutput, SamplingParams
-from kvyard.workers.engine.async_engine import EngineError
+from kvyard.workers.engine.async_engine import EngineError, EngineSleeping
 from kvyard.workers.pd.params import wants_remote_decode
 
 from .body import parse_object, read_body
@@ -132,6 +132,8 @@ class _Run:
                         raise
                     refused = True
                     raise ApiError(400, str(e), code="invalid_request") from None
+                except EngineSleeping as e:  # slept between the server's check and the engine
+                    raise ApiError(503, str(e), code="model_sleeping") from None
                 except EngineError as e:
                     raise ApiError(503, str(e), code="engine_error") from None
                 started = True
