@@ -36,6 +36,7 @@ class Endpoint:
     last_ok: float = 0.0  # monotonic time of the last good scrape; 0 = never
     failures: int = 0  # consecutive failed scrapes
     down: bool = False  # dropped from candidates until a scrape succeeds
+    sleeping: bool = False  # the worker reports kvyard:sleeping 1 (sleep mode): no traffic
     last_error: str = ""
     pending: int = 0  # picks since the last good scrape (not yet in `waiting`)
     picks: int = 0
@@ -49,7 +50,8 @@ class Endpoint:
             "address": self.address, "role": self.role, "queue": self.waiting,
             "running": self.running, "kv_usage": self.kv_usage, "picks": self.picks,
             "prefix_hits": self.prefix_hits, "fresh": self.fresh(now, stale_after),
-            "down": self.down, "failures": self.failures, "pending": self.pending,
+            "down": self.down, "sleeping": self.sleeping, "failures": self.failures,
+            "pending": self.pending,
             "last_error": self.last_error,
             "age_s": round(now - self.last_ok, 3) if self.last_ok else None,
         }

@@ -2,7 +2,7 @@
 
 A full exposition parser costs far more than the scheduler itself at a 50 ms
 scrape interval over dozens of pods; we only look at lines that start with
-one of five names and ignore everything else (comments, histograms, labels we
+one of five names (and kvyard's sleep gauge) and ignore everything else (comments, histograms, labels we
 do not use). Values from several label sets (e.g. several engines in one
 pod) are summed for queue/running and maxed for KV usage.
 """
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvyard.common.wire import M_CACHE_CONFIG, M_KV_USAGE, M_KV_USAGE_OLD, M_RUNNING, M_WAITING
+from kvyard.common.wire import (M_CACHE_CONFIG, M_KV_USAGE, M_KV_USAGE_OLD, M_RUNNING, M_SLEEPING,
+                                M_WAITING)
 
 
 @dataclass(slots=True)
@@ -21,6 +22,7 @@ class WorkerMetrics:
     block_size: int | None = None
     num_gpu_blocks: int | None = None
     seen: int = 0  # how many wanted lines were found; 0 means "not a vLLM endpoint"
+    sleeping: bool = False  # kvyard:sleeping 1 (sleep mode): no traffic
 
 
 def _value(line: str) -> float:
@@ -43,6 +45,11 @@ def parse_vllm_metrics(text: str) -> WorkerMetrics:
     kv_old: float | None = None
     for line in text.splitlines():
         if not line.startswith("vllm:"):
+            if line.startswith(M_SLEEPING):
+                try:
+                    m.sleeping = m.sleeping or _value(line) > 0
+                except (ValueError, IndexError):
+                    pass
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
         try:

@@ -48,12 +48,13 @@ class Scorer(Protocol):
 
 @dataclass(slots=True)
 class HealthyFilter:
-    """Endpoints whose scrapes keep failing (or were refused) get no traffic."""
+    """Endpoints whose scrapes keep failing (or were refused), and sleeping ones
+    (kvyard:sleeping 1, sleep mode), get no traffic."""
 
     name: str = "healthy"
 
     def filter(self, req: SchedRequest, eps: list[Endpoint]) -> list[Endpoint]:
-        return [e for e in eps if not e.down]
+        return [e for e in eps if not e.down and not e.sleeping]
 
 
 @dataclass(slots=True)

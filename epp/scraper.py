@@ -53,6 +53,9 @@ class Scraper:
             self._failed(ep, f"{type(e).__name__}: {e}", immediate=False)
             return
         ep.waiting, ep.running, ep.kv_usage = m.waiting, m.running, m.kv_usage
+        if m.sleeping != ep.sleeping:
+            log.info("endpoint %s is %s", ep.address, "asleep" if m.sleeping else "awake")
+        ep.sleeping = m.sleeping
         if m.block_size is not None:
             ep.block_size, ep.num_gpu_blocks = m.block_size, m.num_gpu_blocks
         if ep.down:

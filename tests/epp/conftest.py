@@ -26,6 +26,7 @@ class FakeVllm:
     waiting: float = 0.0
     running: float = 0.0
     kv: float = 0.0
+    sleeping: float | None = None  # exported as kvyard:sleeping when set (sleep mode)
     scrapes: int = 0
     _runner: web.AppRunner | None = None
 
@@ -43,6 +44,8 @@ class FakeVllm:
             'vllm:cache_config_info{block_size="16",num_gpu_blocks="1024"} 1.0\n'
             'vllm:time_to_first_token_seconds_bucket{le="0.1"} 3.0\n'
         )
+        if self.sleeping is not None:
+            text += f'kvyard:sleeping{{model_name="m"}} {self.sleeping}\n'
         return web.Response(text=text, content_type="text/plain")
 
     async def _echo(self, req: web.Request) -> web.Response:
