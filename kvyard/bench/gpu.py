@@ -52,9 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--e2e-rounds", type=int, default=3)
     p.add_argument("--scratch", default=None, help="hf part: where the 8B HF directory is written (default: tmp)")
     p.add_argument("--parts", default="kernels,decode,hf",
-                   help="comma list of kernels,decode; or profile alone: kernel profiles of eager steps")
+                   help="comma list of kernels,decode,hf,wake; or profile alone: kernel profiles of eager steps")
     p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
                    help="also time other tile configs of the kernels")
+    p.add_argument("--wake-rounds", type=int, default=5, help="wake part: sleeps and wakes per level")
+    p.add_argument("--wake-max-seqs", type=int, default=64, help="wake part: engine max_num_seqs (graphs captured)")
     p.add_argument("--label", default=os.environ.get("KVYARD_COMMIT", ""), help="recorded as meta.commit")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--json", action="store_true")
@@ -319,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
     doc: dict[str, Any] = {
         "title": "kvyard bench gpu", "kernels": None, "decode": None, "decode_ref": None,
         "hf_generate_ratio": None, "wake_s": None, "targets": TARGETS,
-        "notes": ["wake_s needs sleep mode (not in this build): null, not measured"],
+        "notes": [],
         "meta": dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
                      sms=torch.cuda.get_device_properties(0).multi_processor_count, copy_tb_s=copy_bps / 1e12,
                      commit=args.label, rounds=args.rounds, iters=args.iters, context=args.context,
@@ -381,6 +383,15 @@ def run(args: argparse.Namespace) -> int:
         for b, r in e2e["batches"].items():
             t.add(batch=b, kvyard_tok_s=r["kvyard_tok_s"], hf_tok_s=r["hf_tok_s"], ratio=r["ratio"])
         tables.append(t)
+        save()
+    if "wake" in parts:
+        from kvyard.bench.gpu_wake import wake_times
+
+        w = wake_times(torch, args)
+        doc["wake"] = w
+        doc["wake_s"] = {lvl: w[lvl]["wake_to_first_token_s"] for lvl in ("1", "2")}
+        doc["notes"].append("wake_s = sleep mode's wake_up + one greedy token, 8B shape, p50 of --wake-rounds "
+                            "(level 1: pinned host -> GPU copy + graph re-capture; level 2: warm reload from the HF dir)")
         save()
     if args.json:
         print(json.dumps(doc, indent=2), flush=True)

@@ -70,8 +70,11 @@ def _storages(tensors: list[torch.Tensor], device_type: str) -> list[torch.Untyp
     by_ptr: dict[int, torch.UntypedStorage] = {}
     for t in tensors:
         if t.device.type == device_type and t.numel():
-            s = t.untyped_storage()
-            if s.nbytes():
+            try:
+                s = t.untyped_storage()
+            except (NotImplementedError, RuntimeError):  # opaque (packed) tensors: they stay
+                continue
+            if s.nbytes() and s.resizable():   # not resizable (mmap, DLPack): it stays
                 by_ptr.setdefault(s.data_ptr(), s)
     return list(by_ptr.values())
 
@@ -93,6 +96,7 @@ class SleepMode:
     def sleeping(self) -> bool:
         return self.level != 0
 
+    @torch.inference_mode()
     def sleep(self, level: int) -> None:
         if level not in LEVELS:
             raise ValueError(f"sleep level must be 1 or 2, not {level}")
@@ -133,6 +137,7 @@ class SleepMode:
         self.level = level
         self.last_sleep_s = time.perf_counter() - t0
 
+    @torch.inference_mode()
     def wake_up(self) -> None:
         if not self.sleeping:
             return
