@@ -5,10 +5,12 @@ memory and stay where they are) and the KV cache is dropped. Level 2: both are
 dropped; waking reloads the weights from the model source (`config.model`).
 Dropping the KV cache means its contents are gone: the prefix cache is cleared
 (the block manager's KV event seam reports `all_cleared`, vLLM's
-AllBlocksCleared) and the cache tensors' storage is freed (`resize_(0)`); waking
-re-allocates it, zeroed. The tensors themselves (the Python objects) survive, so
-whoever holds them (the KV connector, P/D) still holds the right ones; the
-connector is re-bound after a wake in case it cached addresses.
+AllBlocksCleared). On CUDA the cache tensors' storage is freed (`resize_(0)`) and
+re-allocated, zeroed, on wake; the tensors themselves (the Python objects) survive,
+so the KV connector, which reads them per call, still holds the right ones (it is
+not re-bound: that would drop its store). On CPU the cache memory is kept and
+zeroed on wake: the P/D peer server and the connector keep numpy views of the CPU
+cache, which a freed storage would leave dangling.
 
 Weights at level 1 move per storage (deduplicated by address: tied embeddings,
 views and packed tiles count once), found by walking the model's tensors,
@@ -118,8 +120,9 @@ class SleepMode:
         runner = eng.runner
         cuda = runner.device.type == "cuda"
         runner.graphs = None             # they read the addresses about to go away
-        for t in runner.kv_caches:
-            t.untyped_storage().resize_(0)
+        if cuda:
+            for t in runner.kv_caches:
+                t.untyped_storage().resize_(0)
         if level == 1:
             if cuda:
                 for s in _storages(_tensors(runner.model), "cuda"):
@@ -157,13 +160,12 @@ class SleepMode:
                 _bytes_of(s).copy_(host, non_blocking=True)
         for t in runner.kv_caches:
             s = t.untyped_storage()
-            s.resize_(t.numel() * t.element_size())
+            if s.nbytes() == 0:
+                s.resize_(t.numel() * t.element_size())
             t.zero_()
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
         self._host.clear()
         runner.rebuild_device_state()    # CUDA graphs re-captured, warm-up re-run
-        if eng.connector is not None:
-            eng.connector.bind(runner.kv_caches, eng.block_manager.block_size)
         self.level = 0
         self.last_wake_s = time.perf_counter() - t0
