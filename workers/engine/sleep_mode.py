@@ -121,6 +121,7 @@ class SleepMode:
         cuda = runner.device.type == "cuda"
         runner.graphs = None             # they read the addresses about to go away
         if cuda:
+            torch.cuda.synchronize()     # every stream: e.g. the connector's last save gather
             for t in runner.kv_caches:
                 t.untyped_storage().resize_(0)
         if level == 1:
