@@ -27,6 +27,7 @@ ROLES = ("prefill", "decode", "both")
 EPP_EXT_PROC_PORT = 9002
 EPP_HEALTH_PORT = 9003
 EPP_METRICS_PORT = 9090
+EPP_SCALER_PORT = 9004                  # KEDA's externalscaler.ExternalScaler gRPC
 
 # vLLM metric names that the EPP scrapes and the workers export.
 M_WAITING = "vllm:num_requests_waiting"
