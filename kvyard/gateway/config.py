@@ -68,7 +68,12 @@ class GatewayConfig:
     body_limit_bytes: int = 4 * 1024 * 1024
     # How long Envoy waits for one EPP answer; a 50k-token prompt must fit.
     ext_proc_timeout_s: float = 5.0
-    # Generation can run for minutes, but a silent stream is dead.
+    # The longest the EPP may hold a request (its waiting room and flow-control queues):
+    # while it holds one it extends Envoy's per-message timeout up to this, in
+    # `override_message_timeout` answers; a silent EPP still fails at ext_proc_timeout_s.
+    max_hold_s: float = 900.0
+    # Generation can run for minutes, but a silent stream is dead. A request the EPP
+    # holds is silent too: the stream idle timeout covers the longest hold.
     stream_idle_timeout_s: float = 300.0
     upstream_connect_timeout_s: float = 2.0
     # Retries on the EPP's fallback endpoints (connect failure or reset before a response).
@@ -149,6 +154,11 @@ def _workers_cluster(cfg: GatewayConfig) -> dict[str, Any]:
     }
 
 
+def _idle_s(cfg: GatewayConfig) -> float:
+    """A held request has no activity until the EPP answers: the idle timeout outlasts a hold."""
+    return max(cfg.stream_idle_timeout_s, cfg.max_hold_s + 30.0)
+
+
 def _http_filters(cfg: GatewayConfig) -> list[dict[str, Any]]:
     # The buffer filter enforces the body limit (413) before the EPP sees anything,
     # and raises the stream's buffer limit so ext_proc's BUFFERED mode can hold it.
@@ -166,6 +176,7 @@ def _http_filters(cfg: GatewayConfig) -> list[dict[str, Any]]:
                                  "timeout": _duration(cfg.ext_proc_timeout_s)},
                 "failure_mode_allow": False,
                 "message_timeout": _duration(cfg.ext_proc_timeout_s),
+                "max_message_timeout": _duration(max(cfg.max_hold_s, cfg.ext_proc_timeout_s)),
                 "status_on_error": {"code": cfg.status_on_epp_error},
                 "send_body_without_waiting_for_header_response": True,
                 # Pinned with the EPP: headers and the whole body (one chunk, see above)
@@ -187,7 +198,7 @@ def _http_filters(cfg: GatewayConfig) -> list[dict[str, Any]]:
 
 def _routes(cfg: GatewayConfig) -> list[dict[str, Any]]:
     upstream: dict[str, Any] = {"cluster": WORKERS_CLUSTER, "timeout": "0s",
-                                "idle_timeout": _duration(cfg.stream_idle_timeout_s)}
+                                "idle_timeout": _duration(_idle_s(cfg))}
     if cfg.direct_upstream:
         return [{"match": {"prefix": "/"}, "route": upstream}]
     # A request whose response has not started is retried on the EPP's next endpoint.
@@ -256,7 +267,7 @@ def _connection_manager(cfg: GatewayConfig) -> dict[str, Any]:
         "stat_prefix": "kvyard_gateway",
         "codec_type": "AUTO",
         "early_header_mutation_extensions": [early],
-        "stream_idle_timeout": _duration(cfg.stream_idle_timeout_s),
+        "stream_idle_timeout": _duration(_idle_s(cfg)),
         "request_timeout": "0s",
         "route_config": {
             "name": "kvyard",
