@@ -12,6 +12,10 @@ PREFILLER_HEADER = "x-prefiller-host-port"
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 PREFILLER_AUTH_HEADER = "x-kvyard-prefiller-auth"  # the EPP's signature (common/pd_auth.py)
 ROUTING_HEADERS = (DESTINATION_HEADER, PREFILLER_HEADER, PREFILLER_AUTH_HEADER)
+# Flow control (client-set): llm-d's fairness key, and kvyard's cap on how long the EPP
+# may hold this request (milliseconds; it can only shorten the configured TTLs).
+FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"
+QUEUE_TTL_HEADER = "x-kvyard-queue-ttl-ms"
 
 # The gateway's cluster of workers, as the EPP's EDS service names it.
 WORKERS_CLUSTER = "kvyard_workers"
