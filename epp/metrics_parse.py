@@ -5,13 +5,21 @@ scrape interval over dozens of pods; we only look at lines that start with
 one of five names (and kvyard's sleep gauge) and ignore everything else (comments, histograms, labels we
 do not use). Values from several label sets (e.g. several engines in one
 pod) are summed for queue/running and maxed for KV usage.
+
+Three counters feed the KEDA scaler's online capacity measurement
+(`capacity.py`): prompt tokens prefilled, tokens generated, requests finished
+(summed over label sets; None when the worker does not export them).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvyard.common.wire import (M_CACHE_CONFIG, M_KV_USAGE, M_KV_USAGE_OLD, M_RUNNING, M_SLEEPING,
+from kvyard.common.wire import (M_CACHE_CONFIG, M_GENERATION_TOKENS, M_KV_USAGE, M_KV_USAGE_OLD,
+                                M_PROMPT_TOKENS, M_REQUEST_SUCCESS, M_RUNNING, M_SLEEPING,
                                 M_WAITING)
+
+_COUNTERS = {M_PROMPT_TOKENS: "prompt_tokens", M_GENERATION_TOKENS: "generation_tokens",
+             M_REQUEST_SUCCESS: "finished"}
 
 
 @dataclass(slots=True)
@@ -23,6 +31,9 @@ class WorkerMetrics:
     num_gpu_blocks: int | None = None
     seen: int = 0  # how many wanted lines were found; 0 means "not a vLLM endpoint"
     sleeping: bool = False  # kvyard:sleeping 1 (sleep mode): no traffic
+    prompt_tokens: float | None = None  # vllm:prompt_tokens_total
+    generation_tokens: float | None = None  # vllm:generation_tokens_total
+    finished: float | None = None  # vllm:request_success_total, all finish reasons
 
 
 def _value(line: str) -> float:
@@ -65,6 +76,9 @@ def parse_vllm_metrics(text: str) -> WorkerMetrics:
                 bs, nb = _label(line, "block_size"), _label(line, "num_gpu_blocks")
                 m.block_size = int(bs) if bs and bs.isdigit() else m.block_size
                 m.num_gpu_blocks = int(nb) if nb and nb.isdigit() else m.num_gpu_blocks
+            elif name in _COUNTERS:
+                attr = _COUNTERS[name]
+                setattr(m, attr, (getattr(m, attr) or 0.0) + _value(line))
             else:
                 continue
         except (ValueError, IndexError):

@@ -48,6 +48,7 @@ M_PROMPT_TOKENS = "vllm:prompt_tokens_total"
 M_GENERATION_TOKENS = "vllm:generation_tokens_total"
 M_PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 M_PREFIX_HITS = "vllm:prefix_cache_hits_total"
+M_REQUEST_SUCCESS = "vllm:request_success_total"
 
 # P/D (llm-d / vLLM): the request field both legs carry, and the decode worker's metrics.
 KV_TRANSFER_PARAMS = "kv_transfer_params"
