@@ -10,6 +10,9 @@ well under a second without flapping on one slow scrape:
   `fail_threshold` in a row (3 × 0.3 s timeout < 1 s for a hung worker);
 * metrics older than `stale_after` are deprioritised by the scheduler;
 * the first good scrape brings an endpoint back.
+
+`observers` see every good scrape's full parse (the KEDA scaler measures
+capacity from its counters, `capacity.py`).
 """
 from __future__ import annotations
 
@@ -17,11 +20,12 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import aiohttp
 
 from .endpoints import Endpoint, EndpointPool
-from .metrics_parse import parse_vllm_metrics
+from .metrics_parse import WorkerMetrics, parse_vllm_metrics
 
 log = logging.getLogger("kvyard.epp.scraper")
 
@@ -35,6 +39,7 @@ class Scraper:
     _session: aiohttp.ClientSession | None = None
     _inflight: dict[str, asyncio.Task] = field(default_factory=dict)
     rounds: int = 0
+    observers: list[Callable[[Endpoint, WorkerMetrics, float], None]] = field(default_factory=list)
 
     async def scrape(self, ep: Endpoint) -> None:
         assert self._session is not None
@@ -60,8 +65,13 @@ class Scraper:
             ep.block_size, ep.num_gpu_blocks = m.block_size, m.num_gpu_blocks
         if ep.down:
             log.info("endpoint %s is back", ep.address)
-        ep.last_ok, ep.failures, ep.down, ep.pending, ep.last_error = (
-            time.monotonic(), 0, False, 0, "")
+        now = time.monotonic()
+        ep.last_ok, ep.failures, ep.down, ep.pending, ep.last_error = now, 0, False, 0, ""
+        for fn in self.observers:
+            try:
+                fn(ep, m, now)
+            except Exception:  # noqa: BLE001 - an observer's bug must not stop the scrapes
+                log.exception("scrape observer %r failed", fn)
 
     def _failed(self, ep: Endpoint, why: str, immediate: bool) -> None:
         ep.failures += 1
