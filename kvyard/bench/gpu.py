@@ -17,6 +17,10 @@ each beside torch's own path measured in the same run.
   alternating rounds.
 - hf: kvyard's engine vs HF `generate` on one random 8B-shape HF directory
   (gpu_e2e.py): `hf_generate_ratio` per batch size (HF time / kvyard time).
+- wake: sleep mode's wake to first token per level (gpu_wake.py), with its steps.
+- serve: `kvyard worker --device cuda` over HTTP at several concurrencies (gpu_serve.py):
+  TTFT, TPOT p50/p99, tokens/s beside the in-process engine's at the same batch.
+wake and serve share one random 8B-shape HF directory (`--hf-dir`, else written once).
 Timing: CUDA events around `--iters` back-to-back calls (graph replays for
 the step), median of `--rounds` rounds. Data sizes are far above the 60 MB L2.
 """
@@ -57,6 +61,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time other tile configs of the kernels")
     p.add_argument("--wake-rounds", type=int, default=5, help="wake part: sleeps and wakes per level")
     p.add_argument("--wake-max-seqs", type=int, default=64, help="wake part: engine max_num_seqs (graphs captured)")
+    p.add_argument("--wake-plain-rounds", type=int, default=2,
+                   help="wake part: wakes per level of an engine on plain allocations (the baseline; 0: none)")
+    p.add_argument("--hf-dir", default=None, help="wake/serve parts: an existing 8B-shape HF directory")
+    p.add_argument("--serve-concurrency", default="1,32,128", help="serve part: concurrent streams per level")
+    p.add_argument("--serve-prompt", type=int, default=512, help="serve part: prompt tokens")
+    p.add_argument("--serve-new", type=int, default=128, help="serve part: new tokens per request")
+    p.add_argument("--serve-requests-per-stream", type=int, default=4, help="serve part: timed requests per stream")
+    p.add_argument("--serve-worker-args", nargs="*", default=None, help="serve part: extra `kvyard worker` flags")
     p.add_argument("--label", default=os.environ.get("KVYARD_COMMIT", ""), help="recorded as meta.commit")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--json", action="store_true")
@@ -303,6 +315,22 @@ def _profile(torch, fn: Callable[[], Any], what: str) -> None:
         print(f"--- profile of {what} failed: {e}", flush=True)
 
 
+def _write_hf_dir(torch, args: argparse.Namespace, doc: dict[str, Any]) -> str:
+    import tempfile
+    import time
+
+    from kvyard.bench.gpu_e2e import _hf_model
+
+    d = tempfile.mkdtemp(prefix="kvyard-8b-", dir=args.scratch)
+    t0 = time.perf_counter()
+    hf = _hf_model(torch, args.layers)
+    hf.save_pretrained(d, safe_serialization=True)
+    del hf
+    torch.cuda.empty_cache()
+    doc["meta"]["hf_dir_write_s"] = time.perf_counter() - t0
+    return d
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     import triton
@@ -384,15 +412,49 @@ def run(args: argparse.Namespace) -> int:
             t.add(batch=b, kvyard_tok_s=r["kvyard_tok_s"], hf_tok_s=r["hf_tok_s"], ratio=r["ratio"])
         tables.append(t)
         save()
-    if "wake" in parts:
-        from kvyard.bench.gpu_wake import wake_times
+    own_dir = None
+    if ("wake" in parts or "serve" in parts) and not args.hf_dir:
+        own_dir = args.hf_dir = _write_hf_dir(torch, args, doc)
+    try:
+        if "wake" in parts:
+            from kvyard.bench.gpu_wake import wake_times
 
-        w = wake_times(torch, args)
-        doc["wake"] = w
-        doc["wake_s"] = {lvl: w[lvl]["wake_to_first_token_s"] for lvl in ("1", "2")}
-        doc["notes"].append("wake_s = sleep mode's wake_up + one greedy token, 8B shape, p50 of --wake-rounds "
-                            "(level 1: pinned host -> GPU copy + graph re-capture; level 2: warm reload from the HF dir)")
-        save()
+            w = wake_times(torch, args)
+            doc["wake"] = w
+            doc["wake_s"] = {lvl: w[lvl]["wake_to_first_token_s"] for lvl in ("1", "2")}
+            doc["notes"].append("wake_s = sleep mode's wake_up + one greedy token, 8B shape, p50 of --wake-rounds; "
+                                "weights and KV cache at fixed addresses (sleep_arena.py), graphs kept (level 1: "
+                                "one pinned host -> GPU copy; level 2: warm reload from the HF dir into the arena); "
+                                "wake.plain = the same run's engine on plain allocations, graphs re-captured")
+            t = Report("wake from sleep to first token, 8B shape (p50)",
+                       ["engine", "level", "wake_to_first_token_s", "wake_up_s", "first_token_s", "sleep_s",
+                        "freed_gib"])
+            for tag, rows in (("arenas", w), ("plain", w.get("plain") or {})):
+                for lvl in ("1", "2"):
+                    if lvl in rows:
+                        t.add(engine=tag, level=lvl, **{k: rows[lvl][k] for k in t.columns[2:]})
+            tables.append(t)
+            save()
+        if "serve" in parts:
+            from kvyard.bench.gpu_serve import serve
+
+            sv = serve(torch, args, args.hf_dir)
+            doc["serve"] = sv
+            doc["notes"].append("serve = kvyard worker --device cuda over HTTP (aiohttp streaming client, loopback), "
+                                "closed-loop streams; offline_tok_s = the in-process engine at the same batch, "
+                                "same run")
+            t = Report(f"online serving, 8B shape, {sv['prompt_tokens']} + {sv['new_tokens']} tokens, greedy",
+                       ["concurrency", "requests", "tok_s", "offline_tok_s", "vs_offline", "ttft_p50_s",
+                        "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms"])
+            for r in sv.get("levels", {}).values():
+                t.add(**{k: r[k] for k in t.columns})
+            tables.append(t)
+            save()
+    finally:
+        if own_dir:
+            import shutil
+
+            shutil.rmtree(own_dir, ignore_errors=True)
     if args.json:
         print(json.dumps(doc, indent=2), flush=True)
     else:

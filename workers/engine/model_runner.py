@@ -111,10 +111,13 @@ GREEDY_SCREEN_MIN_ROWS = 5
 class ModelRunner:
     def __init__(self, model, model_config, block_size: int, num_blocks: int, dtype: torch.dtype,
                  num_threads: int | None = None, single_thread_max_tokens: int | None = None,
-                 cuda_graphs: bool = True, max_batch: int = 128, max_model_len: int | None = None) -> None:
+                 cuda_graphs: bool = True, max_batch: int = 128, max_model_len: int | None = None,
+                 fixed_addresses: bool = True) -> None:
         """On CUDA (the model's device) decode steps of up to `max_batch` sequences of up
         to `max_model_len` tokens replay CUDA graphs unless `cuda_graphs` is False
-        (--enforce-eager); plain greedy rows take their argmax on the GPU."""
+        (--enforce-eager); plain greedy rows take their argmax on the GPU. With
+        `fixed_addresses` the weights and KV cache live in sleep_arena.py's arenas, so a
+        wake from sleep keeps the graphs (False, or no driver VMM API: plain allocations)."""
         # OpenMP's thread count is per calling thread: the engine may run steps on a
         # thread of its own, which would not inherit a set_num_threads made elsewhere,
         # so every step sets it (a no-op when unchanged).
@@ -134,12 +137,28 @@ class ModelRunner:
         shape = (2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device)
                           for _ in range(model_config.num_layers)]
+        self.arenas = None  # sleep_arena.SleepArenas on CUDA with fixed_addresses
+        if self.device.type == "cuda" and fixed_addresses:
+            self._move_to_arenas(shape)
         self.graphs = None
         self._graph_shape = None  # (max batch, max blocks) when decode steps are CUDA graphs
         if self.device.type == "cuda" and cuda_graphs:
             max_len = min(max_model_len or model_config.max_position_embeddings, num_blocks * block_size)
             self._graph_shape = (max_batch, -(-max_len // block_size))
         self.rebuild_device_state()
+
+    def _move_to_arenas(self, shape: tuple[int, ...]) -> None:
+        """The plain KV allocation gives way to the KV arena, the weights move to theirs."""
+        from .sleep_arena import SleepArenas
+
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        self.arenas = SleepArenas.create(self.model, shape, self.dtype, self.model_config.num_layers, self.device)
+        if self.arenas is not None:
+            self.kv_caches = self.arenas.kv_caches
+        else:
+            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                              for _ in range(self.model_config.num_layers)]
 
     def rebuild_device_state(self) -> None:
         """CUDA: capture the decode graphs over the current weights and KV cache, then warm

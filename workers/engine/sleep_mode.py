@@ -5,26 +5,29 @@ memory and stay where they are) and the KV cache is dropped. Level 2: both are
 dropped; waking reloads the weights from the model source (`config.model`).
 Dropping the KV cache means its contents are gone: the prefix cache is cleared
 (the block manager's KV event seam reports `all_cleared`, vLLM's
-AllBlocksCleared). On CUDA the cache tensors' storage is freed (`resize_(0)`) and
-re-allocated, zeroed, on wake; the tensors themselves (the Python objects) survive,
+AllBlocksCleared). On CUDA the cache's memory is freed and re-allocated, zeroed, on
+wake; the tensors themselves (the Python objects) survive,
 so the KV connector, which reads them per call, still holds the right ones (it is
 not re-bound: that would drop its store). On CPU the cache memory is kept and
 zeroed on wake: the P/D peer server and the connector keep numpy views of the CPU
 cache, which a freed storage would leave dangling.
 
-Weights at level 1 move per storage (deduplicated by address: tied embeddings,
-views and packed tiles count once), found by walking the model's tensors,
-including the ones kept outside nn.Module (LayerWeights, ops state). A storage
-is copied to pinned host memory, then resized to 0 bytes, so the device memory
-goes back (after `empty_cache`) while every tensor keeps its shape and strides;
-waking resizes it back and copies the bytes in.
+On CUDA the runner normally keeps its weights and KV cache in fixed-address arenas
+(sleep_arena.py, over cuda_vmm.py): sleeping releases their memory, waking maps new
+memory at the same addresses and copies the weights in (level 1: one copy from a
+pinned host buffer; level 2: a reload from the model source), so the captured decode
+CUDA graphs stay valid and are not captured again. The graphs and their memory pool
+stay allocated while asleep (as in vLLM, whose graphs survive sleep for the same
+reason). `last_parts` has the timed steps of the last sleep or wake.
 
-CUDA graphs: the captured decode graphs read fixed addresses of the weights and
-the KV cache, which a wake does not preserve (the caching allocator hands out
-new blocks). So sleeping drops the graphs (and their memory pool) and waking
-re-captures them and re-runs the eager warm-up, before the wake returns: the
-first request after a wake replays valid graphs. That capture is part of the
-measured wake time.
+Without the arenas (the driver's virtual memory API unavailable) weights at level 1
+move per storage (deduplicated by address: tied embeddings, views and packed tiles
+count once), found by walking the model's tensors, including the ones kept outside
+nn.Module (LayerWeights, ops state): copied to pinned host memory, then resized to
+0 bytes, so the device memory goes back (after `empty_cache`) while every tensor
+keeps its shape and strides; waking resizes it back and copies the bytes in. The
+caching allocator then hands out new addresses, so sleeping drops the graphs and
+waking re-captures them (0.7 s for the 8B shape) before it returns.
 
 Runs on the engine thread only, with no request in the engine (the caller drains
 first: see kvyard.workers.server.sleep).
@@ -93,6 +96,7 @@ class SleepMode:
         self.level = 0                 # 0 = awake
         self._host: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
         self.last_sleep_s = self.last_wake_s = 0.0
+        self.last_parts: dict[str, float] = {}
 
     @property
     def sleeping(self) -> bool:
@@ -103,11 +107,16 @@ class SleepMode:
         if level not in LEVELS:
             raise ValueError(f"sleep level must be 1 or 2, not {level}")
         eng = self.engine
+        runner = eng.runner
+        arenas = getattr(runner, "arenas", None)
         if self.sleeping:
             if level <= self.level:
                 return
-            self._host.clear()           # level 1 -> 2: the host copies go too
-            eng.runner.model = None
+            if arenas is not None:       # level 1 -> 2: the host copy goes too
+                arenas.sleep(2)
+            else:
+                self._host.clear()
+                runner.model = None
             self.level = level
             gc.collect()
             return
@@ -117,11 +126,21 @@ class SleepMode:
         for ids in eng.kv_holds.drain():
             eng.block_manager.release(ids)
         eng.block_manager.reset_prefix_cache()
-        runner = eng.runner
         cuda = runner.device.type == "cuda"
-        runner.graphs = None             # they read the addresses about to go away
         if cuda:
             torch.cuda.synchronize()     # every stream: e.g. the connector's last save gather
+        if arenas is not None:
+            arenas.sleep(level)          # the graphs stay: the addresses will be the same
+            self.last_parts = dict(arenas.parts)
+        else:
+            self._sleep_plain(level, cuda)
+        self.level = level
+        self.last_sleep_s = time.perf_counter() - t0
+
+    def _sleep_plain(self, level: int, cuda: bool) -> None:
+        runner = self.engine.runner
+        runner.graphs = None             # they read the addresses about to go away
+        if cuda:
             for t in runner.kv_caches:
                 t.untyped_storage().resize_(0)
         if level == 1:
@@ -138,23 +157,36 @@ class SleepMode:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-        self.level = level
-        self.last_sleep_s = time.perf_counter() - t0
+
+    def _reload(self) -> Any:
+        from kvyard.common.models import resolve_model
+        from kvyard.workers.model import load_model
+
+        eng = self.engine
+        cfg = eng.config
+        model, _ = load_model(resolve_model(cfg.model), eng.dtype, cfg.max_model_len, device=eng.runner.device)
+        return model
 
     @torch.inference_mode()
     def wake_up(self) -> None:
         if not self.sleeping:
             return
         t0 = time.perf_counter()
-        eng = self.engine
-        runner = eng.runner
-        if runner.model is None:         # level 2: from the model source again
-            from kvyard.common.models import resolve_model
-            from kvyard.workers.model import load_model
+        runner = self.engine.runner
+        arenas = getattr(runner, "arenas", None)
+        if arenas is not None:
+            arenas.wake(self._reload)
+            self.last_parts = dict(arenas.parts)
+        else:
+            self._wake_plain()
+        self.level = 0
+        self.last_wake_s = time.perf_counter() - t0
 
-            cfg = eng.config
-            runner.model, _ = load_model(resolve_model(cfg.model), eng.dtype, cfg.max_model_len,
-                                         device=runner.device)
+    def _wake_plain(self) -> None:
+        runner = self.engine.runner
+        t0 = time.perf_counter()
+        if runner.model is None:         # level 2: from the model source again
+            runner.model = self._reload()
         else:
             for s, host in self._host:
                 s.resize_(host.numel())
@@ -167,6 +199,6 @@ class SleepMode:
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
         self._host.clear()
+        t1 = time.perf_counter()
         runner.rebuild_device_state()    # CUDA graphs re-captured, warm-up re-run
-        self.level = 0
-        self.last_wake_s = time.perf_counter() - t0
+        self.last_parts = {"restore_s": t1 - t0, "rebuild_s": time.perf_counter() - t1}

@@ -1,0 +1,175 @@
+"""`kvyard bench gpu --parts serve`: online serving through kvyard's own server.
+
+A real `kvyard worker --device cuda` process (the OpenAI HTTP server, the async engine,
+CUDA graphs up to `--serve-max-seqs`) on a Llama-3-8B-shape HF directory of random bf16
+weights (gpu_e2e's, plus a word-level tokenizer of the model's vocabulary so the server
+can detokenize), driven by an aiohttp client over loopback: at each concurrency `c`,
+`c` closed-loop streams each send streaming `/v1/completions` requests back to back
+(random token-id prompts of `--serve-prompt` tokens, `--serve-new` greedy tokens,
+ignore_eos), `--serve-requests-per-stream` each after one warm-up request per stream.
+Per request: TTFT (request sent -> first token chunk) and TPOT ((last chunk - first
+chunk) / (tokens - 1)); per level p50/p99 and output tokens/s over the level's wall time.
+
+Baseline, same run, before the worker starts: the in-process engine (`LLM.generate`, no
+HTTP) generating the same shape at batch `c` (prompt + new tokens, greedy), its output
+tokens/s: what the server would reach if serving cost nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+
+def write_tokenizer(d: Path, vocab: int) -> None:
+    """A word-level tokenizer covering ids 0..vocab-1 ("a" is one word: the server's token-text
+    anchor), so a random-weight HF directory can be served."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2, "a": 3}
+    words.update({f"w{i}": i for i in range(4, vocab)})
+    tk = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": False}))
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))] if xs else float("nan")
+
+
+async def _one(session: Any, url: str, prompt: list[int], new: int) -> dict[str, float]:
+    body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async with session.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
+        async for raw in r.content:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            ev = json.loads(line[5:])
+            if ev.get("usage"):
+                tokens = ev["usage"]["completion_tokens"]
+            if ev.get("choices") and ev["choices"][0].get("text"):
+                now = time.perf_counter()
+                first = first if first is not None else now
+                last = now
+    if first is None or tokens != new:
+        raise RuntimeError(f"stream ended with {tokens} tokens of {new}")
+    return {"ttft": first - t0, "tpot": (last - first) / max(1, tokens - 1), "tokens": tokens}
+
+
+async def _level(url: str, c: int, per_stream: int, prompt_len: int, new: int, vocab: int,
+                 seed: int) -> dict[str, Any]:
+    import random
+
+    import aiohttp
+
+    rng = random.Random(seed)
+
+    def prompt() -> list[int]:
+        return [rng.randrange(4, vocab) for _ in range(prompt_len)]
+
+    conn = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
+        await asyncio.gather(*(_one(s, url, prompt(), new) for _ in range(c)))   # warm-up, not counted
+        results: list[dict[str, float]] = []
+
+        async def stream() -> None:
+            for _ in range(per_stream):
+                results.append(await _one(s, url, prompt(), new))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(stream() for _ in range(c)))
+        wall = time.perf_counter() - t0
+    ttft, tpot = [r["ttft"] for r in results], [r["tpot"] for r in results]
+    return dict(concurrency=c, requests=len(results), wall_s=wall,
+                tok_s=sum(r["tokens"] for r in results) / wall,
+                ttft_p50_s=statistics.median(ttft), ttft_p99_s=_pct(ttft, 99),
+                tpot_p50_ms=1e3 * statistics.median(tpot), tpot_p99_ms=1e3 * _pct(tpot, 99))
+
+
+def offline_tok_s(torch, d: str, levels: list[int], prompt_len: int, new: int, max_seqs: int,
+                  vocab: int) -> dict[str, float]:
+    """The in-process engine at batch c: the same run's no-HTTP baseline."""
+    from kvyard.common.models import resolve_model
+    from kvyard.workers.engine.api import SamplingParams
+    from kvyard.workers.engine.config import EngineConfig
+    from kvyard.workers.engine.llm import LLM
+    from kvyard.workers.engine.llm_engine import LLMEngine
+    from kvyard.workers.model import load_model
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = "bfloat16" if dev == "cuda" else "float32"
+    model, cfg = load_model(resolve_model(d), getattr(torch, dtype), 4096, device=dev)
+    conf = EngineConfig(model=d, dtype=dtype, device=dev, max_model_len=4096, max_num_seqs=max_seqs,
+                        kv_cache_memory_bytes=(8 << 30) if dev == "cuda" else (256 << 20))
+    llm = LLM(engine=LLMEngine(conf, model, cfg, None))
+    del model
+    g = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    out = {}
+    for c in levels:
+        prompts = torch.randint(4, vocab, (c, prompt_len), generator=g).tolist()
+        llm.generate(prompts, params)    # warm-up
+        t0 = time.perf_counter()
+        res = llm.generate(prompts, params)
+        out[str(c)] = sum(len(r.token_ids) for r in res) / (time.perf_counter() - t0)
+    del llm
+    gc.collect()   # the arenas go with the last tensor that views them
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def serve(torch, args: argparse.Namespace, d: str, device: str = "cuda") -> dict[str, Any]:
+    """Start the worker on HF directory `d`, run every concurrency level, stop it."""
+    from kvyard.workers.server.testing import start_worker
+
+    cfg = json.loads((Path(d) / "config.json").read_text())
+    vocab = int(cfg["vocab_size"])
+    if not (Path(d) / "tokenizer.json").exists():
+        write_tokenizer(Path(d), vocab)
+    levels = [int(c) for c in args.serve_concurrency.split(",") if c]
+    max_seqs = max(levels)
+    out: dict[str, Any] = {"prompt_tokens": args.serve_prompt, "new_tokens": args.serve_new,
+                           "requests_per_stream": args.serve_requests_per_stream, "max_num_seqs": max_seqs}
+    out["offline_tok_s"] = offline_tok_s(torch, d, levels, args.serve_prompt, args.serve_new, max_seqs, vocab)
+    print(f"serve: offline engine tok/s {out['offline_tok_s']}", flush=True)
+    log = Path(d) / "worker.log"
+    flags = ["--model", d, "--device", device, "--max-num-seqs", str(max_seqs), "--max-model-len", "4096",
+             "--dtype", "bfloat16" if device == "cuda" else "float32"]
+    if device != "cuda":
+        flags += ["--kv-cache-memory-bytes", "256MiB"]
+    t0 = time.perf_counter()
+    w = start_worker(flags + list(args.serve_worker_args or []), log, timeout=900)
+    out["worker_start_s"] = time.perf_counter() - t0
+    try:
+        rows = []
+        for i, c in enumerate(levels):
+            r = asyncio.run(_level(w.base_url, c, args.serve_requests_per_stream, args.serve_prompt,
+                                   args.serve_new, vocab, seed=i))
+            r["offline_tok_s"] = out["offline_tok_s"][str(c)]
+            r["vs_offline"] = r["tok_s"] / r["offline_tok_s"]
+            rows.append(r)
+            print(f"serve c={c}: {r['tok_s']:.0f} tok/s ({r['vs_offline']:.2f} of offline "
+                  f"{r['offline_tok_s']:.0f}), TTFT p50/p99 {r['ttft_p50_s'] * 1e3:.0f}/{r['ttft_p99_s'] * 1e3:.0f} ms, "
+                  f"TPOT p50/p99 {r['tpot_p50_ms']:.1f}/{r['tpot_p99_ms']:.1f} ms", flush=True)
+        out["levels"] = {str(r["concurrency"]): r for r in rows}
+    finally:
+        code = w.stop()
+        out["worker_exit"] = code
+        out["worker_log_tail"] = w.log_tail(1500)
+    return out
