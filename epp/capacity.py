@@ -1,0 +1,176 @@
+"""Per-replica capacity, measured online from the endpoints' own counters.
+
+The KEDA scaler (`scaler.py`) divides demand by capacity, so capacity must come
+from what the workers actually do, not from a number someone typed once. Every
+good scrape is fed to `Capacity.observe`; per endpoint, scrapes are gathered
+into windows of at least `window_s` seconds (a 50 ms scrape sees too few
+tokens to be a rate), and each window yields samples for the estimates of its
+endpoint's role. The estimates are kept per role, not per endpoint, so they
+outlive the endpoints that produced them: a pool scaled to zero still knows
+what one replica does when it wakes. Until a role has a sample, the configured
+fallback stands.
+
+* Prefill rate (prompt tokens/s per replica): `Δvllm:prompt_tokens_total / Δt`.
+  A window in which the endpoint had a queue at every scrape ran at capacity:
+  the estimate moves toward it (EWMA). Any other window ran at demand, which
+  is a lower bound: the estimate is raised to it if lower.
+* Prompt length (tokens per request): `Δprompt_tokens / Δvllm:request_success_total`
+  (EWMA), which turns queued requests into prompt tokens.
+* Decode time per output token as a function of batch size: a window with
+  mean running batch `b` and `Δvllm:generation_tokens_total = g` gives each
+  sequence's TPOT `t = b·Δt / g`. The samples fit `t = a + c·b` by least
+  squares with forgetting; the capacity at a TPOT objective is the batch
+  `(objective − a) / c` at which the fit reaches it. Without a spread of batch
+  sizes (or a slope that is not positive) it is the proportional estimate
+  `objective · b̄ / t̄`, which assumes TPOT grows in proportion to the batch and
+  therefore errs towards more replicas.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .endpoints import Endpoint
+from .metrics_parse import WorkerMetrics
+
+_EWMA = 0.3  # weight of a new window: a few windows to settle, one outlier does not dominate
+_FORGET = 0.97  # per-window forgetting of the TPOT fit: about 30 windows of memory
+_MIN_SPREAD = 0.25  # variance of batch sizes (sequences²) below which the slope is not trusted
+_MIN_GEN_TOKENS = 4  # fewer generated tokens in a window say nothing about TPOT
+
+
+@dataclass(slots=True)
+class Fallback:
+    """What one replica is assumed to do until measured."""
+
+    prefill_tokens_per_s: float = 2000.0
+    prompt_tokens: float = 512.0
+    decode_tpot_s: float = 0.025  # per-sequence TPOT at `decode_batch`
+    decode_batch: float = 8.0
+
+
+@dataclass(slots=True)
+class _Window:
+    t0: float
+    prompt0: float
+    gen0: float
+    done0: float
+    running_sum: float = 0.0
+    scrapes: int = 0
+    queued_throughout: bool = True
+
+
+@dataclass(slots=True)
+class RoleCapacity:
+    """One role's estimates; `None` fields are not measured yet."""
+
+    prefill_tokens_per_s: float | None = None
+    prompt_tokens: float | None = None
+    windows: int = 0
+    # exponentially weighted sums of (b, t) samples for the TPOT fit
+    _w: float = 0.0
+    _sb: float = 0.0
+    _st: float = 0.0
+    _sbb: float = 0.0
+    _sbt: float = 0.0
+
+    def add_prefill(self, rate: float, at_capacity: bool) -> None:
+        cur = self.prefill_tokens_per_s
+        if at_capacity:
+            self.prefill_tokens_per_s = rate if cur is None else cur + _EWMA * (rate - cur)
+        elif cur is None or rate > cur:
+            self.prefill_tokens_per_s = rate
+
+    def add_prompt_len(self, tokens: float) -> None:
+        cur = self.prompt_tokens
+        self.prompt_tokens = tokens if cur is None else cur + _EWMA * (tokens - cur)
+
+    def add_tpot(self, batch: float, tpot: float) -> None:
+        f = _FORGET
+        self._w = self._w * f + 1.0
+        self._sb = self._sb * f + batch
+        self._st = self._st * f + tpot
+        self._sbb = self._sbb * f + batch * batch
+        self._sbt = self._sbt * f + batch * tpot
+
+    @property
+    def decode_measured(self) -> bool:
+        return self._w > 0.0
+
+    def decode_sequences(self, tpot_objective_s: float, fb: Fallback) -> float:
+        """Sequences one replica runs at the TPOT objective (≥ 1)."""
+        if self._w <= 0.0:
+            return max(1.0, tpot_objective_s * fb.decode_batch / fb.decode_tpot_s)
+        mb, mt = self._sb / self._w, self._st / self._w
+        var = self._sbb / self._w - mb * mb
+        if var >= _MIN_SPREAD:
+            c = (self._sbt / self._w - mb * mt) / var
+            if c > 0.0:
+                a = mt - c * mb
+                return max(1.0, (tpot_objective_s - a) / c)
+        return max(1.0, tpot_objective_s * mb / mt) if mt > 0.0 else 1.0
+
+    def prefill_rate(self, fb: Fallback) -> float:
+        return self.prefill_tokens_per_s or fb.prefill_tokens_per_s
+
+    def prompt_len(self, fb: Fallback) -> float:
+        return self.prompt_tokens or fb.prompt_tokens
+
+    def snapshot(self, tpot_objective_s: float, fb: Fallback) -> dict:
+        return {"prefill_tokens_per_s": round(self.prefill_rate(fb), 3),
+                "prompt_tokens": round(self.prompt_len(fb), 3),
+                "decode_sequences": round(self.decode_sequences(tpot_objective_s, fb), 3),
+                "measured": {"prefill": self.prefill_tokens_per_s is not None,
+                             "prompt": self.prompt_tokens is not None,
+                             "decode": self.decode_measured},
+                "windows": self.windows}
+
+
+@dataclass(slots=True)
+class Capacity:
+    """Feeds windows of scrapes into per-role estimates. Call `observe` after each
+    good scrape (the scraper's observer) and `forget` when an endpoint leaves."""
+
+    window_s: float = 1.0
+    fallback: Fallback = field(default_factory=Fallback)
+    roles: dict[str, RoleCapacity] = field(default_factory=dict)
+    _windows: dict[str, _Window] = field(default_factory=dict)
+
+    def role(self, role: str) -> RoleCapacity:
+        rc = self.roles.get(role)
+        if rc is None:
+            rc = self.roles[role] = RoleCapacity()
+        return rc
+
+    def forget(self, address: str) -> None:
+        self._windows.pop(address, None)
+
+    def observe(self, ep: Endpoint, m: WorkerMetrics, now: float) -> None:
+        if m.prompt_tokens is None or m.generation_tokens is None:
+            return  # a server without vLLM's counters: nothing to measure
+        done = m.finished or 0.0
+        w = self._windows.get(ep.address)
+        if (w is None or m.prompt_tokens < w.prompt0 or m.generation_tokens < w.gen0
+                or done < w.done0):  # first scrape, or the counters reset (a restart)
+            self._windows[ep.address] = _Window(now, m.prompt_tokens, m.generation_tokens, done)
+            return
+        w.running_sum += m.running
+        w.scrapes += 1
+        w.queued_throughout = w.queued_throughout and m.waiting > 0
+        dt = now - w.t0
+        if dt < self.window_s:
+            return
+        self._close(ep.role, w, dt, m.prompt_tokens - w.prompt0, m.generation_tokens - w.gen0,
+                    done - w.done0)
+        self._windows[ep.address] = _Window(now, m.prompt_tokens, m.generation_tokens, done)
+
+    def _close(self, role: str, w: _Window, dt: float, prompt: float, gen: float,
+               done: float) -> None:
+        rc = self.role(role)
+        rc.windows += 1
+        if prompt > 0:
+            rc.add_prefill(prompt / dt, at_capacity=w.queued_throughout)
+            if done > 0:
+                rc.add_prompt_len(prompt / done)
+        batch = w.running_sum / w.scrapes if w.scrapes else 0.0
+        if role != "prefill" and batch >= 0.5 and gen >= _MIN_GEN_TOKENS:
+            rc.add_tpot(batch, batch * dt / gen)
