@@ -7,6 +7,9 @@ column comes from each worker's own `/metrics` (`kvyard:kvstore_tier_up`,
 `kvyard:kvstore_errors_total`): only the worker knows whether its Redis answers.
 So does the handoffs column (P/D: `kvyard:pd_handoffs_total{path}`, fallbacks,
 refused prefill targets), counted where the KV arrives, on decode workers.
+The scaler line is what KEDA sees: the EPP's external scaler (its port from
+`/debug/endpoints`), asked over gRPC exactly as KEDA asks it (`IsActive`,
+`GetMetricSpec`, `GetMetrics`), once per role the stack runs.
 """
 from __future__ import annotations
 
@@ -124,6 +127,67 @@ def fmt_kvstore(tiers: dict[str, dict] | None) -> str:
     return " ".join(cells)
 
 
+def stack_roles(spec: dict) -> list[str]:
+    """The worker roles a stack runs (its ScaledObjects), from the state's spec."""
+    if spec.get("prefill") or spec.get("decode"):
+        return ["prefill", "decode"]
+    return ["both"]
+
+
+def scaler_view(address: str, pool: str, roles: list[str], timeout: float = 2.0) -> dict:
+    """{"address", "pools": [{pool, role, metadata, active, metric, target}]}, asked as KEDA
+    asks; a role the scaler refuses carries "error" instead of the readings."""
+    import grpc
+
+    from kvyard.common import keda
+
+    pb2 = keda.pb2
+    pools = []
+    with grpc.insecure_channel(address) as ch:
+        stub = keda.pb2_grpc.ExternalScalerStub(ch)
+        for role in roles:
+            meta = {"pool": pool, "role": role}
+            ref = pb2.ScaledObjectRef(name=f"kvyard-{role}", namespace="local",
+                                      scalerMetadata=meta)
+            row: dict = {"pool": pool, "role": role, "metadata": meta}
+            try:
+                spec = stub.GetMetricSpec(ref, timeout=timeout).metricSpecs[0]
+                got = stub.GetMetrics(pb2.GetMetricsRequest(
+                    scaledObjectRef=ref, metricName=spec.metricName), timeout=timeout)
+                row.update(active=stub.IsActive(ref, timeout=timeout).result,
+                           metric=got.metricValues[0].metricValueFloat,
+                           target=spec.targetSizeFloat or float(spec.targetSize))
+            except grpc.RpcError as e:
+                row.update(active=None, metric=None, error=f"{e.code().name}: {e.details()}")
+            pools.append(row)
+    return {"address": address, "pools": pools}
+
+
+def epp_scaler(doc: object, epp_metrics_url: str, roles: list[str]) -> dict | None:
+    """The scaler the EPP reports in /debug/endpoints, queried; None if it serves none."""
+    from urllib.parse import urlparse
+
+    info = doc.get("scaler") if isinstance(doc, dict) else None
+    if not isinstance(info, dict) or not info.get("port"):
+        return None
+    host = urlparse(epp_metrics_url).hostname or "127.0.0.1"
+    return scaler_view(f"{host}:{info['port']}", str(info.get("pool", "default")), roles)
+
+
+def fmt_scaler(sc: dict | None) -> str:
+    if sc is None:
+        return "scaler: not served by this EPP"
+    cells = []
+    for p in sc["pools"]:
+        if "error" in p:
+            cells.append(f"{p['role']} error ({p['error']})")
+        else:
+            cells.append(f"{p['role']} {'active' if p['active'] else 'idle'} "
+                         f"metric {p['metric']:.2f} (target {_fmt(p['target'])})")
+    pool = sc["pools"][0]["pool"] if sc["pools"] else "-"
+    return f"scaler: {sc['address']} pool {pool}: " + ", ".join(cells)
+
+
 def supervisor_view(state) -> dict:
     """Whether `kvyard up`'s supervisor runs, and how often it restarted what."""
     from kvyard.stack import procs
@@ -145,9 +209,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
     try:
         code, body = procs.http_get(state.epp_metrics_url + "/debug/endpoints", 2.0)
-        rows = [normalise(r) for r in parse_endpoints(json.loads(body))] if code == 200 else None
+        doc = json.loads(body) if code == 200 else None
+        rows = [normalise(r) for r in parse_endpoints(doc)] if code == 200 else None
     except (OSError, ValueError):
-        rows = None
+        doc = rows = None
     if rows is None:
         print(f"kvyard: the EPP at {state.epp_metrics_url} does not answer; "
               "see its log, or restart with `kvyard up --restart`", file=sys.stderr)
@@ -157,9 +222,10 @@ def run(args: argparse.Namespace) -> int:
             r["kvstore"] = kv
             r["pd"] = pd
     sup = supervisor_view(state)
+    scaler = epp_scaler(doc, state.epp_metrics_url, stack_roles(state.spec))
     if args.json:
-        print(json.dumps({"gateway": state.gateway_url, "endpoints": rows, "supervisor": sup},
-                         indent=2))
+        print(json.dumps({"gateway": state.gateway_url, "endpoints": rows, "supervisor": sup,
+                          "scaler": scaler}, indent=2))
         return 0
     print(f"gateway: {state.gateway_url}")
     cols = (*COLUMNS, "kvstore", "handoffs")
@@ -170,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
     for x in cells:
         print("  ".join(v.ljust(w) for v, w in zip(x, widths)).rstrip())
     print(_fmt_supervisor(sup))
+    print(fmt_scaler(scaler))
     return 0
 
 
