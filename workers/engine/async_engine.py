@@ -57,11 +57,14 @@ class AsyncLLMEngine:
         self.max_model_len = self.engine.max_model_len
         self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wake = threading.Event()
+        self.engine.set_kv_load_waker(self._wake.set)  # a finished connector load wakes the loop
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._lifecycle: collections.deque = collections.deque()  # sleep/wake ops, in order
+        # P/D: told (on the engine thread) how long each remote KV load took
+        self.on_remote_kv_loaded: Callable[[float], None] | None = None
 
     # ---- lifecycle -----------------------------------------------------------
     @property
@@ -274,7 +277,10 @@ class AsyncLLMEngine:
                     out.append((rid, e))
             elif cmd[0] == "remote_kv":
                 try:
+                    t0 = time.perf_counter()
                     eng.load_remote_kv(cmd[1], cmd[2])
+                    if cmd[2] is not None and self.on_remote_kv_loaded is not None:
+                        self.on_remote_kv_loaded(time.perf_counter() - t0)
                 except Exception:  # noqa: BLE001 - the request still runs, prefilling itself
                     log.exception("loading remote KV for %s failed", cmd[1])
                     seq = eng.scheduler.parked.get(cmd[1])

@@ -2,7 +2,10 @@
 
 Single-threaded on purpose: every structure it touches (sequences, block
 tables, the prefix cache) is owned by the thread calling `step()`, so none of
-them needs a lock. `AsyncLLMEngine` drives it from its own thread.
+them needs a lock. `AsyncLLMEngine` drives it from its own thread. The one
+other thread is the KV loader's (kv_loads.py): it fills the cache rows of
+blocks a parked request owns and posts the job back; a driver that installs
+`set_kv_load_waker` hears when, one that does not has `step()` wait for it.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from .choice_mode import ChoiceState
 from .config import EngineConfig
 from .kv_blocks import scatter
 from .kv_holds import KVHolds
+from .kv_loads import KVLoader
 from .model_runner import ModelRunner, kv_cache_bytes, num_blocks_for, resolve_device, resolve_dtype
 from .regex_mode import RegexState, compile_regex
 from .json_mode import JsonConstraint, JsonState
@@ -58,10 +62,12 @@ class LLMEngine:
                                   cuda_graphs=not config.enforce_eager, max_batch=config.max_num_seqs,
                                   max_model_len=config.max_model_len)
         self.connector = config.kv_connector
+        self.kv_loader: KVLoader | None = None
         if self.connector is not None:
             self.connector.bind(self.runner.kv_caches, bs)
+            self.kv_loader = KVLoader(self.connector, self.runner.kv_caches[0].device)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.connector)
+                                   config.max_num_batched_tokens, self.connector, self.kv_loader)
         self.sampler = Sampler(config.seed)
         self.kv_holds = KVHolds(config.kv_hold_ttl_s)
         self.remote_kv_blocks = 0   # P/D decode: blocks loaded from a prefill worker
@@ -217,16 +223,34 @@ class LLMEngine:
         self.block_manager.listeners.append(callback)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests in the engine, or blocks a connector load still holds for an aborted one."""
+        return self.scheduler.has_unfinished() or self.scheduler.loads_in_flight > 0
 
     def has_schedulable_requests(self) -> bool:
-        """Requests a step can run (parked ones wait for their remote KV, not a step)."""
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        """Whether a step can make progress: parked requests wait for their remote KV or
+        their connector load, not a step; a finished load is collected by one. Without a
+        waker (`set_kv_load_waker`) a step waits for a load itself, so one in flight counts."""
+        s = self.scheduler
+        if s.running or (s.waiting and not s.blocked_on_loads):
+            return True
+        loader = self.kv_loader
+        return loader is not None and loader.in_flight > 0 \
+            and (loader.notify is None or loader.has_completed())
+
+    def set_kv_load_waker(self, wake: Callable[[], None]) -> None:
+        """`wake()` runs on the loader's thread whenever a connector load finishes (the
+        async engine's step loop sleeps until then instead of polling)."""
+        if self.kv_loader is not None:
+            self.kv_loader.notify = wake
 
     # ---- the loop ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            if self.scheduler.loads_in_flight:
+                if self.kv_loader.notify is None:  # a synchronous driver: wait, do not spin
+                    self.kv_loader.wait(1.0)
+                return []
             if self.scheduler.waiting and not self.scheduler.running:
                 # validate() makes every request fit an empty cache, so this is a bug: fail loudly
                 raise RuntimeError("scheduler stalled: nothing runs and the queue head cannot start")
@@ -330,7 +354,8 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.parked),
+            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.parked)
+            + len(self.scheduler.loading),
             kv_cache_usage=bm.usage,
             num_blocks=bm.num_blocks,
             block_size=bm.block_size,

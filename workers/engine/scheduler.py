@@ -10,6 +10,27 @@ stay in the prefix cache, so recomputation is mostly cache hits.
 Prefix reuse happens at admission: local prefix-cache hits first, then a KV
 connector (kvstore) may supply further leading blocks.
 
+Connector loads never run on the engine thread (an SSD or Redis hit of a long
+prompt takes tens of milliseconds, and every running stream would stall that
+long). The head whose next blocks the connector has gets its local hits and
+the blocks to load into, referenced and private (not in the prefix cache, so
+nobody else can read them half-written), and is *parked*
+(WAITING_FOR_KV_LOAD) while a `KVLoader` thread fills them (kv_loads.py).
+FCFS, with one exception: the queue does not wait behind a load. Requests
+behind it are admitted meanwhile as usual; a request whose next block is
+already being loaded for another waits with it instead of loading it twice.
+When the load is collected (start of a schedule) the blocks that arrived,
+possibly fewer than asked (a miss, a corrupt block, a failed tier: the rest
+is computed), enter the prefix cache, and the request takes its place back
+in the queue in arrival order, ahead of everyone who came after it, and is
+admitted with its blocks as computed. A request aborted while it loads ends
+at once; its blocks go back when the load returns, never earlier (the loader
+may still be writing them). Parked requests count against `max_num_seqs`.
+If the head cannot fit and nothing runs, requests behind it give back what
+they hold (P/D pins, loaded blocks: both stay cached, so nothing is lost but
+the reference); while loads are in flight an empty step is a wait, not a
+stall. `loader=None` loads inline at admission instead (the baseline).
+
 P/D: a decode-side request whose prompt is being prefilled elsewhere is
 *parked* (WAITING_FOR_REMOTE_KVS, vLLM's name) outside the queue while its KV
 travels; the engine loads what arrived as prefix-cache blocks, pinned to the
@@ -24,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .block_manager import BlockManager
+from .kv_loads import KVLoad, KVLoader
 from .sequence import Sequence, SeqStatus
 
 
@@ -45,7 +67,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, connector: Any = None) -> None:
+                 max_num_batched_tokens: int, connector: Any = None,
+                 loader: KVLoader | None = None) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -54,14 +77,25 @@ class Scheduler:
         self.running: list[Sequence] = []        # admission order: oldest first
         self.requests: dict[str, Sequence] = {}
         self.parked: dict[str, Sequence] = {}    # WAITING_FOR_REMOTE_KVS
+        self.loader = loader                     # connector loads off this thread; None: inline
+        self.loading: dict[str, Sequence] = {}   # WAITING_FOR_KV_LOAD: owners and waiters
+        self._loading_hashes: dict[int, KVLoad] = {}  # block hash -> the in-flight load of it
+        self.blocked_on_loads = False  # the last step was empty and only a load can change that
         self.num_preemptions = 0
         self.external_hit_tokens = 0
+        self.kv_load_failures = 0
+
+    @property
+    def loads_in_flight(self) -> int:
+        """Connector loads submitted and not yet collected (aborted requests' included)."""
+        return 0 if self.loader is None else self.loader.in_flight
 
     # ---- request lifecycle ---------------------------------------------------
     def add(self, seq: Sequence, parked: bool = False) -> None:
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         self.requests[seq.request_id] = seq
+        self.blocked_on_loads = False
         if parked:
             seq.status = SeqStatus.WAITING_FOR_REMOTE_KVS
             self.parked[seq.request_id] = seq
@@ -83,14 +117,25 @@ class Scheduler:
         """End a request and return its blocks at once (finish, stop, abort alike)."""
         if self.requests.pop(seq.request_id, None) is None:
             return
+        self.blocked_on_loads = False
+        loading = False
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING_FOR_REMOTE_KVS:
             del self.parked[seq.request_id]
+        elif seq.status is SeqStatus.WAITING_FOR_KV_LOAD:
+            del self.loading[seq.request_id]
+            job = seq.kv_load
+            if job.seq is seq:
+                job.detached = loading = True   # the loader may still write its blocks
+            else:
+                job.waiters.remove(seq)
         else:
             self.waiting.remove(seq)
         self._unpin(seq)
-        if seq.hold_kv and reason != "abort":
+        if loading:
+            pass                                # freed when the load is collected
+        elif seq.hold_kv and reason != "abort":
             seq.kv_hold = self.bm.hold(seq, seq.num_computed_tokens // self.bm.block_size)
         else:
             self.bm.free(seq)
@@ -105,6 +150,7 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self._collect_loads()
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         done: set[str] = set()
@@ -132,6 +178,7 @@ class Scheduler:
             out.seqs.append(s)
             out.num_new_tokens.append(n)
         out.num_decodes = len(decodes)
+        self.blocked_on_loads = out.is_empty and bool(self.waiting) and self.loads_in_flight > 0
         return out
 
     def _reserve(self, seq: Sequence, n: int, done: set[str], preempted: list[Sequence]) -> int:
@@ -162,18 +209,34 @@ class Scheduler:
 
     def _admit(self, picked: list[tuple[Sequence, int]], budget: int) -> int:
         bs = self.bm.block_size
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 \
+                and len(self.running) + len(self.loading) < self.max_num_seqs:
             seq = self.waiting[0]
-            fresh = seq.wants_prompt_logits   # every prompt position must be computed
-            prefix = [] if fresh else self.bm.match_prefix(seq)
-            k = len(prefix)
-            m = 0 if fresh else self._external_blocks(seq, k)
-            n = min(seq.num_tokens - (k + m) * bs, budget)
+            prefix: list[int] = []
+            k = m = 0
+            if not seq.block_table:             # else back from a load, holding its blocks
+                fresh = seq.wants_prompt_logits  # every prompt position must be computed
+                prefix = [] if fresh else self.bm.match_prefix(seq)
+                k = len(prefix)
+                ask = not fresh and seq.kv_load is None  # the connector, once per admission
+                if ask and self.loader is not None:
+                    job = self._load_of(seq, k)
+                    if job is not None:         # its next blocks are on their way already
+                        self._park(seq, job)
+                        job.waiters.append(seq)
+                        continue
+                m = self._external_blocks(seq, k) if ask else 0
+            n = min(seq.num_tokens - seq.num_computed_tokens - (k + m) * bs, budget)
+            if m and self.loader is not None:
+                n = 0                           # park it with just the blocks to load into
             if not self.bm.allocate(seq, m * bs + n, prefix):
-                if not self.running and self._unpin_waiting():
-                    continue                # pinned remote blocks held the room: retry
+                if not self.running and self._release_waiting():
+                    continue                # blocks held behind the head took the room: retry
                 break                       # FCFS: nobody overtakes the head
             self._unpin(seq)                # its remote blocks are now in its block table
+            if m and self.loader is not None:
+                self._start_load(seq, k, m)
+                continue
             if m:
                 loaded = self.connector.load(seq.block_hashes[k:k + m], seq.block_table[k:k + m])
                 loaded = max(0, min(int(loaded), m))
@@ -183,7 +246,9 @@ class Scheduler:
             if not seq.admitted_once:
                 seq.admitted_once = True
                 seq.num_cached_tokens = seq.num_computed_tokens
-                self.bm.record_prefix_query(seq.num_tokens, k * bs)
+                local = k if seq.kv_load is None else seq.kv_load.local_blocks
+                self.bm.record_prefix_query(seq.num_tokens, local * bs)
+            seq.kv_load = None
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -191,18 +256,84 @@ class Scheduler:
             budget -= n
         return budget
 
+    # ---- connector loads (kv_loads.py) -----------------------------------------
+    def _park(self, seq: Sequence, job: KVLoad) -> None:
+        self.waiting.popleft()
+        seq.kv_load = job
+        seq.status = SeqStatus.WAITING_FOR_KV_LOAD
+        self.loading[seq.request_id] = seq
+
+    def _start_load(self, seq: Sequence, k: int, m: int) -> None:
+        """The queue head holds its k local hits and m blocks to load into: park it and
+        hand the load to the loader thread."""
+        job = KVLoad(seq, seq.block_hashes[k:k + m], seq.block_table[k:k + m], k)
+        self._park(seq, job)
+        for h in job.block_hashes:
+            self._loading_hashes[h] = job
+        self.loader.submit(job)
+
+    def _load_of(self, seq: Sequence, k: int) -> KVLoad | None:
+        """The in-flight load of the block after `seq`'s k local hits, if any."""
+        if not self._loading_hashes:
+            return None
+        hashes = seq.update_block_hashes(self.bm.block_size)
+        if k >= min(len(hashes), (seq.num_tokens - 1) // self.bm.block_size):
+            return None
+        return self._loading_hashes.get(hashes[k])
+
+    def _collect_loads(self) -> None:
+        """Finished loads: what arrived enters the prefix cache; the owner and those that
+        waited for it go back to the queue (an aborted owner's blocks are freed)."""
+        if not self.loads_in_flight:
+            return
+        bs = self.bm.block_size
+        for job in self.loader.completed():
+            for h in job.block_hashes:
+                if self._loading_hashes.get(h) is job:
+                    del self._loading_hashes[h]
+            seq = job.seq
+            if job.error is not None:
+                self.kv_load_failures += 1
+            seq.num_computed_tokens = (job.local_blocks + job.loaded) * bs
+            self.bm.cache_blocks(seq)       # valid content, whoever needs it next
+            if job.detached:
+                self.bm.free(seq)
+            else:
+                del self.loading[seq.request_id]
+                self.external_hit_tokens += job.loaded * bs
+                self._requeue(seq)
+            for w in job.waiters:
+                del self.loading[w.request_id]
+                w.kv_load = None            # it may ask the connector for blocks past these
+                self._requeue(w)
+            self.blocked_on_loads = False
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Back into the queue in arrival order: ahead of everyone who came after it."""
+        seq.status = SeqStatus.WAITING
+        i = next((i for i, s in enumerate(self.waiting) if s.arrival > seq.arrival),
+                 len(self.waiting))
+        self.waiting.insert(i, seq)
+
     def _unpin(self, seq: Sequence) -> None:
         if seq.pinned_blocks:
             self.bm.release(seq.pinned_blocks)
             seq.pinned_blocks = []
 
-    def _unpin_waiting(self) -> bool:
-        """Drop every queued request's pins (the blocks stay cached, now evictable), so
-        the queue head can never wait forever on blocks pinned for those behind it."""
-        pinned = [s for s in self.waiting if s.pinned_blocks]
-        for s in pinned:
-            self._unpin(s)
-        return bool(pinned)
+    def _release_waiting(self) -> bool:
+        """Drop every queued request's pins and the blocks loaded for those behind the
+        head (they stay cached, now evictable), so the head can never wait forever on
+        blocks held for those behind it. A request that loses its loaded blocks finds
+        them again as local hits (it does not ask the connector twice)."""
+        freed = False
+        for i, s in enumerate(self.waiting):
+            if s.pinned_blocks:
+                self._unpin(s)
+                freed = True
+            if i and s.block_table:
+                self.bm.free(s)
+                freed = True
+        return freed
 
     def _external_blocks(self, seq: Sequence, num_local: int) -> int:
         """Leading blocks past the local hits that the KV connector can supply."""

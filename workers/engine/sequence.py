@@ -17,6 +17,7 @@ from .api import SamplingParams
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # parked until its prefill's KV arrives
+    WAITING_FOR_KV_LOAD = "waiting_for_kv_load"  # parked while the connector loads its prefix
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -48,6 +49,7 @@ class Sequence:
     kv_hold: list[int] = field(default_factory=list)  # ... those blocks, once it finished
     pinned_blocks: list[int] = field(default_factory=list)  # P/D decode: loaded remote blocks,
                                          # referenced until admission shares them
+    kv_load: Any = None                  # kv_loads.KVLoad it waits for (or came back from)
 
     @property
     def num_tokens(self) -> int:
