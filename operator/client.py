@@ -30,6 +30,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings"),
     "InferencePool": (f"{wire.INFERENCE_POOL_GROUP}/{wire.INFERENCE_POOL_VERSION}",
                       "inferencepools"),
+    "ScaledObject": ("keda.sh/v1alpha1", "scaledobjects"),
     wire.CRD_KIND: (f"{wire.K8S_GROUP}/{wire.CRD_VERSION}", wire.CRD_PLURAL),
 }
 

@@ -27,6 +27,10 @@ RULES: list[dict[str, Any]] = [
      "verbs": APPLIED},
     {"apiGroups": [wire.INFERENCE_POOL_GROUP], "resources": ["inferencepools"],
      "verbs": APPLIED},
+    # KEDA ScaledObjects: applied (create + patch), listed (is KEDA installed? what to
+    # prune), pruned. Never read one by name, never watched.
+    {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"],
+     "verbs": ["list", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     # kopf posts warnings about the objects it handles as Events. It watches no CRDs

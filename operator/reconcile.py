@@ -30,7 +30,9 @@ log = logging.getLogger("kvyard.operator")
 # Kinds a pass may leave behind when the spec changes (a pool removed, the pool disabled).
 _NETWORK = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 PRUNED_KINDS = ("Deployment", "Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding",
-                "InferencePool")
+                "InferencePool", "ScaledObject")
+_NO_KEDA = ("pools run at fixed replicas (spec.pools.*.replicas, at least 1) until KEDA "
+            "is installed")
 
 
 class Retry(Exception):
@@ -79,6 +81,26 @@ async def preflight(api: Client, s: ServiceSpec) -> list[Problem]:
     return problems
 
 
+async def keda_installed(api: Client, s: ServiceSpec) -> tuple[bool, list[Problem]]:
+    """Does the cluster serve KEDA's ScaledObject API? Asked with the list a prune makes
+    anyway (one call a pass, no discovery permissions); only autoscaled services ask."""
+    if not s.autoscaled:
+        return True, []
+    try:
+        await api.list("ScaledObject", s.namespace, {wire.SERVICE_LABEL: s.name})
+    except ApiError as e:
+        if _transient(e):
+            raise
+        if e.status == 404:
+            return False, [Problem("KEDANotInstalled", "autoscaling needs KEDA's ScaledObject "
+                                   f"CRD (keda.sh/v1alpha1), which is not installed; {_NO_KEDA}")]
+        if e.status == 403:
+            return False, [Problem("KEDAForbidden", "the operator may not list "
+                                   f"scaledobjects.keda.sh ({e.message}); {_NO_KEDA}")]
+        raise
+    return True, []
+
+
 async def ensure_pd_key(api: Client, s: ServiceSpec) -> None:
     """Created once with a random key, never rewritten (rotating it would break
     in-flight handoffs); deleted with the service through its owner reference."""
@@ -98,6 +120,9 @@ async def apply_children(api: Client, s: ServiceSpec, children: list[dict[str, A
             if obj["kind"] == "InferencePool" and e.status == 404:
                 problems.append(Problem("InferencePoolCRDMissing", "inferencePool.enabled, but "
                                         "the GAIE InferencePool CRD is not installed"))
+            elif obj["kind"] == "ScaledObject" and e.status == 404:
+                problems.append(Problem("KEDANotInstalled", "KEDA's ScaledObject CRD went away "
+                                        "during the pass"))
             else:
                 problems.append(Problem("ApplyFailed", f"{obj['kind']}/{obj['metadata']['name']}:"
                                         f" {e.message}"))
@@ -123,7 +148,7 @@ async def prune(api: Client, s: ServiceSpec, children: list[dict[str, Any]]) -> 
 
 
 async def observe(api: Client, s: ServiceSpec, children: list[dict[str, Any]],
-                  problems: list[Problem]) -> Observed:
+                  problems: list[Problem], keda: bool = True) -> Observed:
     deps = [o for o in children if o["kind"] == "Deployment"]
     seen = []
     for d in deps:
@@ -131,7 +156,8 @@ async def observe(api: Client, s: ServiceSpec, children: list[dict[str, Any]],
         if got is not None:
             seen.append(got)
     return Observed(generation=s.generation, deployments=seen, problems=problems,
-                    gateway_address=render.gateway_address(s), expected_deployments=len(deps))
+                    gateway_address=render.gateway_address(s), expected_deployments=len(deps),
+                    wakes_from_zero=s.scale_to_zero and keda)
 
 
 def _status_patch(new: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
@@ -160,13 +186,15 @@ async def reconcile(api: Client, body: dict[str, Any],
                            problems=[Problem("InvalidSpec", str(e), True)])
         else:
             problems = await preflight(api, s)
-            children = render.render_all(s)
+            keda, why = await keda_installed(api, s)
+            problems += why
+            children = render.render_all(s, keda)
             if not any(p.blocking for p in problems):
                 if s.disaggregated:
                     await ensure_pd_key(api, s)
                 problems += await apply_children(api, s, children)
                 await prune(api, s, children)
-            obs = await observe(api, s, children, problems)
+            obs = await observe(api, s, children, problems, keda)
         new = status.compute(obs, old.get("conditions"), _now())
         if not _same(new, old):
             await api.patch_status(wire.CRD_KIND, ns, name, _status_patch(new, old))

@@ -1,7 +1,8 @@
 """spec -> the complete list of child manifests, in apply order (pure).
 
 Order: the EPP's RBAC and config before its Deployment, workers before the EPP
-that discovers them, the gateway last. The P/D key Secret is the one child that
+that discovers them, the gateway, then the ScaledObjects (their scaler, the EPP,
+exists by then). The P/D key Secret is the one child that
 is not pure (a random key, created once): `pd_key_secret` renders it for a key.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from kvyard.common import wire
 from . import render_common as rc
 from .render_epp import render_epp
 from .render_gateway import render_gateway
+from .render_scaling import render_scaling
 from .render_workers import pd_secret_name, render_workers
 from .spec import ServiceSpec
 
@@ -40,11 +42,13 @@ def pd_key_secret(s: ServiceSpec, key_hex: str) -> dict[str, Any]:
             "data": {"key": base64.b64encode((key_hex + "\n").encode()).decode()}}
 
 
-def render_all(s: ServiceSpec) -> list[dict[str, Any]]:
-    children = render_workers(s) + render_epp(s) + render_gateway(s)
+def render_all(s: ServiceSpec, keda: bool = True) -> list[dict[str, Any]]:
+    """`keda`: the cluster serves KEDA's ScaledObject API (the pass checks); without it an
+    autoscaled service's pools get fixed replicas and no ScaledObjects."""
+    children = render_workers(s, keda) + render_epp(s) + render_gateway(s)
     if s.inference_pool:
         children.append(inference_pool(s))
-    return children
+    return children + render_scaling(s, keda)
 
 
 def gateway_address(s: ServiceSpec) -> str:

@@ -15,6 +15,7 @@ from .spec import ServiceSpec
 VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
 MODEL_MOUNT = "/models"
 CONFIG_MOUNT = "/etc/kvyard"
+_GRPC_PORTS = ("ext-proc", "scaler")   # gRPC over cleartext HTTP/2
 
 
 def kvyard_version() -> str:
@@ -131,7 +132,7 @@ def service(s: ServiceSpec, name: str, component: str, role: str | None,
     spec: dict[str, Any] = {
         "selector": selector_labels(s, component, role),
         "ports": [{"name": n, "port": p, "targetPort": n, "protocol": "TCP",
-                   **({"appProtocol": "kubernetes.io/h2c"} if n == "ext-proc" else {})}
+                   **({"appProtocol": "kubernetes.io/h2c"} if n in _GRPC_PORTS else {})}
                   for n, p in ports]}
     if headless:
         spec["clusterIP"] = "None"

@@ -1,4 +1,5 @@
-"""The EPP: Deployment, Service, ConfigMap (scheduler config from spec.routing), and
+"""The EPP: Deployment, Service (ext_proc, health, metrics, and the KEDA external scaler
+KEDA's operator calls), ConfigMap (scheduler config from spec.routing), and
 the ServiceAccount/Role/RoleBinding its pod discovery needs (pods: get/list/watch).
 
 The scheduler config has the shape of epp/scheduler.example.yaml (one profile) or,
@@ -118,7 +119,8 @@ def render_epp(s: ServiceSpec) -> list[dict[str, Any]]:
                     "fieldPath": "metadata.namespace"}}}],
         "ports": [{"name": "ext-proc", "containerPort": wire.EPP_EXT_PROC_PORT, "protocol": "TCP"},
                   {"name": "health", "containerPort": wire.EPP_HEALTH_PORT, "protocol": "TCP"},
-                  {"name": "metrics", "containerPort": wire.EPP_METRICS_PORT, "protocol": "TCP"}],
+                  {"name": "metrics", "containerPort": wire.EPP_METRICS_PORT, "protocol": "TCP"},
+                  {"name": "scaler", "containerPort": wire.EPP_SCALER_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"},
                       "limits": {"memory": "2Gi"}},
         "volumeMounts": mounts, "securityContext": rc.container_security(),
@@ -132,6 +134,7 @@ def render_epp(s: ServiceSpec) -> list[dict[str, Any]]:
                    "kvyard.io/config-hash": rc.digest(text)}
     svc = rc.service(s, name, "epp", None, [("ext-proc", wire.EPP_EXT_PROC_PORT),
                                             ("health", wire.EPP_HEALTH_PORT),
-                                            ("metrics", wire.EPP_METRICS_PORT)])
+                                            ("metrics", wire.EPP_METRICS_PORT),
+                                            ("scaler", wire.EPP_SCALER_PORT)])
     return [*_rbac(s), cm, rc.deployment(s, name, "epp", None, pod, 1, annotations), svc]
 

@@ -132,11 +132,16 @@ def worker_container(s: ServiceSpec, role: str) -> tuple[dict[str, Any], list[di
     return container, vols
 
 
-def pool_replicas(s: ServiceSpec, pool: Pool) -> int | None:
-    return None if s.scale_to_zero else pool.replicas
+def pool_replicas(s: ServiceSpec, pool: Pool, keda: bool = True) -> int | None:
+    """None when a KEDA ScaledObject owns the count (render_scaling.py). An autoscaled
+    service without KEDA installed runs at `replicas`, at least 1: nothing would wake a
+    pool at zero."""
+    if not s.autoscaled:
+        return pool.replicas
+    return None if keda else max(1, pool.replicas)
 
 
-def render_pool(s: ServiceSpec, pool: Pool) -> list[dict[str, Any]]:
+def render_pool(s: ServiceSpec, pool: Pool, keda: bool = True) -> list[dict[str, Any]]:
     name = rc.name_of(s, "worker", pool.role)
     container, vols = worker_container(s, pool.role)
     pod: dict[str, Any] = {"containers": [container], "volumes": vols,
@@ -151,9 +156,10 @@ def render_pool(s: ServiceSpec, pool: Pool) -> list[dict[str, Any]]:
     ports = [("http", wire.WORKER_HTTP_PORT)]
     if any(p["name"] == "kv-peer" for p in container["ports"]):
         ports.append(("kv-peer", wire.WORKER_KV_PEER_PORT))
-    return [rc.deployment(s, name, "worker", pool.role, pod, pool_replicas(s, pool), annotations),
+    return [rc.deployment(s, name, "worker", pool.role, pod, pool_replicas(s, pool, keda),
+                          annotations),
             rc.service(s, name, "worker", pool.role, ports, headless=True)]
 
 
-def render_workers(s: ServiceSpec) -> list[dict[str, Any]]:
-    return [obj for pool in s.pools for obj in render_pool(s, pool)]
+def render_workers(s: ServiceSpec, keda: bool = True) -> list[dict[str, Any]]:
+    return [obj for pool in s.pools for obj in render_pool(s, pool, keda)]

@@ -157,7 +157,13 @@ SPEC = _obj("An inference service: model, engine, pools, routing, KV store.", {
     "routing": ROUTING,
     "kvstore": KVSTORE,
     "slo": SLO,
-    "scaleToZero": _obj("Let an autoscaler take pools to zero.", {
+    "autoscaling": _obj("KEDA scales every pool between minReplicas and maxReplicas on the "
+                        "EPP's demand (one ScaledObject per pool, fed by the EPP's external "
+                        "scaler); scaleToZero.enabled turns it on too. Off: pools run at "
+                        "`replicas`.", {
+        "enabled": {"type": "boolean", "default": False},
+    }, default={}),
+    "scaleToZero": _obj("Let the autoscaler take pools to zero (KEDA wakes them).", {
         "enabled": {"type": "boolean", "default": False},
         "idleSeconds": _int("Idle time before the step to zero.", minimum=30, default=300),
     }, default={}),

@@ -107,9 +107,15 @@ class ServiceSpec:
     scale_to_zero: bool
     idle_seconds: int
     inference_pool: bool
+    autoscaling: bool = False
     slo: dict[str, int] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict)
     defaults: Defaults = field(default_factory=Defaults)
+
+    @property
+    def autoscaled(self) -> bool:
+        """KEDA owns the pools' replica counts (a ScaledObject per pool)."""
+        return self.autoscaling or self.scale_to_zero
 
     @property
     def disaggregated(self) -> bool:
@@ -227,5 +233,6 @@ def parse(body: dict[str, Any], defaults: Defaults | None = None) -> ServiceSpec
         uid=meta.get("uid", ""), generation=int(meta.get("generation") or 1), model=model,
         engine=engine, pools=pools, routing=routing, kvstore=kvstore,
         scale_to_zero=bool(stz.get("enabled")), idle_seconds=int(stz.get("idleSeconds", 300)),
+        autoscaling=bool((raw.get("autoscaling") or {}).get("enabled")),
         inference_pool=bool(raw["inferencePool"].get("enabled")),
         slo=dict(raw.get("slo") or {}), raw=raw, defaults=defaults or Defaults())

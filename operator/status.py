@@ -62,6 +62,7 @@ class Observed:
     problems: list[Problem] = field(default_factory=list)
     gateway_address: str | None = None
     expected_deployments: int = 0       # children rendered; fewer seen = not created yet
+    wakes_from_zero: bool = False       # KEDA scales the pools from zero (scale-to-zero on)
 
 
 def _condition(kind: str, ok: bool, reason: str, message: str, generation: int,
@@ -85,10 +86,15 @@ def compute(obs: Observed, previous: list[dict[str, Any]] | None, now: str) -> d
                                      for n in stuck]
     progressing = bool(pending or missing > 0) and not blocking
     serving = [r for r in rolls if r.role in ("both", "decode") and r.ready > 0]
+    # At zero by design: the EPP holds requests and KEDA wakes a pool for them.
+    at_zero = obs.wakes_from_zero and any(r.role in ("both", "decode") for r in rolls) and all(
+        r.desired == 0 for r in rolls if r.role in ("both", "decode"))
     if blocking:
         ready = (False, blocking[0].reason, blocking[0].message)
     elif progressing:
         ready = (False, "RollingOut", "waiting for " + ", ".join(pending or ["children"]))
+    elif not serving and at_zero:
+        ready = (True, "ScaledToZero", "no worker runs; the first request wakes one (KEDA)")
     elif not serving:
         ready = (False, "NoWorkers", "no decode or both worker is ready (scaled to zero?)")
     else:

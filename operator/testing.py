@@ -6,9 +6,10 @@ a status subresource, uid/resourceVersion/generation bookkeeping, finalizers, an
 the garbage collector's part (an object whose owners are all gone is deleted,
 recursively) that kube-controller-manager does in a real cluster. `settle()`
 plays the Deployment controller: it reports every Deployment as rolled out.
-Simplification: apply replaces every field the applier sent and drops the ones it
-no longer sends, as a real server does for a sole field manager; fields other
-managers own are not tracked. Needs the test extra (kmock).
+Field ownership, simplified to what kvyard relies on: an apply sets every field the
+applier sends and drops those it sent last time and no longer sends; fields it
+never sent (written by another manager with a patch, as KEDA's HPA writes a
+Deployment's replicas) stay. Lists are atomic. Needs the test extra (kmock).
 """
 from __future__ import annotations
 
@@ -30,6 +31,24 @@ _SYSTEM_META = ("uid", "resourceVersion", "generation", "creationTimestamp",
                 "deletionTimestamp", "finalizers", "namespace", "name")
 
 
+def _drop_unsent(target: dict[str, Any], before: dict[str, Any], now: dict[str, Any]) -> None:
+    """Remove from `target` the fields the applier sent `before` and no longer sends."""
+    for k, v in before.items():
+        if k not in now:
+            target.pop(k, None)
+        elif isinstance(v, dict) and isinstance(now[k], dict) and isinstance(target.get(k), dict):
+            _drop_unsent(target[k], v, now[k])
+
+
+def _overlay(base: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _overlay(base[k], v)
+        else:
+            base[k] = copy.deepcopy(v)
+    return base
+
+
 def _merge_patch(old: Any, new: Any) -> Any:
     """The merge patch that turns `old` into `new` (None deletes a key)."""
     if not (isinstance(old, dict) and isinstance(new, dict)):
@@ -44,9 +63,10 @@ def _merge_patch(old: Any, new: Any) -> Any:
 class ApiServer(k8s.KubernetesEmulator):
     """Every resource kvyard uses, declared; `pools=False` leaves out the GAIE CRD."""
 
-    def declare(self, pools: bool = True) -> "ApiServer":
+    def declare(self, pools: bool = True, keda: bool = True) -> "ApiServer":
+        """`keda=False` leaves out KEDA's ScaledObject CRD."""
         for kind, (api, plural) in KINDS.items():
-            if kind == "InferencePool" and not pools:
+            if (kind == "InferencePool" and not pools) or (kind == "ScaledObject" and not keda):
                 continue
             subs = ["status"] if kind in (wire.CRD_KIND, "Deployment", "InferencePool") else []
             self.resources[f"{api}/{plural}"] = kmock.ResourceInfo(
@@ -165,17 +185,21 @@ class ApiServer(k8s.KubernetesEmulator):
             await self._remove(key)
             return
         if "apply-patch" in request.headers.get("Content-Type", ""):
+            applied = self.__dict__.setdefault("_applied", {})
+            sent = {k: v for k, v in (data or {}).items() if k != "status"}
             if not exists:
+                applied[key] = copy.deepcopy(sent)
                 await self._store(key, self._new(data, request.namespace), "ADDED")
                 return
             old = self._objects[key].raw
-            new = copy.deepcopy(data)
+            new = copy.deepcopy(old)
+            _drop_unsent(new, applied.get(key, {}), sent)
+            _overlay(new, sent)
+            applied[key] = copy.deepcopy(sent)
             md = new.setdefault("metadata", {})
             for k in _SYSTEM_META:
                 if k in old["metadata"]:
                     md[k] = old["metadata"][k]
-            md["annotations"] = {**(old["metadata"].get("annotations") or {}),
-                                 **(md.get("annotations") or {})}
             if "status" in old:
                 new["status"] = old["status"]
             await self._store(key, self._next(old, new), "MODIFIED")

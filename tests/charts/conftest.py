@@ -44,6 +44,7 @@ PRESETS["everything"] = {
                       "eppFrom": [{"namespaceSelector": {"matchLabels": {
                           "kubernetes.io/metadata.name": "istio-system"}}}]},
     "metrics": {"podMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+    "keda": {"namespace": "autoscaling"},
 }
 PRESETS["external-redis"] = {
     **copy.deepcopy(PRESETS["cpu"]),

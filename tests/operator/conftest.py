@@ -20,12 +20,14 @@ CRS = f"/apis/kvyard.io/v1alpha1/namespaces/{NS}/inferenceservices"
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "no_inference_pool_crd: the API lacks GAIE's CRD")
+    config.addinivalue_line("markers", "no_keda_crd: the API lacks KEDA's ScaledObject CRD")
 
 
 @pytest.fixture
 async def api(request: pytest.FixtureRequest) -> AsyncIterator[ApiServer]:
     pools = "no_inference_pool_crd" not in request.keywords
-    async with ApiServer().declare(pools=pools) as handler, kmock.Server(handler):
+    keda = "no_keda_crd" not in request.keywords
+    async with ApiServer().declare(pools=pools, keda=keda) as handler, kmock.Server(handler):
         yield handler
 
 

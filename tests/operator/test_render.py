@@ -71,8 +71,8 @@ def test_labels_owner_references_and_kubernetes_schemas(spec: dict) -> None:
         assert labels[wire.COMPONENT_LABEL] in wire.COMPONENTS
         if labels[wire.COMPONENT_LABEL] == "worker":
             assert labels[wire.ROLE_LABEL] in wire.ROLES
-        if obj["kind"] == "InferencePool":
-            continue  # not in Kubernetes' schemas; its shape is checked below
+        if obj["kind"] in ("InferencePool", "ScaledObject"):
+            continue  # not in Kubernetes' schemas; their shapes are checked exactly elsewhere
         kubernetes_validate.validate(obj, "1.33", strict=True)
 
 
@@ -97,7 +97,7 @@ def test_pods_are_hardened_and_probed() -> None:
     assert {p["name"]: p["containerPort"] for p in w["ports"]} == {"http": 8000}
     assert e["readinessProbe"]["grpc"] == {"port": 9003}
     assert {p["name"]: p["containerPort"] for p in e["ports"]} == \
-        {"ext-proc": 9002, "health": 9003, "metrics": 9090}
+        {"ext-proc": 9002, "health": 9003, "metrics": 9090, "scaler": 9004}
     assert "127.0.0.1:9901/ready" in g["readinessProbe"]["exec"]["command"][-1]
     assert {p["name"]: p["containerPort"] for p in g["ports"]} == {"http": 8080}
     assert w["image"] == e["image"] == g["image"] == "ghcr.io/kvyard/kvyard:0.1.0"
