@@ -24,7 +24,10 @@ come from `kvyard.common.keda`.
   fan-out in its `finally`.
 
 The int fields (`targetSize`, `metricValue`) carry rounded values for KEDA
-before 2.17; later versions read the float fields.
+before 2.17; later versions read the float fields. `register` puts the same
+readings (EPP defaults, every role) on the EPP's Prometheus registry as
+`kvyard_epp_scaler_metric` and `kvyard_epp_scaler_active`, computed at scrape
+time and present from the start.
 """
 from __future__ import annotations
 
@@ -187,9 +190,42 @@ class ScalerServer:
             await self._server.stop(grace)
             self._server = None
 
+    def register(self, registry) -> None:
+        """Export the readings on `registry` (a prometheus_client CollectorRegistry)."""
+        registry.register(_ReadingsCollector(self))
+
     def snapshot(self) -> dict:
         """The scaler for /debug/endpoints: where it listens and what it measured."""
         d, fb = self.cfg.defaults, self.capacity.fallback
         return {"pool": self.pool_name, "port": self.port,
                 "streams": {r: len(s) for r, s in self.servicer.streams.items()},
                 "capacity": {r: self.capacity.role(r).snapshot(d.tpot_s, fb) for r in ROLES}}
+
+
+class _ReadingsCollector:
+    """What KEDA would read for each role with the EPP's default objectives."""
+
+    def __init__(self, server: ScalerServer) -> None:
+        self._server = server
+
+    def describe(self) -> list:
+        return []  # computed at collect time only
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        srv = self._server
+        metric = GaugeMetricFamily("kvyard_epp_scaler_metric",
+                                   "Replicas' worth of demand KEDA's GetMetrics reports",
+                                   labels=["pool", "role"])
+        active = GaugeMetricFamily("kvyard_epp_scaler_active", "KEDA's IsActive, 0 or 1",
+                                   labels=["pool", "role"])
+        d = srv.cfg.defaults
+        for role in ROLES:
+            p = ScaledObjectParams(srv.pool_name, role, d.target_value, d.ttft_s, d.tpot_s,
+                                   d.kv_target)
+            r = srv.servicer.read(p)
+            metric.add_metric([srv.pool_name, role], r.metric)
+            active.add_metric([srv.pool_name, role], float(r.active))
+        yield metric
+        yield active

@@ -244,3 +244,27 @@ async def test_taken_port_fails_to_start(scaler):
     with pytest.raises(OSError, match="scaler port"):
         await other.start("127.0.0.1", s.port)
     await other.stop()
+
+
+async def test_readings_on_the_epp_registry_present_from_the_start():
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    demand = Demand()
+    s = ScalerServer(EndpointPool(), demand, POOL)
+    reg = CollectorRegistry()
+    s.register(reg)
+
+    def samples() -> dict:
+        return {(x.name, x.labels["role"]): x.value
+                for f in text_string_to_metric_families(generate_latest(reg).decode())
+                for x in f.samples}
+
+    assert samples() == {(n, r): 0.0 for n in ("kvyard_epp_scaler_metric",
+                                               "kvyard_epp_scaler_active")
+                         for r in ("prefill", "decode", "both")}
+    demand.parked["decode"] = 1
+    got = samples()
+    assert got[("kvyard_epp_scaler_active", "decode")] == 1.0
+    assert got[("kvyard_epp_scaler_metric", "both")] > 0.0
+    assert got[("kvyard_epp_scaler_active", "prefill")] == 0.0
