@@ -58,6 +58,10 @@ M_PD_FALLBACKS = "kvyard:pd_fallbacks_total"
 M_PD_HANDOFF_SECONDS = "kvyard:pd_handoff_seconds"
 M_PD_HANDOFF_BYTES = "kvyard:pd_handoff_bytes_total"
 M_PD_REJECTED = "kvyard:pd_rejected_prefill_targets_total"
+M_PD_TRANSFERS = "kvyard:pd_transfers_total"              # {transport="shm|tcp"}
+M_PD_PHASE_SECONDS = "kvyard:pd_handoff_phase_seconds"    # {phase}
+M_PD_HELD_BLOCKS = "kvyard:pd_held_blocks"                # prefill side
+M_PD_HOLDS = "kvyard:pd_holds_total"                      # {outcome}, prefill side
 
 # Sleep mode (vLLM's --enable-sleep-mode): 1 while a worker sleeps; the EPP sends it nothing.
 M_SLEEPING = "kvyard:sleeping"

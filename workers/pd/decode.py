@@ -12,6 +12,10 @@ transfer) ends in `None`: the request prefills locally and still succeeds
 with the same output. Before that, blocks the prefill worker also saved to a
 pool tier this worker shares (the local stack's SSD dir, or Redis) are
 read from the store (path "store").
+
+Transport: an offer that says `shm` is pulled through the prefill worker's
+same-host endpoint (peer_shm.py) when there is one in this network namespace;
+otherwise (another host, or that endpoint absent) over TCP. Both are path "peer".
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from kvyard.workers.server.errors import ApiError
 from .metrics import PDMetrics
 from .params import Offer, prefill_leg_body
 from .peer_client import pull
+from .peer_shm import ShmUnavailable, pull_shm
 from .peer_wire import PeerError
 
 log = logging.getLogger("kvyard.pd")
@@ -46,6 +51,7 @@ class PDDecoder:
     prefill_timeout_s: float = 60.0
     transfer_timeout_s: float = 30.0
     connector: Any = None        # the worker's StoreConnector (its store), or None
+    transports: tuple[str, ...] = ("shm", "tcp")   # the peer transports to try, in order
     _session: aiohttp.ClientSession | None = field(default=None, init=False)
 
     def authorize(self, headers: Mapping[str, str]) -> str | None:
@@ -72,13 +78,17 @@ class PDDecoder:
         if not own:
             return None
         try:
+            t_leg = time.perf_counter()
             offer = await self._prefill(target, path, body)
+            self.metrics.phases.labels(phase="prefill_leg").observe(time.perf_counter() - t_leg)
             n = self._usable(offer, target, own)
             t0 = time.perf_counter()
-            payloads = await pull(offer.remote_host, offer.remote_port, offer.remote_engine_id,
-                                  offer.remote_request_id, self.namespace, own[:n],
-                                  self.transfer_timeout_s)
+            phases: dict[str, float] = {}
+            payloads, transport = await self._pull(offer, own[:n], phases)
             self._count("peer", time.perf_counter() - t0, payloads)
+            self.metrics.transfers.labels(transport=transport).inc()
+            for ph, secs in phases.items():
+                self.metrics.phases.labels(phase=ph).observe(secs)
             return RemoteKV(own[:len(payloads)], payloads)
         except PeerError as e:
             reason, why = e.reason, str(e)
@@ -90,6 +100,25 @@ class PDDecoder:
         log.warning("P/D handoff from %s failed (%s): prefilling locally", target, why)
         self.metrics.fallbacks.labels(reason=reason).inc()
         return None
+
+    async def _pull(self, offer: Offer, hashes: list[int], phases: dict[str, float]
+                    ) -> tuple[list[memoryview], str]:
+        if "shm" in self.transports and offer.shm:
+            try:
+                return await pull_shm(offer.remote_engine_id, offer.remote_request_id,
+                                      self.namespace, hashes, self.transfer_timeout_s,
+                                      phases), "shm"
+            except ShmUnavailable as e:  # nothing claimed: TCP takes the same hold
+                log.debug("no same-host endpoint for %s: %s", offer.remote_engine_id, e)
+        if "tcp" not in self.transports:
+            raise PeerError("transfer_failed", "no transport to the prefill worker")
+        return await pull(offer.remote_host, offer.remote_port, offer.remote_engine_id,
+                          offer.remote_request_id, self.namespace, hashes,
+                          self.transfer_timeout_s, phases), "tcp"
+
+    def loaded(self, seconds: float) -> None:
+        """The engine copied a handoff's blocks into its cache (the insert phase)."""
+        self.metrics.phases.labels(phase="insert").observe(seconds)
 
     async def _prefill(self, target: str, path: str, body: dict[str, Any]) -> Offer:
         if self._session is None:

@@ -14,6 +14,7 @@ class PDOptions:
     advertise_host: str = "127.0.0.1"    # remote_host in offers
     prefill_timeout_s: float = 60.0
     transfer_timeout_s: float = 30.0
+    transports: tuple[str, ...] = ("shm", "tcp")
 
 
 def add_pd_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,12 +30,25 @@ def add_pd_arguments(p: argparse.ArgumentParser) -> None:
                         "prefilling itself")
     g.add_argument("--pd-transfer-timeout", type=float, default=30.0,
                    help="seconds a decode worker gives the KV pull before prefilling itself")
+    g.add_argument("--pd-transports", type=_transports, default=("shm", "tcp"),
+                   help="peer transports a decode worker tries, in order (comma-separated: "
+                        "shm = a sealed memfd from a prefill worker on this host, tcp; "
+                        "default shm,tcp)")
     g.add_argument("--kv-hold-timeout", type=float, default=120.0,
                    help="seconds a prefill worker keeps a prompt's blocks for a pull")
+
+
+def _transports(value: str) -> tuple[str, ...]:
+    out = tuple(t.strip() for t in value.split(",") if t.strip())
+    bad = [t for t in out if t not in ("shm", "tcp")]
+    if bad or not out or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"expected shm and/or tcp, comma-separated: {value!r}")
+    return out
 
 
 def pd_options(args: argparse.Namespace, advertise: str) -> PDOptions:
     return PDOptions(role=args.role, key_file=args.pd_key_file, peer_host=args.host,
                      peer_port=args.kv_peer_port, advertise_host=advertise.rpartition(":")[0],
                      prefill_timeout_s=args.pd_prefill_timeout,
-                     transfer_timeout_s=args.pd_transfer_timeout)
+                     transfer_timeout_s=args.pd_transfer_timeout,
+                     transports=args.pd_transports)

@@ -1,7 +1,11 @@
-"""The decode worker's P/D metrics (names in kvyard.common.wire) and the role info metric."""
+"""The P/D metrics (names in kvyard.common.wire): the decode worker's handoffs, the
+prefill worker's holds, and the role info metric."""
 from __future__ import annotations
 
+from typing import Any, Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvyard.common import wire
 
@@ -10,6 +14,11 @@ FALLBACK_REASONS = ("prefill_unreachable", "prefill_timeout", "prefill_error", "
                     "transfer_failed", "transfer_truncated", "transfer_corrupt",
                     "transfer_timeout", "transfer_refused", "unsupported_request")
 PATHS = ("peer", "store")
+TRANSPORTS = ("shm", "tcp")
+# where a handoff's time goes: the prefill leg's HTTP round trip, the pull's claim (connect
+# to the ok), transfer (to the last byte), verify (checksums after it), the engine's insert
+PHASES = ("prefill_leg", "claim", "transfer", "verify", "insert")
+HOLD_OUTCOMES = ("pulled", "expired", "aborted")
 
 
 def worker_info(registry: CollectorRegistry, role: str) -> None:
@@ -24,6 +33,7 @@ class PDMetrics:
     counters beside it."""
 
     def __init__(self, registry: CollectorRegistry, slow_registry: CollectorRegistry) -> None:
+        self.registry = registry  # the prefill side's HoldCollector joins it (runtime.py)
         self.handoffs = Counter(wire.M_PD_HANDOFFS.removesuffix("_total"),
                                 "P/D prefills whose KV this worker loaded, by path.",
                                 ["path"], registry=registry)
@@ -38,7 +48,41 @@ class PDMetrics:
         self.seconds = Histogram(wire.M_PD_HANDOFF_SECONDS,
                                  "Time to receive a handoff's KV (the transfer, not the prefill).",
                                  ["path"], buckets=_SECONDS, registry=registry)
+        self.transfers = Counter(wire.M_PD_TRANSFERS.removesuffix("_total"),
+                                 "Peer handoffs by transport: a same-host memfd or TCP.",
+                                 ["transport"], registry=registry)
+        # live too: its counts agree with the handoff counters in any one scrape
+        self.phases = Histogram(wire.M_PD_PHASE_SECONDS,
+                                "Where a handoff's time goes, by phase.", ["phase"],
+                                buckets=_SECONDS, registry=registry)
         for p in PATHS:
             self.handoffs.labels(path=p)
         for r in FALLBACK_REASONS:
             self.fallbacks.labels(reason=r)
+        for t in TRANSPORTS:
+            self.transfers.labels(transport=t)
+        for ph in PHASES:
+            self.phases.labels(phase=ph)
+
+
+class HoldCollector:
+    """The prefill worker's holds, read at scrape time: blocks held now, and holds ended
+    by outcome (pulled in full; expired unpulled; aborted: claimed, the transfer cut
+    short). `counts` returns (held blocks, {outcome: total})."""
+
+    def __init__(self, counts: Callable[[], tuple[int, dict[str, int]]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Any]:
+        held, ended = self._counts()
+        g = GaugeMetricFamily(wire.M_PD_HELD_BLOCKS, "KV blocks held for decode pulls now.")
+        g.add_metric([], held)
+        yield g
+        c = CounterMetricFamily(wire.M_PD_HOLDS.removesuffix("_total"),
+                                "P/D holds ended, by outcome.", labels=["outcome"])
+        for o in HOLD_OUTCOMES:
+            c.add_metric([o], ended.get(o, 0))
+        yield c
+
+    def describe(self) -> Iterator[Any]:
+        return iter(())

@@ -9,7 +9,8 @@ with vLLM's response-side fields (`remote_block_ids`, `remote_engine_id`,
 KV namespace (model identity + KV layout digest: a handoff between
 mismatched models, dtypes or block sizes is refused) and each block's chained
 hash (the decode side keeps only the leading blocks whose hashes equal its
-own tokenization's).
+own tokenization's), and `shm` when the hold can also be pulled through a
+same-host memfd (peer_shm.py).
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ class Offer:
     block_hashes: list[int]
     block_size: int
     kv_namespace: str          # hex digest of kvstore.layout.Namespace
+    shm: bool = False          # a same-host endpoint serves this hold too (peer_shm.py)
 
     def to_params(self) -> dict[str, Any]:
         return {"do_remote_prefill": True, "do_remote_decode": False,
@@ -66,7 +68,8 @@ class Offer:
                 "remote_host": self.remote_host, "remote_port": self.remote_port,
                 "tp_size": 1,
                 "kvyard": {"block_size": self.block_size, "kv_namespace": self.kv_namespace,
-                           "block_hashes": [f"{h:032x}" for h in self.block_hashes]}}
+                           "block_hashes": [f"{h:032x}" for h in self.block_hashes],
+                           "shm": self.shm}}
 
     @classmethod
     def from_params(cls, p: Any) -> "Offer":
@@ -81,7 +84,7 @@ class Offer:
             hashes = [int(h, 16) for h in ky["block_hashes"]]
             offer = cls(str(p["remote_engine_id"]), str(p["remote_request_id"]),
                         str(p["remote_host"]), int(p["remote_port"]), ids, hashes,
-                        int(ky["block_size"]), str(ky["kv_namespace"]))
+                        int(ky["block_size"]), str(ky["kv_namespace"]), ky.get("shm") is True)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed kv_transfer_params: {e}") from None
         if len(ids) != len(hashes) or not 0 < offer.remote_port < 65536:

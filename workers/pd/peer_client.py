@@ -14,10 +14,10 @@ import time
 
 import numpy as np
 
-from kvyard.kvstore.codec import HEADER_BYTES, CorruptBlock, check_header
+from kvyard.kvstore.codec import HEADER_BYTES
 from kvyard.kvstore.layout import Namespace
 
-from .peer_wire import PeerError, message, recv_exactly, recv_message
+from .peer_wire import PeerError, message, recv_message, verified_frame
 
 log = logging.getLogger("kvyard.pd")
 _RCVBUF = 4 << 20
@@ -26,11 +26,13 @@ _RECV_TIMEOUT_S = 10.0  # per recv: a stalled peer frees the thread
 
 async def pull(host: str, port: int, engine_id: str, request_id: str,
                namespace: Namespace, block_hashes: list[int],
-               timeout_s: float) -> list[memoryview]:
-    """The blocks' payloads, verified, in order; PeerError on any failure."""
+               timeout_s: float, phases: dict[str, float] | None = None) -> list[memoryview]:
+    """The blocks' payloads, verified, in order; PeerError on any failure. `phases`
+    gets the seconds of claim (connect to the ok), transfer and verify."""
     try:
         return await asyncio.wait_for(
-            _pull(host, port, engine_id, request_id, namespace, block_hashes), timeout_s)
+            _pull(host, port, engine_id, request_id, namespace, block_hashes,
+                  {} if phases is None else phases), timeout_s)
     except TimeoutError:
         raise PeerError("transfer_timeout", f"pull from {host}:{port} took over {timeout_s}s") \
             from None
@@ -42,11 +44,13 @@ async def pull(host: str, port: int, engine_id: str, request_id: str,
 
 
 async def _pull(host: str, port: int, engine_id: str, request_id: str,
-                namespace: Namespace, block_hashes: list[int]) -> list[memoryview]:
+                namespace: Namespace, block_hashes: list[int],
+                phases: dict[str, float]) -> list[memoryview]:
     """Connect and ask on the event loop, receive the frames in a thread (an asyncio
     StreamReader would copy each read into its buffer, out again, and memmove what
     is behind it on every read)."""
     loop = asyncio.get_running_loop()
+    t0 = time.perf_counter()
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
                          socket.SOCK_STREAM)
     sock.setblocking(False)
@@ -66,13 +70,15 @@ async def _pull(host: str, port: int, engine_id: str, request_id: str,
             raise PeerError("kv_mismatch", f"peer offers {n} blocks of "
                             f"{head.get('block_bytes')} bytes, expected {lay.nbytes}")
         frame = HEADER_BYTES + lay.nbytes
-        return await asyncio.to_thread(_receive, sock, n, frame, namespace, block_hashes[:n])
+        phases["claim"] = time.perf_counter() - t0
+        return await asyncio.to_thread(_receive, sock, n, frame, namespace, block_hashes[:n],
+                                       phases)
     finally:
         sock.close()
 
 
 def _receive(sock: socket.socket, n: int, frame: int, namespace: Namespace,
-             block_hashes: list[int]) -> list[memoryview]:
+             block_hashes: list[int], phases: dict[str, float]) -> list[memoryview]:
     """In a thread: blocking recv_into straight into one buffer for every frame (the
     loop runs at C speed, not one event-loop turn per socket buffer's worth; the
     caller's wait_for bounds the time, the socket's timeout this thread), then
@@ -88,22 +94,10 @@ def _receive(sock: socket.socket, n: int, frame: int, namespace: Namespace,
         got += k
     t1 = time.perf_counter()
     out = _verify(buf, frame, namespace, block_hashes)
-    log.debug("received %d blocks (%d bytes) in %.1f ms, verified in %.1f ms", n, len(buf),
-              (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
+    phases.update(transfer=t1 - t0, verify=time.perf_counter() - t1)
     return out
 
 
 def _verify(buf: memoryview, frame: int, namespace: Namespace,
             block_hashes: list[int]) -> list[memoryview]:
-    """Each frame's header against the key and layout expected for block i, then its
-    checksum (xxh3 releases the GIL on blocks this size)."""
-    out: list[memoryview] = []
-    for i, h in enumerate(block_hashes):
-        mv = buf[i * frame:(i + 1) * frame]
-        payload = mv[HEADER_BYTES:]
-        try:
-            check_header(mv[:HEADER_BYTES], namespace.key(h), namespace.layout, payload)
-        except CorruptBlock as e:
-            raise PeerError("transfer_corrupt", f"block {i}: {e}") from None
-        out.append(payload)
-    return out
+    return [verified_frame(buf, i, frame, namespace, h) for i, h in enumerate(block_hashes)]

@@ -1,4 +1,6 @@
-"""The prefill worker's peer transfer endpoint: decode workers pull held blocks here.
+"""The prefill worker's peer transfer endpoints: decode workers pull held blocks here,
+over TCP from anywhere in the pool, or from the same host through a sealed memfd
+(`peer_shm.py`, an abstract Unix socket).
 
 A hold is claimed once (a second pull of the same request is refused) and
 given back when the connection ends, sent or not, so the prefill worker's
@@ -29,7 +31,8 @@ import xxhash
 from kvyard.kvstore.codec import HEADER_BYTES, encode_header, header_of
 from kvyard.kvstore.layout import Namespace
 
-from .peer_wire import PeerError, message, recv_message
+from . import peer_shm
+from .peer_wire import PeerError, message, recv_message, write_all
 
 log = logging.getLogger("kvyard.pd")
 CHUNK_BLOCKS = 16
@@ -47,9 +50,13 @@ class PeerServer:
     engine_id: str
     host: str = "127.0.0.1"
     port: int = 0                # 0: an ephemeral port, known after start
+    shm: bool = True             # also serve same-host pulls (peer_shm.py)
     sent_blocks: int = field(default=0, init=False)
+    pulled: int = field(default=0, init=False)    # holds sent in full
+    aborted: int = field(default=0, init=False)   # holds claimed, the transfer cut short
     _sock: socket.socket | None = field(default=None, init=False)
-    _accepting: asyncio.Task | None = field(default=None, init=False)
+    _unix: socket.socket | None = field(default=None, init=False)
+    _accepting: list[asyncio.Task] = field(default_factory=list, init=False)
     _conns: set[asyncio.Task] = field(default_factory=set, init=False)
     _block_pieces: list[np.ndarray] | None = field(default=None, init=False)
 
@@ -62,34 +69,48 @@ class PeerServer:
         sock.setblocking(False)
         self._sock = sock
         self.port = sock.getsockname()[1]
-        self._accepting = asyncio.ensure_future(self._accept())
+        self._accepting.append(asyncio.ensure_future(self._accept(sock, False)))
+        if self.shm:
+            self._unix = peer_shm.listen(self.engine_id)
+            if self._unix is not None:
+                self._accepting.append(asyncio.ensure_future(self._accept(self._unix, True)))
         return self.port
 
+    @property
+    def shm_ready(self) -> bool:
+        return self._unix is not None
+
     async def stop(self) -> None:
-        tasks = [t for t in (self._accepting, *self._conns) if t is not None]
+        tasks = [*self._accepting, *self._conns]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        for s in (self._sock, self._unix):
+            if s is not None:
+                s.close()
+        self._sock = self._unix = None
 
-    async def _accept(self) -> None:
+    async def _accept(self, listener: socket.socket, shm: bool) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(self._sock)
+            conn, _ = await loop.sock_accept(listener)
             conn.setblocking(False)
-            task = asyncio.ensure_future(self._serve(conn))
+            task = asyncio.ensure_future(self._serve(conn, shm))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
 
-    async def _serve(self, conn: socket.socket) -> None:
+    async def _serve(self, conn: socket.socket, shm: bool = False) -> None:
         loop = asyncio.get_running_loop()
         rid = None
         pending: asyncio.Future | None = None
+        sent = False
+        say = peer_shm.packet if shm else message
         try:
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SNDBUF)
-            req = await asyncio.wait_for(recv_message(loop, conn), REQUEST_TIMEOUT_S)
+            if shm:
+                req = await asyncio.wait_for(peer_shm.recv_packet(loop, conn), REQUEST_TIMEOUT_S)
+            else:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SNDBUF)
+                req = await asyncio.wait_for(recv_message(loop, conn), REQUEST_TIMEOUT_S)
             if req.get("remote_engine_id") != self.engine_id:
                 raise PeerError("unknown_engine", "remote_engine_id is not this worker's")
             rid = str(req.get("remote_request_id"))
@@ -99,16 +120,19 @@ class PeerServer:
                 raise PeerError("unknown_request", "no such hold (pulled already, or expired)")
             n = min(int(req.get("num_blocks", len(hold.block_ids))), len(hold.block_ids))
             lay = self.namespace.layout
-            await loop.sock_sendall(conn, message({"ok": True, "num_blocks": n,
-                                                   "block_bytes": lay.nbytes}))
-
-            pending = asyncio.ensure_future(asyncio.to_thread(self._send, conn, hold, n))
+            if shm:
+                pending = asyncio.ensure_future(asyncio.to_thread(self._send_shm, conn, hold, n))
+            else:
+                await loop.sock_sendall(conn, message({"ok": True, "num_blocks": n,
+                                                       "block_bytes": lay.nbytes}))
+                pending = asyncio.ensure_future(asyncio.to_thread(self._send, conn, hold, n))
             await pending
             pending = None
+            sent = True
         except PeerError as e:
             try:
-                await loop.sock_sendall(conn, message({"ok": False, "error": str(e),
-                                                       "reason": e.reason}))
+                await loop.sock_sendall(conn, say({"ok": False, "error": str(e),
+                                                   "reason": e.reason}))
             except OSError:
                 pass
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, ValueError,
@@ -118,6 +142,10 @@ class PeerServer:
             if pending is not None:  # its thread reads held blocks: done before they go back
                 await asyncio.gather(pending, return_exceptions=True)
             if rid is not None:
+                if sent:
+                    self.pulled += 1
+                else:
+                    self.aborted += 1
                 self.engine.finish_hold(rid)
             conn.close()
 
@@ -138,20 +166,45 @@ class PeerServer:
             self._block_pieces = (fn() if fn is not None else None) or []
         return self._block_pieces or None
 
+    def _send_shm(self, conn: socket.socket, hold: Any, n: int) -> None:
+        """In a thread: the held frames into a sealed memfd for a same-host puller, a chunk
+        at a time (CPU caches straight from the rows, device caches gathered)."""
+        conn.setblocking(True)
+        pieces = self._pieces()
+
+        def chunks():
+            for s in range(0, n, peer_shm.CHUNK_BLOCKS):
+                e = min(s + peer_shm.CHUNK_BLOCKS, n)
+                if pieces is not None:
+                    bufs = [v for b in range(s, e) for v in self._block_bufs(pieces, hold, b)]
+                else:
+                    frames = np.empty((e - s, HEADER_BYTES + self.namespace.layout.nbytes),
+                                      dtype=np.uint8)
+                    self._frames(hold.block_ids[s:e], hold.block_hashes[s:e], frames)
+                    bufs = [memoryview(frames).cast("B")]
+                yield bufs
+                self.sent_blocks += e - s
+        peer_shm.send_hold(conn, chunks(), n, self.namespace.layout.nbytes)
+
+    def _block_bufs(self, pieces: list[np.ndarray], hold: Any, i: int) -> list[memoryview]:
+        """Held block i's frame as buffers over the cache: its header (checksum hashed over
+        the rows) then, per layer, its K and V rows."""
+        b, h = hold.block_ids[i], hold.block_hashes[i]
+        rows = [memoryview(p[kv, b]) for p in pieces for kv in (0, 1)]
+        x = xxhash.xxh3_64()
+        for r in rows:
+            x.update(r)
+        head = header_of(self.namespace.key(h), self.namespace.layout, x.intdigest())
+        return [memoryview(head), *rows]
+
     def _send_in_place(self, conn: socket.socket, pieces: list[np.ndarray], hold: Any,
                        n: int) -> None:
         """CPU caches: each block goes out as its header plus, per layer, its K and V
         rows straight from the cache tensors (sendmsg, no gather copy); the checksum is
         hashed over the same rows."""
-        lay = self.namespace.layout
         bufs: list[memoryview] = []
-        for b, h in zip(hold.block_ids[:n], hold.block_hashes[:n]):
-            rows = [memoryview(p[kv, b]) for p in pieces for kv in (0, 1)]
-            x = xxhash.xxh3_64()
-            for r in rows:
-                x.update(r)
-            bufs.append(memoryview(header_of(self.namespace.key(h), lay, x.intdigest())))
-            bufs.extend(rows)
+        for i in range(n):
+            bufs.extend(self._block_bufs(pieces, hold, i))
             if len(bufs) >= _IOV_BATCH:
                 _sendmsg_all(conn, bufs)
                 bufs = []
@@ -193,14 +246,4 @@ class PeerServer:
 
 
 def _sendmsg_all(conn: socket.socket, bufs: list[memoryview]) -> None:
-    """sendmsg until every buffer is out (a send may stop anywhere, mid-buffer too)."""
-    i = 0
-    while i < len(bufs):
-        sent = conn.sendmsg(bufs[i:i + _IOV_MAX])
-        while sent and i < len(bufs):
-            if sent >= bufs[i].nbytes:
-                sent -= bufs[i].nbytes
-                i += 1
-            else:
-                bufs[i] = bufs[i][sent:]
-                sent = 0
+    write_all(conn.sendmsg, bufs, _IOV_MAX)

@@ -19,7 +19,10 @@ import asyncio
 import json
 import socket
 import struct
-from typing import Any
+from typing import Any, Callable
+
+from kvyard.kvstore.codec import HEADER_BYTES, CorruptBlock, check_header
+from kvyard.kvstore.layout import Namespace
 
 MAGIC = b"KVYP"
 _HEAD = struct.Struct("<4sI")
@@ -75,3 +78,34 @@ async def recv_message(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> 
     body = memoryview(bytearray(check_head(bytes(head))))
     await recv_exactly(loop, sock, body)
     return parse_body(bytes(body))
+
+
+def verified_frame(buf: memoryview, i: int, frame: int, namespace: Namespace,
+                   block_hash: int) -> memoryview:
+    """Frame i's payload, once its header matches the key and layout expected for block i
+    and its checksum the payload (xxh3 releases the GIL on blocks this size)."""
+    mv = buf[i * frame:(i + 1) * frame]
+    payload = mv[HEADER_BYTES:]
+    try:
+        check_header(mv[:HEADER_BYTES], namespace.key(block_hash), namespace.layout, payload)
+    except CorruptBlock as e:
+        raise PeerError("transfer_corrupt", f"block {i}: {e}") from None
+    return payload
+
+
+def write_all(write: Callable[[list[memoryview]], int], bufs: list[memoryview],
+              iov_max: int = 1024) -> int:
+    """Gathered writes (sendmsg, pwritev) until every buffer is out: a call may stop
+    anywhere, mid-buffer too. Returns the bytes written."""
+    i = total = 0
+    while i < len(bufs):
+        k = write(bufs[i:i + iov_max])
+        total += k
+        while k and i < len(bufs):
+            if k >= bufs[i].nbytes:
+                k -= bufs[i].nbytes
+                i += 1
+            else:
+                bufs[i] = bufs[i][k:]
+                k = 0
+    return total

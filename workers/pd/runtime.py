@@ -16,7 +16,7 @@ from kvyard.kvstore.layout import Namespace
 
 from .decode import PDDecoder
 from .flags import PDOptions
-from .metrics import PDMetrics
+from .metrics import HoldCollector, PDMetrics
 from .params import Offer
 from .peer_server import PeerServer
 
@@ -40,10 +40,18 @@ class PDRuntime:
             self.peer = PeerServer(engine, self.namespace, self.engine_id, o.peer_host,
                                    o.peer_port)
             await self.peer.start()
+            self.metrics.registry.register(HoldCollector(lambda: self._hold_counts(engine)))
         # any role decodes when the EPP asks it to (a `both` pod, or a prefill pod that is
         # the only one left); the peer server is for the roles that prefill for others
         self.decoder = PDDecoder(key, self.namespace, self.metrics, o.prefill_timeout_s,
-                                 o.transfer_timeout_s, engine.config.kv_connector)
+                                 o.transfer_timeout_s, engine.config.kv_connector,
+                                 o.transports)
+        engine.on_remote_kv_loaded = self.decoder.loaded
+
+    def _hold_counts(self, engine: Any) -> tuple[int, dict[str, int]]:
+        holds = engine.engine.kv_holds
+        return holds.num_blocks, {"pulled": self.peer.pulled, "aborted": self.peer.aborted,
+                                  "expired": holds.expired_total}
 
     def offer(self, request_id: str, hold: Any) -> dict[str, Any] | None:
         """kv_transfer_params for a finished prefill whose blocks are held."""
@@ -51,7 +59,7 @@ class PDRuntime:
             return None
         return Offer(self.engine_id, request_id, self.options.advertise_host, self.peer.port,
                      hold.block_ids, hold.block_hashes, self.namespace.layout.block_size,
-                     self.namespace.digest.hex()).to_params()
+                     self.namespace.digest.hex(), self.peer.shm_ready).to_params()
 
     async def stop(self) -> None:
         if self.peer is not None:
