@@ -19,9 +19,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from kvyard.common import pd_auth, wire
 
+from .demand import Demand
 from .discovery_file import FileDiscovery
 from .discovery_k8s import K8sDiscovery
 from .endpoints import EndpointPool, EndpointSpec
+from .flow_config import FlowConfig, duration_s, parse_flow_config
+from .flow_control import FlowController
+from .flow_metrics import FlowMetrics
 from .health import SERVER_OPTIONS, HealthServer, bind
 from .observability import EppMetrics, debug_app
 from .prompt import PromptHasher
@@ -57,7 +61,21 @@ class EppConfig:
     # any ORIGINAL_DST gateway understands; kvyard's gateway retries along the list).
     destination_fallbacks: int = 0
     pd_key_file: str | None = None  # the key that signs prefill targets (common/pd_auth.py)
+    # Flow control (flow_control.py); the TTLs override the config's flowControl section.
+    flow_control: bool = True
+    no_endpoint_ttl_s: float | None = None
+    queue_ttl_s: float | None = None
+    pool_name: str = "default"
     seed: int | None = None
+
+
+def _flow_config(sched_cfg: dict, c: EppConfig) -> FlowConfig:
+    fc = parse_flow_config(sched_cfg.get("flowControl"))
+    if c.no_endpoint_ttl_s is not None:
+        fc.no_endpoint_ttl_s = duration_s(c.no_endpoint_ttl_s, "--no-endpoint-ttl")
+    if c.queue_ttl_s is not None:
+        fc.default_ttl_s = duration_s(c.queue_ttl_s, "--queue-ttl")
+    return fc
 
 
 def _served_names(cfg: EppConfig) -> list[str]:
@@ -81,6 +99,9 @@ class EppApp:
     router: Router = field(init=False)
     finisher: Finisher = field(init=False)
     eds: EdsServicer = field(init=False)
+    demand: Demand = field(default_factory=Demand)
+    flow: FlowController | None = field(init=False)
+    scraper: Scraper | None = None
     tokenizer_state: str = "none"  # none | loading | loaded | failed
     _grpc: grpc.aio.Server | None = None
     _health: HealthServer | None = None
@@ -104,6 +125,21 @@ class EppApp:
         self.finisher = Finisher(self.pool, sched)
         self.eds = EdsServicer(self.pool)
         self.pool.on_change(self.eds.notify)
+        self.flow = None
+        if c.flow_control:
+            fc = _flow_config(sched_cfg, c)
+            fm = FlowMetrics(self.metrics.registry, c.pool_name,
+                             [*sched.objectives.values(), *fc.bands])
+            self.flow = FlowController(fc, self.pool, sched, self.demand, fm)
+            self.pool.on_change(self._membership_changed)
+
+    def _membership_changed(self) -> None:
+        """A joining endpoint is scraped at once, so the waiting room is released the
+        moment it answers, not at the next scrape round."""
+        if self.scraper is not None and self.scraper.running:
+            self.scraper.round()
+        if self.flow is not None:
+            self.flow.release()
 
     def is_ready(self) -> bool:
         return self.tokenizer_state in ("none", "loaded", "failed") and self.pool.ready()
@@ -112,14 +148,15 @@ class EppApp:
         h = self.router.hasher
         return {"tokenizer": self.tokenizer_state, "prefix_hash": h.mode,
                 "served_models": self.router.served_models,
-                "index_backlog": self.finisher.backlog, "index_skipped": self.finisher.skipped}
+                "index_backlog": self.finisher.backlog, "index_skipped": self.finisher.skipped,
+                "flow": self.flow.snapshot() if self.flow is not None else None}
 
     async def start(self) -> None:
         c = self.cfg
         self._grpc = grpc.aio.server(options=SERVER_OPTIONS)
         ep_grpc.add_ExternalProcessorServicer_to_server(
             ExtProcServicer(self.router, self.metrics, self.finisher, c.max_body_bytes,
-                            pd_auth.load_key(c.pd_key_file)), self._grpc)
+                            pd_auth.load_key(c.pd_key_file), self.flow), self._grpc)
         eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self.eds, self._grpc)
         self.ports["ext_proc"] = bind(self._grpc, c.host, c.ext_proc_port, "ext_proc")
         await self._grpc.start()
@@ -143,6 +180,9 @@ class EppApp:
                                      asyncio.get_running_loop())
             self._k8s.start()
         scraper = Scraper(self.pool, c.scrape_interval, c.scrape_timeout, c.fail_threshold)
+        if self.flow is not None:
+            scraper.on_scraped = self.flow.release
+        self.scraper = scraper
         self._tasks.append(asyncio.create_task(scraper.run()))
         if c.model.lower() != "none":
             self.tokenizer_state = "loading"
@@ -166,6 +206,8 @@ class EppApp:
         log.info("tokenizer for %s loaded", self.cfg.model)
 
     async def stop(self) -> None:
+        if self.flow is not None:  # held requests get a clean 503, not a broken stream
+            self.flow.close()
         if self._k8s is not None:
             self._k8s.stop()
         for t in self._tasks:

@@ -55,6 +55,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: $KVYARD_PD_KEY_FILE; without one, P/D targets are unsigned "
                         "and kvyard workers refuse them)")
     g.add_argument("--seed", type=int, default=None, help="tie-break RNG seed")
+    g = p.add_argument_group("flow control (the config's flowControl section; flow_control.py)")
+    g.add_argument("--pool-name", default="default",
+                   help="this EPP's pool, as metrics and the KEDA scaler's `pool` name it")
+    g.add_argument("--no-endpoint-ttl", type=float, default=None, metavar="SECONDS",
+                   help="longest a request waits for a ready endpoint (the waiting room, a cold "
+                        "start; default 300) before a 503")
+    g.add_argument("--queue-ttl", type=float, default=None, metavar="SECONDS",
+                   help="longest a request waits in a saturated pool's queue (default 60) "
+                        "before a 429")
+    g.add_argument("--no-flow-control", action="store_true",
+                   help="hold nothing: 503 at once with no endpoint, as a plain router")
     p.add_argument("--log-level", default="info")
 
 
@@ -70,7 +81,9 @@ def config_from_args(args: argparse.Namespace):
         stale_after=args.stale_after, fail_threshold=args.fail_threshold, model=args.model,
         served_model_names=list(args.served_model_name), max_body_bytes=args.max_body_bytes,
         config=args.config, seed=args.seed, destination_fallbacks=args.destination_fallbacks,
-        pd_key_file=args.pd_key_file)
+        pd_key_file=args.pd_key_file, pool_name=args.pool_name,
+        no_endpoint_ttl_s=args.no_endpoint_ttl, queue_ttl_s=args.queue_ttl,
+        flow_control=not args.no_flow_control)
 
 
 def run(args: argparse.Namespace) -> int:

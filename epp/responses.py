@@ -10,7 +10,7 @@ from __future__ import annotations
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
+from google.protobuf import duration_pb2, struct_pb2
 
 from kvyard.common.wire import (
     DESTINATION_HEADER, DESTINATION_METADATA_NAMESPACE, PREFILLER_AUTH_HEADER, PREFILLER_HEADER,
@@ -62,3 +62,11 @@ def immediate(status: int, body: bytes, headers: tuple[tuple[str, str], ...] = (
     return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=status),
         headers=ep.HeaderMutation(set_headers=sets), body=body, details=details))
+
+
+def hold(seconds: float) -> ep.ProcessingResponse:
+    """Tells Envoy to wait up to `seconds` for the real answer (flow control holds the
+    request); Envoy caps it at the filter's max_message_timeout."""
+    d = duration_pb2.Duration()
+    d.FromMilliseconds(int(seconds * 1000))
+    return ep.ProcessingResponse(override_message_timeout=d)

@@ -1,13 +1,16 @@
 """The director: one request's lifecycle in the EPP.
 
-    parse + hash → admission (shedding) → scheduling (profile handler,
-    pre-request hooks) → the answer's headers → post-response (teaching)
+    parse + hash → admission (flow control: shed, queue, or park in the
+    waiting room) → scheduling (profile handler, pre-request hooks) → the
+    answer's headers → post-response (teaching)
 
 `Router.route` is the synchronous CPU part, so `bench_api` can time exactly
 what the ext_proc server runs; `Finisher` is the post-response part, which
 can wait until Envoy has its answer. Each request gets its own cycle state
-(`SchedRequest.cycle`), shared by the plugins that schedule it. Admission is
-today's saturation shedding; flow control plugs in at the same stage.
+(`SchedRequest.cycle`), shared by the plugins that schedule it. Admission
+here is saturation shedding alone (`route`, never waits); the ext_proc
+server runs `prepare`, then flow control (`flow_control.py`), which can hold
+a request and schedules it when it is released.
 """
 from __future__ import annotations
 
@@ -35,17 +38,23 @@ class Router:
     hasher: PromptHasher
     served_models: list[str] = field(default_factory=list)
 
-    def route(self, headers: dict[str, str], body: bytes | None) -> Decision:
-        """The chosen endpoint; raises RequestError for 4xx/5xx answers."""
+    def prepare(self, headers: dict[str, str], body: bytes | None) -> SchedRequest:
+        """Parse and hash (lazily): the request as scheduling sees it; RequestError if bad."""
         now = time.monotonic()
         if body is None:  # no body (GET /v1/models …): any healthy endpoint
-            req = SchedRequest("", _EMPTY, priority_of(headers, self.scheduler.objectives), now,
-                               self.pool.stale_after)
-        else:
-            parsed = parse_request(body, headers.get(":path", "/"), headers, self.served_models,
-                                   self.scheduler.objectives)
-            req = SchedRequest(parsed.model, self.hasher.prompt(parsed), parsed.priority, now,
-                               self.pool.stale_after)
+            return SchedRequest("", _EMPTY, priority_of(headers, self.scheduler.objectives),
+                                now, self.pool.stale_after)
+        parsed = parse_request(body, headers.get(":path", "/"), headers, self.served_models,
+                               self.scheduler.objectives)
+        return SchedRequest(parsed.model, self.hasher.prompt(parsed), parsed.priority, now,
+                            self.pool.stale_after)
+
+    def route(self, headers: dict[str, str], body: bytes | None) -> Decision:
+        """The chosen endpoint now, never held (flow control's holding is the ext_proc
+        server's, `flow_control.py`); raises RequestError for 4xx/5xx answers."""
+        return self.decide(self.prepare(headers, body))
+
+    def decide(self, req: SchedRequest) -> Decision:
         eps = self.pool.all()
         self.admit(req, eps)
         decision = self.scheduler.schedule(req, eps)

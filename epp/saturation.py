@@ -15,11 +15,14 @@ QUEUE_LIMIT = 5.0
 KV_LIMIT = 0.8
 
 
-def pod_saturation(ep: Endpoint) -> float:
-    return max((ep.waiting + ep.pending) / QUEUE_LIMIT, ep.kv_usage / KV_LIMIT)
+def pod_saturation(ep: Endpoint, picks: bool = True) -> float:
+    """`picks`: count our picks not yet in a scrape as queued (shedding does, being
+    cautious; holding does not: a burst is the workers' to batch, not ours to delay)."""
+    queued = ep.waiting + (ep.pending if picks else 0)
+    return max(queued / QUEUE_LIMIT, ep.kv_usage / KV_LIMIT)
 
 
-def pool_saturation(endpoints: Sequence[Endpoint]) -> float:
+def pool_saturation(endpoints: Sequence[Endpoint], picks: bool = True) -> float:
     if not endpoints:
         return 0.0
-    return sum(pod_saturation(e) for e in endpoints) / len(endpoints)
+    return sum(pod_saturation(e, picks) for e in endpoints) / len(endpoints)

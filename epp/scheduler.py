@@ -48,7 +48,9 @@ DEFAULT_PROFILE: dict[str, Any] = {
     "picker": {"type": "max-score"},
 }
 DEFAULT_CONFIG: dict[str, Any] = {**DEFAULT_PROFILE, "blockSize": 64, "objectives": {}}
-_TOP_KEYS = ("blockSize", "objectives", "profileHandler", "profiles", *DEFAULT_PROFILE)
+# flowControl is the admission stage's (flow_config.py), checked by `parse_flow_config`.
+_TOP_KEYS = ("blockSize", "objectives", "profileHandler", "profiles", "flowControl",
+             *DEFAULT_PROFILE)
 
 
 @dataclass(slots=True)

@@ -40,6 +40,11 @@ class Scraper:
     _inflight: dict[str, asyncio.Task] = field(default_factory=dict)
     rounds: int = 0
     observers: list[Callable[[Endpoint, WorkerMetrics, float], None]] = field(default_factory=list)
+    on_scraped: Callable[[], None] | None = None  # after each good scrape (flow control)
+
+    @property
+    def running(self) -> bool:
+        return self._session is not None
 
     async def scrape(self, ep: Endpoint) -> None:
         assert self._session is not None
@@ -72,6 +77,8 @@ class Scraper:
                 fn(ep, m, now)
             except Exception:  # noqa: BLE001 - an observer's bug must not stop the scrapes
                 log.exception("scrape observer %r failed", fn)
+        if self.on_scraped is not None:
+            self.on_scraped()
 
     def _failed(self, ep: Endpoint, why: str, immediate: bool) -> None:
         ep.failures += 1

@@ -16,7 +16,11 @@ message per request, and FailOpen keeps working. We still check
 Order on the stream: request_headers arrives first and is held (unless it
 has end_of_stream, e.g. GET /v1/models, which is routed at once); when the
 body arrives we decide, then answer the headers message with the routing
-mutation and the body message with an empty "continue". Every failure,
+mutation and the body message with an empty "continue". A request flow
+control holds (`flow_control.py`) first gets an `override_message_timeout`
+answer, which tells Envoy to wait past its per-message timeout (up to the
+gateway's max_message_timeout); a client that goes away meanwhile cancels
+this stream, and with it the request's place in the queue. Every failure,
 including our own bugs, becomes an ImmediateResponse: Envoy is never left
 waiting on the stream. A stream that breaks that order (a body or a second
 headers message before the request's headers were answered, which Envoy never
@@ -38,12 +42,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from kvyard.common import pd_auth
 
 from . import responses
+from .flow_control import FlowController
 from .observability import EppMetrics
 from .request import RequestError
 from .router import Finisher, Router
 from .scheduler import Decision
 
 log = logging.getLogger("kvyard.epp")
+HOLD_MARGIN_S = 5.0  # Envoy waits this much past a held request's TTL for our answer
 
 
 def _headers(msg: ep.HttpHeaders) -> dict[str, str]:
@@ -60,29 +66,53 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
     finisher: Finisher
     max_body_bytes: int = 4 * 1024 * 1024
     pd_key: bytes | None = None  # signs x-prefiller-host-port (kvyard.common.pd_auth)
+    flow: FlowController | None = None  # None: nothing is held (429/503 at once)
+
+    def _routing(self, d: Decision, has_body: bool) -> list[ep.ProcessingResponse]:
+        pre = d.prefill.address if d.prefill is not None else None
+        auth = pd_auth.sign(self.pd_key, pre) if pre and self.pd_key else None
+        out = [responses.routing_response(d.destination, pre, auth)]
+        if has_body:
+            out.append(responses.body_continue())
+        return out
+
+    def _refuse(self, e: RequestError) -> ep.ProcessingResponse:
+        self.metrics.error(e.reason)
+        return responses.immediate(e.status, e.body(), e.headers, e.reason)
 
     def _decide(self, headers: dict[str, str],
                 body: bytes | None) -> tuple[list[ep.ProcessingResponse], Decision | None]:
-        """Headers answer (routing or immediate) and, for a body, its continue."""
+        """Headers answer (routing or immediate) and, for a body, its continue; never holds."""
         t0 = time.perf_counter()
         try:
             d = self.router.route(headers, body)
         except RequestError as e:
-            self.metrics.error(e.reason)
-            return [responses.immediate(e.status, e.body(), e.headers, e.reason)], None
+            return [self._refuse(e)], None
         self.metrics.decision(time.perf_counter() - t0, d)
-        pre = d.prefill.address if d.prefill is not None else None
-        auth = pd_auth.sign(self.pd_key, pre) if pre and self.pd_key else None
-        out = [responses.routing_response(d.destination, pre, auth)]
-        if body is not None:
-            out.append(responses.body_continue())
-        return out, d
+        return self._routing(d, body is not None), d
 
     async def _answer(self, headers: dict[str, str] | None,
                       chunks: list[bytes]) -> AsyncIterator[ep.ProcessingResponse]:
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        headers = headers or {}
         await self.finisher.settle()
-        answers, decision = self._decide(headers or {}, body)
+        if self.flow is None:
+            answers, decision = self._decide(headers, body)
+        else:
+            t0 = time.perf_counter()
+            try:
+                req = self.router.prepare(headers, body)
+                d = self.flow.try_now(req)
+                if isinstance(d, str):  # held: tell Envoy to wait, then wait our turn
+                    w = self.flow.enqueue(req, d, len(body), headers)
+                    yield responses.hold(self.flow.remaining_s(w) + HOLD_MARGIN_S)
+                    t0 = time.perf_counter()
+                    d = await self.flow.wait(w)
+            except RequestError as e:
+                yield self._refuse(e)
+                return
+            self.metrics.decision(time.perf_counter() - t0, d)
+            answers, decision = self._routing(d, True), d
         if decision is not None:
             # Registered before Envoy gets the answer (the hashing itself runs
             # in the finisher's thread): code after the last `yield` only runs

@@ -1,6 +1,7 @@
 """The ext_proc server driven by a real grpc.aio client, as Envoy drives it."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 from kvyard.common.wire import (
@@ -93,11 +94,13 @@ async def test_client_errors_are_immediate_responses(fake_vllm, epp, xp):
 
 
 async def test_no_endpoint_is_503_and_server_keeps_serving(epp, xp, free_port):
-    app = await epp([])
+    # The waiting room holds the request (Envoy is told to wait), then its TTL ends it.
+    app = await epp([], no_endpoint_ttl_s=0.05)
     for _ in range(2):
         resps = await xp.exchange(app.ports["ext_proc"],
                                   [xp.headers_msg(xp.chat_headers()), xp.body_msg(CHAT)])
-        code, err, hdrs = _immediate(resps)
+        assert resps[0].HasField("override_message_timeout"), resps
+        code, err, hdrs = _immediate(resps[1:])
         assert code == 503 and err["error"]["type"] == "server_error"
         assert err["error"]["code"] == "rejected-no-endpoints"
         assert hdrs[DROPPED_REASON_HEADER] == "rejected-no-endpoints" and hdrs["retry-after"]
@@ -134,11 +137,15 @@ async def test_sheddable_request_gets_429_when_saturated(fake_vllm, epp, xp):
     assert code == 429 and hdrs[DROPPED_REASON_HEADER] == "rejected-saturated"
     assert err["error"]["type"] == "rate_limit_error"
     assert err["error"]["code"] == "rejected-saturated"
-    # Critical traffic is still routed to the saturated pool.
-    resps = await xp.exchange(app.ports["ext_proc"],
-                              [xp.headers_msg(xp.chat_headers()), xp.body_msg(CHAT)])
-    assert xp.set_headers(resps[0])[DESTINATION_HEADER] == w.address
+    # Critical traffic is held while the pool is saturated, and routed once it is not.
+    held = asyncio.ensure_future(xp.exchange(
+        app.ports["ext_proc"], [xp.headers_msg(xp.chat_headers()), xp.body_msg(CHAT)]))
+    await xp.wait_for(lambda: app.demand.queued["decode"] == 1, what="queued")
+    assert not held.done()
     w.waiting = 0
+    resps = await asyncio.wait_for(held, 5)
+    assert resps[0].HasField("override_message_timeout")
+    assert xp.set_headers(resps[1])[DESTINATION_HEADER] == w.address
     await xp.wait_for(lambda: app.pool.get(w.address).waiting == 0, what="scrape")
     resps = await xp.exchange(app.ports["ext_proc"], [xp.headers_msg(shed), xp.body_msg(CHAT)])
     assert resps[0].WhichOneof("response") == "request_headers"

@@ -41,6 +41,6 @@ async def test_sleeping_endpoint_gets_no_traffic_until_it_wakes(fake_vllm, epp, 
 
 async def test_all_asleep_is_no_endpoint(fake_vllm, epp, xp):
     w = await fake_vllm(sleeping=1.0)
-    app = await epp([w])
+    app = await epp([w], no_endpoint_ttl_s=0.05)  # held in the waiting room, then a 503
     await xp.wait_for(lambda: app.pool.get(w.address).sleeping, what="scraped asleep")
     assert (await _dest(xp, app)).startswith("status")
