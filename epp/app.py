@@ -30,6 +30,7 @@ from .health import SERVER_OPTIONS, HealthServer, bind
 from .observability import EppMetrics, debug_app
 from .prompt import PromptHasher
 from .router import Finisher, Router
+from .scaler import ScalerServer
 from .scheduler import build_scheduler, load_config, with_fallbacks
 from .scraper import Scraper
 from .server import ExtProcServicer
@@ -66,6 +67,8 @@ class EppConfig:
     no_endpoint_ttl_s: float | None = None
     queue_ttl_s: float | None = None
     pool_name: str = "default"
+    # KEDA's external scaler (scaler.py); None: not served (`kvyard epp` defaults to 9004).
+    scaler_port: int | None = None
     seed: int | None = None
 
 
@@ -102,6 +105,7 @@ class EppApp:
     demand: Demand = field(default_factory=Demand)
     flow: FlowController | None = field(init=False)
     scraper: Scraper | None = None
+    scaler: ScalerServer | None = field(init=False)
     tokenizer_state: str = "none"  # none | loading | loaded | failed
     _grpc: grpc.aio.Server | None = None
     _health: HealthServer | None = None
@@ -132,6 +136,10 @@ class EppApp:
                              [*sched.objectives.values(), *fc.bands])
             self.flow = FlowController(fc, self.pool, sched, self.demand, fm)
             self.pool.on_change(self._membership_changed)
+        self.scaler = None
+        if c.scaler_port is not None:
+            self.scaler = ScalerServer(self.pool, self.demand, c.pool_name)
+            self.scaler.register(self.metrics.registry)
 
     def _membership_changed(self) -> None:
         """A joining endpoint is scraped at once, so the waiting room is released the
@@ -149,7 +157,8 @@ class EppApp:
         return {"tokenizer": self.tokenizer_state, "prefix_hash": h.mode,
                 "served_models": self.router.served_models,
                 "index_backlog": self.finisher.backlog, "index_skipped": self.finisher.skipped,
-                "flow": self.flow.snapshot() if self.flow is not None else None}
+                "flow": self.flow.snapshot() if self.flow is not None else None,
+                "scaler": self.scaler.snapshot() if self.scaler is not None else None}
 
     async def start(self) -> None:
         c = self.cfg
@@ -169,6 +178,8 @@ class EppApp:
         site = web.TCPSite(self._web, c.host, c.metrics_port)
         await site.start()
         self.ports["metrics"] = self._web.addresses[0][1]
+        if self.scaler is not None:
+            self.ports["scaler"] = await self.scaler.start(c.host, c.scaler_port)
         if c.endpoints:
             self.pool.set_source("static", c.endpoints)
         if c.endpoints_file:
@@ -182,6 +193,8 @@ class EppApp:
         scraper = Scraper(self.pool, c.scrape_interval, c.scrape_timeout, c.fail_threshold)
         if self.flow is not None:
             scraper.on_scraped = self.flow.release
+        if self.scaler is not None:
+            scraper.observers.append(self.scaler.observe)
         self.scraper = scraper
         self._tasks.append(asyncio.create_task(scraper.run()))
         if c.model.lower() != "none":
@@ -216,6 +229,8 @@ class EppApp:
         self._tasks.clear()
         if self._health is not None:
             await self._health.stop()
+        if self.scaler is not None:
+            await self.scaler.stop()
         if self._grpc is not None:
             await self._grpc.stop(0.5)
         if self._web is not None:

@@ -22,11 +22,13 @@ def _endpoint(value: str):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("ports")
-    g.add_argument("--host", default="0.0.0.0", help="bind address for all three servers")
+    g.add_argument("--host", default="0.0.0.0", help="bind address for all the servers")
     g.add_argument("--ext-proc-port", type=int, default=wire.EPP_EXT_PROC_PORT)
     g.add_argument("--health-port", type=int, default=wire.EPP_HEALTH_PORT)
     g.add_argument("--metrics-port", type=int, default=wire.EPP_METRICS_PORT,
                    help="Prometheus /metrics and /debug/endpoints")
+    g.add_argument("--scaler-port", type=int, default=wire.EPP_SCALER_PORT,
+                   help="KEDA's external scaler (gRPC externalscaler.ExternalScaler); -1: off")
     g = p.add_argument_group("endpoints")
     g.add_argument("--endpoint", action="append", default=[], type=_endpoint,
                    metavar="IP:PORT[=ROLE]", help="a fixed endpoint (repeatable)")
@@ -82,6 +84,7 @@ def config_from_args(args: argparse.Namespace):
         served_model_names=list(args.served_model_name), max_body_bytes=args.max_body_bytes,
         config=args.config, seed=args.seed, destination_fallbacks=args.destination_fallbacks,
         pd_key_file=args.pd_key_file, pool_name=args.pool_name,
+        scaler_port=None if args.scaler_port < 0 else args.scaler_port,
         no_endpoint_ttl_s=args.no_endpoint_ttl, queue_ttl_s=args.queue_ttl,
         flow_control=not args.no_flow_control)
 
