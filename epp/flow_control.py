@@ -79,20 +79,17 @@ class _Band:
             return q[0]
         return None
 
-    def pop_head(self) -> None:
-        """Remove the head and move its flow to the back (round robin)."""
-        flow, q = next(iter(self.flows.items()))
-        q.popleft()
-        self.flows.move_to_end(flow)
-        if not q:
-            del self.flows[flow]
-
     def remove(self, w: Waiter) -> None:
+        """Out of its flow; a flow whose head leaves goes to the back (round robin)."""
         q = self.flows.get(w.flow)
-        if q is not None and w in q:
-            q.remove(w)
-            if not q:
-                del self.flows[w.flow]
+        if q is None or w not in q:
+            return
+        was_head = q[0] is w and next(iter(self.flows)) == w.flow
+        q.remove(w)
+        if not q:
+            del self.flows[w.flow]
+        elif was_head:
+            self.flows.move_to_end(w.flow)
 
 
 @dataclass(slots=True)
