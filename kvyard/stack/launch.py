@@ -60,6 +60,7 @@ class StackSpec:
     epp_ports: tuple[int | None, int | None, int | None] = (
         wire.EPP_EXT_PROC_PORT, wire.EPP_HEALTH_PORT, wire.EPP_METRICS_PORT)
     admin_port: int | None = 9901
+    scaler_port: int | None = wire.EPP_SCALER_PORT  # the EPP's KEDA scaler; taken: any free
     envoy_concurrency: int = 1
     body_limit_bytes: int = 4 * 1024 * 1024
     ready_timeout_s: float = 180.0
@@ -315,13 +316,15 @@ def start_stack(spec: StackSpec) -> StackState:
         procs.wait_ready(checks, spec.ready_timeout_s)
         epp_ports = tuple(procs.free_port(p, taken) for p in spec.epp_ports)
         endpoints_file = write_endpoints(run / "endpoints.yaml", addresses, roles)
-        epp_args = list(spec.epp_args)
+        scaler_port = procs.free_port(spec.scaler_port, taken)
+        epp_args = ["--scaler-port", str(scaler_port), *spec.epp_args]
         if pd_key is not None:
             epp_args = ["--config", str(pd_scheduler_config()), "--pd-key-file", str(pd_key),
                         *epp_args]
         epp = procs.spawn("epp", epp_cmd(spec.model, epp_ports, endpoints_file, epp_args),
-                          logs / "epp.log", ports=dict(zip(("ext_proc", "health", "metrics"),
-                                                           epp_ports)))
+                          logs / "epp.log", ports={**dict(zip(("ext_proc", "health", "metrics"),
+                                                              epp_ports)),
+                                                   "scaler": scaler_port})
         started.add(epp)
         metrics_url = f"http://127.0.0.1:{epp_ports[2]}"
         gw_port = procs.free_port(spec.gateway_port, taken)
