@@ -18,20 +18,11 @@ Layout (one job per module):
 * `health`, `observability` — gRPC health and Prometheus + /debug/endpoints.
 * `app` wires it all; `cli` is `kvyard epp`; `bench_api` times decisions.
 
-Extension points, deliberately not implemented yet:
+Extension point, deliberately not implemented yet:
 
-* Decode-first P/D profile handler: a `profile.PROFILE_HANDLERS` entry that
-  runs a decode profile, reads that pick's prefix match from the cycle state
-  (`cycle.PREFIX_MATCHES`) and, when the uncached tokens exceed a threshold,
-  runs a prefill profile over `role in (prefill, both)` endpoints;
-  `responses.routing_response` takes the prefiller address.
 * Precise prefix scorer: a scorer with the same interface as
   `plugins.PrefixCacheScorer` whose index is fed by vLLM KV events (ZMQ,
   protocols §4) instead of by our own routing decisions. Because both use
   `kvyard.common.hashing.block_hashes` over real token ids, the request side
   (`prompt.PromptHasher`) is already shared.
-* Waiting room for pools scaled to zero: today an empty candidate set is an
-  immediate 503. A flow-control stage between `request` parsing and
-  `scheduler.schedule` could park the stream (ext_proc lets us answer later)
-  until an endpoint appears or a TTL expires.
 """

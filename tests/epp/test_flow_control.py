@@ -182,3 +182,13 @@ def test_flow_config_durations_and_bands():
                            "priorityBands": [{"priority": -1, "maxRequests": 7}]})
     assert c.default_ttl_s == 0.5 and c.no_endpoint_ttl_s == 600.0
     assert c.band(-1).max_requests == 7 and c.band(0).max_requests == c.max_requests
+
+
+def test_example_config_documents_the_flow_control_defaults():
+    from pathlib import Path
+
+    import kvyard.epp
+    from kvyard.epp.flow_config import FlowConfig
+    from kvyard.epp.scheduler import load_config
+    raw = load_config(Path(kvyard.epp.__file__).parent / "scheduler.example.yaml")
+    assert parse_flow_config(raw["flowControl"]) == FlowConfig()
