@@ -155,15 +155,13 @@ def wake_times(torch, args: argparse.Namespace) -> dict[str, Any]:
         gc.collect()   # the arenas go with the last tensor that views them
         torch.cuda.empty_cache()
         if args.wake_plain_rounds:   # the same run's baseline: plain allocations, graphs re-captured
-            from kvyard.workers.engine import model_runner
+            from unittest import mock
+
+            from kvyard.workers.engine.sleep_arena import SleepArenas
 
             model, cfg = load_model(resolve_model(d), torch.bfloat16, 4096, device="cuda")
-            orig = model_runner.ModelRunner.__init__.__kwdefaults__["fixed_addresses"]
-            model_runner.ModelRunner.__init__.__kwdefaults__["fixed_addresses"] = False
-            try:
+            with mock.patch.object(SleepArenas, "create", lambda *a, **k: None):   # as without the VMM API
                 llm = LLM(engine=LLMEngine(conf, model, cfg, None))
-            finally:
-                model_runner.ModelRunner.__init__.__kwdefaults__["fixed_addresses"] = orig
             del model
             assert llm.engine.runner.arenas is None
             out["plain"] = _levels(torch, llm, args.wake_plain_rounds, "plain")

@@ -107,6 +107,7 @@ class SleepArenas:
     kv_caches: list[torch.Tensor]
     host: torch.Tensor | None = None           # pinned copy of the weight arena (level 1)
     host_valid: bool = False
+    ring: Any = None                           # fast_reload.PinnedRing (level 2), kept once made
     parts: dict[str, float] = field(default_factory=dict)   # the last sleep's / wake's timed steps
 
     @classmethod
@@ -172,15 +173,21 @@ class SleepArenas:
             p["d2h_s"] = time.perf_counter() - t1
         elif level == 2:
             self.host, self.host_valid = None, False   # level 2 keeps no copy of the weights
+            if self.ring is None:
+                from .fast_reload import PinnedRing
+
+                self.ring = PinnedRing()
+                p["pin_ring_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         self.weights.release()
         self.kv.release()
         p["unmap_s"] = time.perf_counter() - t1
         self.parts = p
 
-    def wake(self, reload: Callable[[], Any]) -> None:
-        """Map both arenas back; the weights from the host copy (level 1) or from `reload()`,
-        a freshly built model of the same shape (level 2); the KV cache zeroed."""
+    def wake(self, model: Any, reload: Callable[[dict[str, float]], Any]) -> None:
+        """Map both arenas back; `model`'s weights from the host copy (level 1) or from
+        `reload(parts)`, a freshly built model of the same structure (level 2); the KV cache
+        zeroed."""
         p: dict[str, float] = {}
         t0 = time.perf_counter()
         self.weights.map()
@@ -193,10 +200,10 @@ class SleepArenas:
             p["h2d_s"] = time.perf_counter() - t1
         else:
             t1 = time.perf_counter()
-            fresh = reload()
+            fresh = reload(p)
             p["load_s"] = time.perf_counter() - t1
             t1 = time.perf_counter()
-            self._adopt(fresh, dst)
+            self._adopt(model, fresh)
             del fresh
             torch.cuda.empty_cache()
             p["adopt_s"] = time.perf_counter() - t1
@@ -207,14 +214,17 @@ class SleepArenas:
         p["map_kv_s"] = time.perf_counter() - t1
         self.parts = p
 
-    def _adopt(self, fresh: Any, dst: torch.Tensor) -> None:
+    @staticmethod
+    def _adopt(model: Any, fresh: Any) -> None:
+        """Copy a freshly built model's tensors into the sleeping one's, pairwise in the walk's
+        order (same build, same order; their storages may differ: a reload may hand out views)."""
         from .sleep_mode import _tensors
 
-        storages = distinct_storages(_tensors(fresh), "cuda")
-        got = [s.nbytes() for s in storages]
-        if got != self.weight_sizes:
-            raise RuntimeError(f"reloaded model does not match the sleeping one: {len(got)} storages "
-                               f"({sum(got)} B) vs {len(self.weight_sizes)} ({sum(self.weight_sizes)} B)")
-        for s, off in zip(storages, self.weight_offsets):
-            dst[off:off + s.nbytes()].copy_(torch.empty(0, dtype=torch.uint8, device=dst.device).set_(s))
+        mine = [t for t in _tensors(model) if t.device.type == "cuda"]
+        new = [t for t in _tensors(fresh) if t.device.type == "cuda"]
+        if len(mine) != len(new) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(mine, new)):
+            raise RuntimeError(f"reloaded model does not match the sleeping one ({len(new)} vs {len(mine)} "
+                               "tensors, or their shapes)")
+        for a, b in zip(mine, new):
+            a.copy_(b)
         torch.cuda.synchronize()

@@ -158,13 +158,21 @@ class SleepMode:
         if cuda:
             torch.cuda.empty_cache()
 
-    def _reload(self) -> Any:
+    def _reload(self, parts: dict[str, float] | None = None) -> Any:
+        """The model from its source again: an HF directory into the arenas streamed by
+        fast_reload.py, anything else (GGUF, no arenas) through the loader."""
         from kvyard.common.models import resolve_model
         from kvyard.workers.model import load_model
 
         eng = self.engine
-        cfg = eng.config
-        model, _ = load_model(resolve_model(cfg.model), eng.dtype, cfg.max_model_len, device=eng.runner.device)
+        cfg, runner = eng.config, eng.runner
+        src = resolve_model(cfg.model)
+        arenas = getattr(runner, "arenas", None)
+        if arenas is not None and arenas.ring is not None and src.kind == "hf":
+            from .fast_reload import reload_hf
+
+            return reload_hf(src.path, eng.dtype, cfg.max_model_len, runner.device, arenas.ring, parts)
+        model, _ = load_model(src, eng.dtype, cfg.max_model_len, device=runner.device)
         return model
 
     @torch.inference_mode()
@@ -175,7 +183,7 @@ class SleepMode:
         runner = self.engine.runner
         arenas = getattr(runner, "arenas", None)
         if arenas is not None:
-            arenas.wake(self._reload)
+            arenas.wake(runner.model, self._reload)
             self.last_parts = dict(arenas.parts)
         else:
             self._wake_plain()
