@@ -21,7 +21,7 @@ fallback stands.
   sequence's TPOT `t = b·Δt / g`. The samples fit `t = a + c·b` by least
   squares with forgetting; the capacity at a TPOT objective is the batch
   `(objective − a) / c` at which the fit reaches it. Without a spread of batch
-  sizes (or a slope that is not positive) it is the proportional estimate
+  sizes (or a slope too small to tell from flat) it is the proportional estimate
   `objective · b̄ / t̄`, which assumes TPOT grows in proportion to the batch and
   therefore errs towards more replicas.
 """
@@ -36,6 +36,9 @@ _EWMA = 0.3  # weight of a new window: a few windows to settle, one outlier does
 _FORGET = 0.97  # per-window forgetting of the TPOT fit: about 30 windows of memory
 _MIN_SPREAD = 0.25  # variance of batch sizes (sequences²) below which the slope is not trusted
 _MIN_GEN_TOKENS = 4  # fewer generated tokens in a window say nothing about TPOT
+# A slope that explains less than this share of the mean TPOT is noise: extrapolating a
+# flat line would promise unbounded batches.
+_MIN_SLOPE_SHARE = 0.05
 
 
 @dataclass(slots=True)
@@ -104,7 +107,7 @@ class RoleCapacity:
         var = self._sbb / self._w - mb * mb
         if var >= _MIN_SPREAD:
             c = (self._sbt / self._w - mb * mt) / var
-            if c > 0.0:
+            if c > 0.0 and c * mb >= _MIN_SLOPE_SHARE * mt:
                 a = mt - c * mb
                 return max(1.0, (tpot_objective_s - a) / c)
         return max(1.0, tpot_objective_s * mb / mt) if mt > 0.0 else 1.0

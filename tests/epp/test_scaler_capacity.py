@@ -134,3 +134,68 @@ async def test_capacity_is_measured_from_scrapes_and_drives_the_metric(free_port
         await ch.close()
         await scaler.stop()
         await runner.cleanup()
+
+
+def test_parser_reads_the_counters_summed_and_none_when_absent():
+    from kvyard.epp.metrics_parse import parse_vllm_metrics
+
+    m = parse_vllm_metrics(
+        'vllm:prompt_tokens_total{engine="0"} 100\nvllm:prompt_tokens_total{engine="1"} 20\n'
+        'vllm:generation_tokens_total{engine="0"} 7.0\n'
+        'vllm:request_success_total{finished_reason="stop"} 2\n'
+        'vllm:request_success_total{finished_reason="length"} 1\n'
+        'vllm:request_success_created{finished_reason="stop"} 1.7e9\n')
+    assert (m.prompt_tokens, m.generation_tokens, m.finished) == (120.0, 7.0, 3.0)
+    bare = parse_vllm_metrics("vllm:num_requests_running 1\n")
+    assert (bare.prompt_tokens, bare.generation_tokens, bare.finished) == (None, None, None)
+
+
+def _feed(cap, ep, windows, batch, tpot, t0=0.0, prompt_rate=0.0, waiting=0.0):
+    """Scrapes every 0.05 s of an engine at `batch` sequences and per-sequence `tpot`."""
+    from kvyard.epp.metrics_parse import WorkerMetrics
+
+    t, gen, prompt = t0, 0.0, 0.0
+    for _ in range(int(windows * cap.window_s / 0.05) + 1):
+        cap.observe(ep, WorkerMetrics(running=batch, waiting=waiting, prompt_tokens=prompt,
+                                      generation_tokens=gen, finished=0.0), t)
+        t += 0.05
+        gen += batch * 0.05 / tpot
+        prompt += prompt_rate * 0.05
+    return t
+
+
+def test_tpot_fit_edge_cases():
+    from kvyard.epp.capacity import Capacity
+    from kvyard.epp.endpoints import Endpoint
+
+    fb_cap = Capacity()
+    assert fb_cap.role("decode").decode_sequences(0.05, fb_cap.fallback) == 16  # 0.05*8/0.025
+    # one batch size only: proportional, TPOT assumed to grow with the batch (conservative)
+    cap, ep = Capacity(), Endpoint("a:1", "decode")
+    _feed(cap, ep, 5, batch=4, tpot=0.01)
+    assert cap.role("decode").decode_sequences(0.05, cap.fallback) == pytest.approx(20, rel=0.05)
+    # TPOT that does not grow with the batch: no positive slope, proportional again
+    cap, ep = Capacity(), Endpoint("a:1", "decode")
+    t = _feed(cap, ep, 5, batch=4, tpot=0.02)
+    cap.forget(ep.address)
+    _feed(cap, ep, 5, batch=12, tpot=0.02, t0=t)
+    assert cap.role("decode").decode_sequences(0.05, cap.fallback) == pytest.approx(20, rel=0.05)
+    # a prefill endpoint's windows teach prefill only; a queue throughout = at capacity
+    cap, ep = Capacity(), Endpoint("p:1", "prefill")
+    _feed(cap, ep, 5, batch=2, tpot=0.01, prompt_rate=5000.0, waiting=3)
+    rc = cap.role("prefill")
+    assert not rc.decode_measured and rc.prefill_tokens_per_s == pytest.approx(5000, rel=0.05)
+
+
+def test_counter_reset_restarts_the_window():
+    from kvyard.epp.capacity import Capacity
+    from kvyard.epp.endpoints import Endpoint
+    from kvyard.epp.metrics_parse import WorkerMetrics
+
+    cap, ep = Capacity(window_s=1.0), Endpoint("a:1", "both")
+    cap.observe(ep, WorkerMetrics(running=1, prompt_tokens=1e6, generation_tokens=1e6), 0.0)
+    # the worker restarted: counters back near zero; no negative (or huge) rate is learned
+    cap.observe(ep, WorkerMetrics(running=1, prompt_tokens=10, generation_tokens=10), 0.5)
+    cap.observe(ep, WorkerMetrics(running=1, prompt_tokens=510, generation_tokens=60), 1.6)
+    rc = cap.role("both")
+    assert rc.windows == 1 and rc.prefill_tokens_per_s == pytest.approx(500 / 1.1)
