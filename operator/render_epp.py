@@ -15,6 +15,7 @@ import yaml
 from kvyard.common import wire
 
 from . import render_common as rc
+from .render_scaling import pool_name
 from .render_workers import PD_KEY_DIR, PD_KEY_FILE, pd_secret_name
 from .spec import ServiceSpec
 
@@ -70,6 +71,7 @@ def epp_args(s: ServiceSpec, model_arg: str) -> list[str]:
     args = ["epp", "--host", "0.0.0.0", "--ext-proc-port", str(wire.EPP_EXT_PROC_PORT),
             "--health-port", str(wire.EPP_HEALTH_PORT),
             "--metrics-port", str(wire.EPP_METRICS_PORT),
+            "--scaler-port", str(wire.EPP_SCALER_PORT), "--pool-name", pool_name(s),
             "--k8s-namespace", s.namespace, "--k8s-selector", selector,
             "--target-port", str(wire.WORKER_HTTP_PORT),
             "--model", epp_model_arg(s, model_arg),

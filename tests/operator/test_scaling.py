@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvyard.cli import build_parser
 from kvyard.operator import rbac
 from kvyard.operator.render import render_all
 from kvyard.operator.spec import parse
@@ -104,6 +105,8 @@ def test_the_epp_serves_the_scaler_port() -> None:
     epp = by_kind(children, "Deployment")["demo-epp"]
     (c,) = epp["spec"]["template"]["spec"]["containers"]
     assert {"name": "scaler", "containerPort": 9004, "protocol": "TCP"} in c["ports"]
+    a = build_parser(c["args"]).parse_args(c["args"])  # the real `kvyard epp` parser
+    assert (a.scaler_port, a.pool_name) == (9004, "demo")  # = scalerMetadata.pool
     ports = {p["name"]: p for p in by_kind(children, "Service")["demo-epp"]["spec"]["ports"]}
     assert ports["scaler"] == {"name": "scaler", "port": 9004, "targetPort": "scaler",
                                "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"}
