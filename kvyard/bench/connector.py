@@ -32,6 +32,7 @@ import os
 import statistics
 import time
 
+from kvyard.bench import connector_stall
 from kvyard.bench.kvstore import LAYOUTS  # the same two block layouts as the kvstore bench
 
 MODES = ("pinned", "pinned-staged", "pageable")
@@ -44,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dram-gb", type=float, default=1.0, help="each connector's DRAM tier")
     p.add_argument("--device", default="cuda")
     p.add_argument("--json", action="store_true")
+    connector_stall.add_arguments(p)
 
 
 def _median_rate(nbytes: int, times: list[float]) -> float:
@@ -198,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
 
     from kvyard.bench.report import Report
 
+    if args.stall:
+        return connector_stall.run_stall(args)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("kvyard bench connector: no CUDA device here (it measures CUDA caches)", flush=True)
         return 2
