@@ -87,7 +87,13 @@ def stream_files(files: list[Path], device: torch.device, ring: PinnedRing) -> t
     cuda = device.type == "cuda"
     fds = {f: os.open(f, os.O_RDONLY) for f in files}
 
+    inference = torch.is_inference_mode_enabled()   # thread-local: the readers take the caller's
+
     def reader(i: int) -> int:
+        with torch.inference_mode(inference):
+            return read_pieces(i)
+
+    def read_pieces(i: int) -> int:
         slot = ring.slots[i]
         view = memoryview(slot.numpy())
         stream = torch.cuda.Stream(device) if cuda else None
