@@ -78,6 +78,13 @@ class StackSpec:
     # P/D: prefill + decode workers instead of `workers` colocated ones (both 0: colocated).
     prefill: int = 0
     decode: int = 0
+    # Scale to zero (colocated pools): an autoscaler (kvyard.stack.autoscale), a KEDA client
+    # of the EPP's scaler, scales the workers between 0 and `workers`.
+    scale_to_zero: bool = False
+    idle_seconds: float = 300.0   # KEDA's cooldownPeriod
+    polling_seconds: float = 5.0  # KEDA's pollingInterval (30 s there; the push wakes at once)
+    scale_window_s: float = 30.0  # scale-down stabilization between 1 and `workers`
+    pool_name: str = "local"      # the EPP's --pool-name, the autoscaler's scalerMetadata.pool
 
     @property
     def disaggregated(self) -> bool:
@@ -103,13 +110,16 @@ class StackState:
     spec: dict = field(default_factory=dict)
     # `kvyard up`'s supervisor (kvyard.stack.supervise), which restarts what dies
     supervisor: Proc | None = None
+    # scale to zero: the scaled pool (kvyard.stack.resize.Pool.to_json), else None
+    scaling: dict | None = None
 
     def save(self) -> None:
         data = {"run_dir": self.run_dir, "gateway_url": self.gateway_url,
                 "admin_url": self.admin_url, "epp_metrics_url": self.epp_metrics_url,
                 "endpoints": self.endpoints, "procs": [p.to_json() for p in self.procs],
                 "spec": self.spec,
-                "supervisor": self.supervisor.to_json() if self.supervisor else None}
+                "supervisor": self.supervisor.to_json() if self.supervisor else None,
+                "scaling": self.scaling}
         path = Path(self.run_dir) / STATE_FILE
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=2))
@@ -125,7 +135,7 @@ class StackState:
         return cls(run_dir=d["run_dir"], gateway_url=d["gateway_url"], admin_url=d["admin_url"],
                    epp_metrics_url=d["epp_metrics_url"], endpoints=d["endpoints"],
                    procs=[Proc(**p) for p in d["procs"]], spec=d.get("spec", {}),
-                   supervisor=Proc(**sup) if sup else None)
+                   supervisor=Proc(**sup) if sup else None, scaling=d.get("scaling"))
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
@@ -162,7 +172,7 @@ def py_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def worker_cmd(spec: StackSpec, port: int, extra: list[str] | None = None,
+def worker_cmd(spec: StackSpec, port: int | str, extra: list[str] | None = None,
                kv_args: list[str] | None = None, role: str = "both",
                pd_key: Path | None = None) -> list[str]:
     addr = f"127.0.0.1:{port}"
@@ -317,7 +327,8 @@ def start_stack(spec: StackSpec) -> StackState:
         epp_ports = tuple(procs.free_port(p, taken) for p in spec.epp_ports)
         endpoints_file = write_endpoints(run / "endpoints.yaml", addresses, roles)
         scaler_port = procs.free_port(spec.scaler_port, taken)
-        epp_args = ["--scaler-port", str(scaler_port), *spec.epp_args]
+        epp_args = ["--scaler-port", str(scaler_port), "--pool-name", spec.pool_name,
+                    *spec.epp_args]
         if pd_key is not None:
             epp_args = ["--config", str(pd_scheduler_config()), "--pd-key-file", str(pd_key),
                         *epp_args]
@@ -338,6 +349,8 @@ def start_stack(spec: StackSpec) -> StackState:
         admin_url = f"http://127.0.0.1:{admin_port}"
         procs.wait_ready([(epp, epp_sees(metrics_url, len(roles))),
                           (envoy, _ready_check(admin_url + "/ready"))], spec.ready_timeout_s)
+        scaling = _start_autoscaler(spec, run, started, scaler_port, kv_args, kv_env_files,
+                                    len(roles)) if spec.scale_to_zero else None
     except BaseException:
         procs.stop([p.pid for p in reversed(started)])
         (run / STATE_FILE).unlink(missing_ok=True)
@@ -348,9 +361,31 @@ def start_stack(spec: StackSpec) -> StackState:
                                             "prefill": spec.prefill, "decode": spec.decode,
                                             "dtype": spec.dtype, "standin": spec.standin,
                                             "kv_pool_tier": spec.kv_pool_tier if spec.kv_tiers
-                                            else None, "started": time.time()})
+                                            else None, "started": time.time(),
+                                            "scale_to_zero": spec.scale_to_zero},
+                       scaling=scaling)
     state.save()
     return state
+
+
+def _start_autoscaler(spec: StackSpec, run: Path, started: "_Started", scaler_port: int,
+                      kv_args: list[str], kv_env_files: dict[str, str], n: int) -> dict:
+    """The scaled pool's record (its worker command with `{port}` to fill in) and the
+    autoscaler process, KEDA's part, started once the EPP's scaler serves."""
+    from kvyard.stack import autoscale, resize
+
+    if spec.disaggregated:
+        raise ValueError("scale to zero runs colocated pools (--workers), not P/D")
+    pool = resize.Pool(role="both", template=worker_cmd(spec, resize.PORT, kv_args=kv_args),
+                       env_files=kv_env_files, min_replicas=0, max_replicas=n, next_index=n,
+                       pool=spec.pool_name)
+    target = autoscale.Target(spec.pool_name, "both", 0, n, spec.idle_seconds,
+                              spec.polling_seconds, spec.scale_window_s)
+    (run / autoscale.FILE).unlink(missing_ok=True)  # a previous stack's wishes are not ours
+    cmd = autoscale.command(run, f"127.0.0.1:{scaler_port}", target, n)
+    started.add(procs.spawn("autoscaler", cmd, run / "logs" / "autoscaler.log",
+                            ports={"scaler": scaler_port}))
+    return pool.to_json()
 
 
 def stack_alive(state: StackState) -> bool:

@@ -198,6 +198,44 @@ def supervisor_view(state) -> dict:
                          for p in state.procs if p.restarts}}
 
 
+def autoscaler_view(state, epp_doc: object = None) -> dict | None:
+    """`kvyard up --scale-to-zero`'s autoscaler: the workers running against what it wants,
+    what it last saw (autoscale.json), whether it runs, and the requests the EPP holds
+    meanwhile (/debug/endpoints' flow entry); None without scale to zero."""
+    if not state.scaling:
+        return None
+    from pathlib import Path
+
+    from kvyard.stack import autoscale, procs, resize
+
+    doc = autoscale.read_file(Path(state.run_dir)) or {}
+    proc = next((p for p in state.procs if p.name == "autoscaler"), None)
+    pools = doc.get("pools") or [{}]
+    flow = (epp_doc.get("flow") if isinstance(epp_doc, dict) else None) or {}
+    return {"running": bool(proc and procs.is_ours(proc)),
+            "parked": flow.get("parked"), "oldest_wait_s": flow.get("oldest_wait_s"),
+            "workers": sum(1 for p in state.procs if resize.is_worker(p)),
+            "streams": doc.get("streams", {}), "pushes": doc.get("pushes", 0),
+            "last_error": doc.get("last_error", ""), **{k: pools[0].get(k) for k in (
+                "pool", "role", "replicas", "min", "max", "active", "metric", "reason",
+                "idle_s", "cooldown_s")}}
+
+
+def fmt_autoscaler(a: dict | None) -> str | None:
+    if a is None:
+        return None
+    if not a["running"]:
+        return f"autoscaler: not running; workers {a['workers']}"
+    at_zero = " (scaled to zero: a request starts one)" if a["workers"] == 0 else ""
+    if a["parked"]:
+        at_zero += f", {a['parked']} request(s) parked (oldest {a['oldest_wait_s']:g}s)"
+    idle = "" if a["idle_s"] is None else f", idle {a['idle_s']:g}s of {a['cooldown_s']:g}s"
+    streams = ", ".join(f"{k} {v}" for k, v in a["streams"].items()) or "none"
+    return (f"autoscaler: workers {a['workers']}{at_zero}, wants {a['replicas']} "
+            f"[{a['min']}..{a['max']}] ({a['reason']}{idle}); stream {streams}; "
+            f"wake-ups {a['pushes']}")
+
+
 def run(args: argparse.Namespace) -> int:
     from kvyard.stack import procs
     from kvyard.stack.launch import StackState, parse_endpoints
@@ -223,9 +261,10 @@ def run(args: argparse.Namespace) -> int:
             r["pd"] = pd
     sup = supervisor_view(state)
     scaler = epp_scaler(doc, state.epp_metrics_url, stack_roles(state.spec))
+    auto = autoscaler_view(state, doc)
     if args.json:
         print(json.dumps({"gateway": state.gateway_url, "endpoints": rows, "supervisor": sup,
-                          "scaler": scaler}, indent=2))
+                          "scaler": scaler, "autoscaler": auto}, indent=2))
         return 0
     print(f"gateway: {state.gateway_url}")
     cols = (*COLUMNS, "kvstore", "handoffs")
@@ -237,6 +276,8 @@ def run(args: argparse.Namespace) -> int:
         print("  ".join(v.ljust(w) for v, w in zip(x, widths)).rstrip())
     print(_fmt_supervisor(sup))
     print(fmt_scaler(scaler))
+    if auto is not None:
+        print(fmt_autoscaler(auto))
     return 0
 
 

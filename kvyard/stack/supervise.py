@@ -15,12 +15,18 @@ starts the stack, then execs this module), so exit statuses are real; a process
 it did not start itself is watched by pid and command line, its status unknown.
 It exits when `kvyard down` signals it (down stops it first, so nothing is
 restarted behind down's back) or when the state file no longer names it.
+
+With scale to zero it is also the Deployment controller: when `autoscale.json`
+(written by `kvyard.stack.autoscale`, the local KEDA) asks for another number of
+workers, `kvyard.stack.resize` starts or stops them. The autoscaler sends SIGUSR1
+when it changes its mind, which ends the poll's wait at once.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import select
 import signal
 import sys
 import time
@@ -116,6 +122,26 @@ class Supervisor:
                      new.pid, new.restarts, p.ports)
         return changed
 
+    def scale(self, state: StackState) -> bool:
+        """Apply the autoscaler's wish for the scaled pool; True when `state` changed
+        (resize saves it itself, before stopping anything)."""
+        if not state.scaling:
+            return False
+        from kvyard.stack import autoscale, resize
+
+        want = autoscale.desired(self.run_dir).get(state.scaling.get("role", "both"))
+        if want is None:
+            return False
+        try:
+            changed = resize.resize(state, want)
+        except OSError as e:  # a worker that cannot start: the next tick tries again
+            log.error("could not scale to %d workers: %s", want, e)
+            return False
+        for name in list(self.schedules):  # forget the schedules of stopped workers
+            if not any(p.name == name for p in state.procs):
+                del self.schedules[name]
+        return changed
+
     def ours(self, state: StackState | None) -> bool:
         return state is not None and state.supervisor is not None \
             and state.supervisor.pid == os.getpid()
@@ -125,6 +151,11 @@ class Supervisor:
             self.stopping = True
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
+        # SIGUSR1 (the autoscaler): its byte on this pipe ends the wait below.
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        signal.signal(signal.SIGUSR1, lambda *_: None)
         state = StackState.load(self.run_dir)
         if not self.ours(state):
             log.error("the state file in %s does not name this supervisor (pid %d); exiting",
@@ -139,7 +170,9 @@ class Supervisor:
                 return 0
             if self.tick(state, time.monotonic()):
                 state.save()
-            time.sleep(POLL_S)
+            self.scale(state)
+            if select.select([wake_r], [], [], POLL_S)[0]:  # a poll period, or a wake-up
+                os.read(wake_r, 512)
         log.info("stopping (signalled); the stack's processes are left to `kvyard down`")
         return 0
 

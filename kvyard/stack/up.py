@@ -46,6 +46,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                         "512MiB (default 1GiB)")
     p.add_argument("--kv-tiers", action=argparse.BooleanOptionalAction, default=True,
                    help="give workers a kvstore at all (default on)")
+    p.add_argument("--scale-to-zero", action="store_true",
+                   help="an autoscaler (a KEDA client of the EPP's scaler) takes the workers "
+                        "to zero after --idle-seconds without work and starts them again when "
+                        "a request arrives (it waits in the EPP meanwhile); up to --workers")
+    p.add_argument("--idle-seconds", type=float, default=300.0,
+                   help="scale to zero after this long idle (KEDA's cooldownPeriod; default 300)")
+    p.add_argument("--polling-seconds", type=float, default=5.0,
+                   help="the autoscaler's poll (KEDA's pollingInterval): scale-down and 1..N "
+                        "decisions; a request at zero wakes a worker at once (default 5)")
     p.add_argument("--restart", action="store_true", help="stop a running stack first")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for readiness")
     # Model-free workers, for tests and routing benchmarks.
@@ -102,6 +111,9 @@ def _become_supervisor(spec, w: int, log_path) -> None:
     def terminated(signum, _frame):  # `up` interrupted: start_stack stops what it started
         raise SystemExit(128 + signum)
     signal.signal(signal.SIGTERM, terminated)
+    # The autoscaler wakes the supervisor with SIGUSR1; ignored (which exec keeps) until
+    # the supervisor's own handler is in place, instead of killing this process.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     state = start_stack(spec)
     cmd = supervise.command(spec.run_dir)
     state.supervisor = Proc(name="supervisor", pid=os.getpid(), log=str(log_path), cmd=cmd)
@@ -133,13 +145,21 @@ def run(args: argparse.Namespace) -> int:
     if (args.prefill > 0) != (args.decode > 0) or min(args.prefill, args.decode) < 0:
         print("kvyard up: P/D needs both --prefill N and --decode M (N, M >= 1)", file=sys.stderr)
         return 2
+    if args.scale_to_zero and (args.prefill or args.decode or args.workers < 1
+                               or args.idle_seconds <= 0 or args.polling_seconds <= 0):
+        print("kvyard up: --scale-to-zero scales colocated workers (--workers N >= 1, not P/D) "
+              "and needs --idle-seconds and --polling-seconds > 0", file=sys.stderr)
+        return 2
     spec = StackSpec(run_dir=rd, workers=args.workers, gateway_port=args.port, model=args.model,
                      prefill=args.prefill, decode=args.decode,
                      dtype=args.dtype, standin=args.standin_workers, ready_timeout_s=args.timeout,
                      kv_tiers=args.kv_tiers, kv_pool_tier=args.kv_pool_tier,
-                     kv_redis_max_memory=args.kv_redis_max_memory)
+                     kv_redis_max_memory=args.kv_redis_max_memory,
+                     scale_to_zero=args.scale_to_zero, idle_seconds=args.idle_seconds,
+                     polling_seconds=args.polling_seconds)
     what = f"{args.prefill} prefill + {args.decode} decode worker(s)" if spec.disaggregated \
-        else f"{args.workers} worker(s)"
+        else f"{args.workers} worker(s)" + (
+            f" (to zero after {args.idle_seconds:g}s idle)" if args.scale_to_zero else "")
     print(f"kvyard: starting {what}, the EPP and Envoy (logs in {rd}/logs)", flush=True)
     error = start_supervised(spec)
     state = StackState.load(rd)

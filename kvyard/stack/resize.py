@@ -1,0 +1,101 @@
+"""A scaled pool's workers, started and stopped to the replicas the autoscaler wants.
+
+The Deployment controller's part of the local stack's scale-to-zero: the
+supervisor calls `resize` when `autoscale.json` asks for another count. A new
+worker gets a free port and the pool's recorded command (its `{port}` filled
+in), and joins the EPP's endpoints file at once: the EPP counts an endpoint
+only after a good scrape, and the worker listens only once its engine runs, so
+parked requests go to it the first scrape after it is ready (50 ms), not after
+another file poll. A worker to stop (the newest first) leaves the endpoints
+file and the state first, so nothing routes to it and nothing restarts it, then
+gets SIGTERM and drains.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvyard.stack import procs
+from kvyard.stack.procs import Proc
+
+log = logging.getLogger("kvyard.supervisor")
+PORT = "{port}"   # in a pool's command template
+
+
+@dataclass(slots=True)
+class Pool:
+    """What `state.scaling` records about the scaled pool."""
+
+    role: str
+    template: list[str]
+    env_files: dict[str, str] = field(default_factory=dict)
+    min_replicas: int = 0
+    max_replicas: int = 1
+    next_index: int = 0
+    pool: str = "local"
+
+    def to_json(self) -> dict:
+        return {"role": self.role, "template": self.template, "env_files": self.env_files,
+                "min": self.min_replicas, "max": self.max_replicas, "next": self.next_index,
+                "pool": self.pool}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Pool":
+        return cls(d["role"], list(d["template"]), dict(d.get("env_files") or {}),
+                   int(d.get("min", 0)), int(d.get("max", 1)), int(d.get("next", 0)),
+                   str(d.get("pool", "local")))
+
+
+def is_worker(p: Proc) -> bool:
+    return p.name.startswith("worker-")
+
+
+def address(p: Proc) -> str:
+    return f"127.0.0.1:{p.ports['http']}"
+
+
+def endpoints(state) -> list[str]:
+    return [address(p) for p in state.procs if is_worker(p)]
+
+
+def _sync_endpoints(state, pool: Pool) -> None:
+    from kvyard.stack.launch import write_endpoints
+
+    state.endpoints = endpoints(state)
+    write_endpoints(Path(state.run_dir) / "endpoints.yaml", state.endpoints, pool.role)
+
+
+def resize(state, want: int, stop_timeout_s: float = 10.0) -> bool:
+    """Start or stop workers until the pool has `want` (clamped to its bounds); saves
+    the state before any process is stopped. True when something changed."""
+    pool = Pool.from_json(state.scaling)
+    want = max(pool.min_replicas, min(pool.max_replicas, want))
+    workers = [p for p in state.procs if is_worker(p)]
+    if want == len(workers):
+        return False
+    logs = Path(state.run_dir) / "logs"
+    if want > len(workers):
+        taken = {port for p in state.procs for port in p.ports.values()}
+        for _ in range(want - len(workers)):
+            port = procs.free_port(None, taken)
+            name = f"worker-{pool.next_index}"
+            pool.next_index += 1
+            cmd = [a.replace(PORT, str(port)) for a in pool.template]
+            p = procs.spawn(name, cmd, logs / f"{name}.log", env_files=pool.env_files,
+                            ports={"http": port})
+            state.procs.append(p)
+            log.info("scaled up: started %s (pid %d, port %d)", name, p.pid, port)
+        state.scaling = pool.to_json()
+        _sync_endpoints(state, pool)
+        state.save()
+        return True
+    gone = workers[want:][::-1]  # the newest first
+    names = {p.name for p in gone}
+    state.procs = [p for p in state.procs if p.name not in names]
+    _sync_endpoints(state, pool)
+    state.save()  # recorded gone before stopped: never restarted behind our back
+    for p in gone:
+        log.info("scaling down: stopping %s (pid %d)", p.name, p.pid)
+    procs.stop([p.pid for p in gone if procs.is_ours(p)], stop_timeout_s)
+    return True
