@@ -14,8 +14,11 @@ fallback stands.
   A window in which the endpoint had a queue at every scrape ran at capacity:
   the estimate moves toward it (EWMA). Any other window ran at demand, which
   is a lower bound: the estimate is raised to it if lower.
-* Prompt length (tokens per request): `Δprompt_tokens / Δvllm:request_success_total`
-  (EWMA), which turns queued requests into prompt tokens.
+* Prompt length (tokens per request): `Σ Δprompt_tokens / Σ Δvllm:request_success_total`
+  over the recent windows (both sums decay alike), which turns queued requests into
+  prompt tokens. A ratio of sums, not a mean of per-window ratios: a request is
+  prefilled in one window and counted finished in a later one, and the requests
+  running now (prefilled, not finished) join the denominator.
 * Decode time per output token as a function of batch size: a window with
   mean running batch `b` and `Δvllm:generation_tokens_total = g` gives each
   sequence's TPOT `t = b·Δt / g`. The samples fit `t = a + c·b` by least
@@ -34,6 +37,7 @@ from .metrics_parse import WorkerMetrics
 
 _EWMA = 0.3  # weight of a new window: a few windows to settle, one outlier does not dominate
 _FORGET = 0.97  # per-window forgetting of the TPOT fit: about 30 windows of memory
+_FORGET_PROMPT = 0.9  # the prompt-length sums: about 10 windows
 _MIN_SPREAD = 0.25  # variance of batch sizes (sequences²) below which the slope is not trusted
 _MIN_GEN_TOKENS = 4  # fewer generated tokens in a window say nothing about TPOT
 # A slope that explains less than this share of the mean TPOT is noise: extrapolating a
@@ -67,8 +71,10 @@ class RoleCapacity:
     """One role's estimates; `None` fields are not measured yet."""
 
     prefill_tokens_per_s: float | None = None
-    prompt_tokens: float | None = None
     windows: int = 0
+    _prompt_sum: float = 0.0  # decayed Σ prompt tokens and Σ finished requests
+    _done_sum: float = 0.0
+    in_flight: float = 0.0  # Σ running on the role's endpoints at their last window
     # exponentially weighted sums of (b, t) samples for the TPOT fit
     _w: float = 0.0
     _sb: float = 0.0
@@ -83,9 +89,16 @@ class RoleCapacity:
         elif cur is None or rate > cur:
             self.prefill_tokens_per_s = rate
 
-    def add_prompt_len(self, tokens: float) -> None:
-        cur = self.prompt_tokens
-        self.prompt_tokens = tokens if cur is None else cur + _EWMA * (tokens - cur)
+    def add_requests(self, prompt_tokens: float, finished: float) -> None:
+        self._prompt_sum = self._prompt_sum * _FORGET_PROMPT + prompt_tokens
+        self._done_sum = self._done_sum * _FORGET_PROMPT + finished
+
+    @property
+    def prompt_tokens(self) -> float | None:
+        done = self._done_sum + self.in_flight
+        if done < 1.0 or self._prompt_sum <= 0.0:
+            return None
+        return self._prompt_sum / done
 
     def add_tpot(self, batch: float, tpot: float) -> None:
         f = _FORGET
@@ -137,6 +150,7 @@ class Capacity:
     fallback: Fallback = field(default_factory=Fallback)
     roles: dict[str, RoleCapacity] = field(default_factory=dict)
     _windows: dict[str, _Window] = field(default_factory=dict)
+    _running: dict[str, tuple[str, float]] = field(default_factory=dict)  # addr -> role, running
 
     def role(self, role: str) -> RoleCapacity:
         rc = self.roles.get(role)
@@ -146,6 +160,12 @@ class Capacity:
 
     def forget(self, address: str) -> None:
         self._windows.pop(address, None)
+        gone = self._running.pop(address, None)
+        if gone is not None:
+            self._update_in_flight(gone[0])
+
+    def _update_in_flight(self, role: str) -> None:
+        self.role(role).in_flight = sum(r for ro, r in self._running.values() if ro == role)
 
     def observe(self, ep: Endpoint, m: WorkerMetrics, now: float) -> None:
         if m.prompt_tokens is None or m.generation_tokens is None:
@@ -162,6 +182,8 @@ class Capacity:
         dt = now - w.t0
         if dt < self.window_s:
             return
+        self._running[ep.address] = (ep.role, m.running)
+        self._update_in_flight(ep.role)
         self._close(ep.role, w, dt, m.prompt_tokens - w.prompt0, m.generation_tokens - w.gen0,
                     done - w.done0)
         self._windows[ep.address] = _Window(now, m.prompt_tokens, m.generation_tokens, done)
@@ -172,8 +194,8 @@ class Capacity:
         rc.windows += 1
         if prompt > 0:
             rc.add_prefill(prompt / dt, at_capacity=w.queued_throughout)
-            if done > 0:
-                rc.add_prompt_len(prompt / done)
+        if prompt > 0 or done > 0:
+            rc.add_requests(prompt, done)
         batch = w.running_sum / w.scrapes if w.scrapes else 0.0
         if role != "prefill" and batch >= 0.5 and gen >= _MIN_GEN_TOKENS:
             rc.add_tpot(batch, batch * dt / gen)

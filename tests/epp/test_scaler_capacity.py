@@ -33,6 +33,8 @@ class Engine:
     stats: EngineStats
     metrics: ServerMetrics = dataclasses.field(init=False)
     _prompt_acc: float = 0.0
+    _prefilled: int = 0
+    _finished: int = 0
     _gen: float = 0.0
     _prompt: float = 0.0
 
@@ -46,7 +48,11 @@ class Engine:
             self._prompt_acc += RATE * dt
             while self._prompt_acc >= PROMPT:
                 self._prompt_acc -= PROMPT
-                self.metrics.success.labels(finished_reason="stop").inc()
+                self._prefilled += 1
+        # a request finishes after decoding: the running ones are prefilled, not finished
+        while self._finished < self._prefilled - s.num_running:
+            self._finished += 1
+            self.metrics.success.labels(finished_reason="stop").inc()
         if s.num_running > 0:
             self._gen += s.num_running * dt / (A + C * s.num_running)
         self.stats = dataclasses.replace(s, prompt_tokens_total=int(self._prompt),
