@@ -12,6 +12,9 @@ from typing import Any
 
 # Well-known keys: "<producer>/<what>".
 PREFIX_MATCHES = "prefix-cache/matched-blocks"  # dict[address, matched leading blocks]
+# The P/D decider wanted a prefill pod and the pool had none (a prefill pool at zero):
+# flow control tells the scaler, and the decode pod prefills this one itself.
+PREFILL_MISSED = "disagg/prefill-missed"
 
 
 @dataclass(slots=True)

@@ -7,8 +7,9 @@ counts for its metrics and subscribes to the notifications for
 `StreamIsActive`, so a wake-up starts the moment the request arrives instead of
 at KEDA's next poll. Roles here are the roles a request waits for:
 `decode` (an endpoint that serves the request: role `decode` or `both`) and
-`prefill` (reserved; a request without a prefill endpoint is served
-decode-only, so nothing waits for one today). Listeners run on the event loop
+`prefill` (nothing waits for one: a request the P/D decider would send to a
+prefill pod when there is none is served decode-only, and only notifies
+`prefill`, so a prefill pool at zero wakes). Listeners run on the event loop
 and must not block.
 """
 from __future__ import annotations

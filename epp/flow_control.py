@@ -27,7 +27,9 @@ start. A full queue (requests or bytes, global or the band's) answers 429
 TTL. Clients that go away leave the queue at once (their ext_proc stream is
 cancelled). On shutdown every held request gets 503 `rejected-shutting-down`
 instead of a broken stream. Requests without a body (`GET /v1/models`) are
-never held: metadata calls should not wake a GPU pool.
+never held: metadata calls should not wake a GPU pool. A request the P/D
+decider would have disaggregated but found no prefill pod for is not held
+either (its decode pod prefills it) but wakes the prefill role's scaler.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from typing import Callable
 
 from kvyard.common.wire import DROPPED_REASON_HEADER, FAIRNESS_HEADER, QUEUE_TTL_HEADER
 
+from .cycle import PREFILL_MISSED
 from .demand import Demand
 from .endpoints import Endpoint, EndpointPool
 from .flow_config import FlowConfig
@@ -50,6 +53,7 @@ from .scheduler import Decision, Scheduler
 
 WAITING_ROOM, SATURATED = "waiting_room", "saturated"
 ROLE = "decode"  # what every held request waits for (demand.py): a serving endpoint
+PREFILL = "prefill"
 
 
 @dataclass(slots=True, eq=False)
@@ -124,8 +128,14 @@ class FlowController:
         if (self.cfg.queue_when_saturated and pool_saturation(ready, picks=False) >= 1.0) \
                 or self.bands:
             return SATURATED  # nobody overtakes the requests already queued
-        d = self.scheduler.schedule(req, self.pool.all())
+        d = self._schedule(req)
         return d if d is not None else WAITING_ROOM
+
+    def _schedule(self, req: SchedRequest) -> Decision | None:
+        d = self.scheduler.schedule(req, self.pool.all())
+        if d is not None and req.cycle.read(PREFILL_MISSED):
+            self.demand.notify(PREFILL)  # served decode-only; wake the prefill pool
+        return d
 
     def enqueue(self, req: SchedRequest, stage: str, nbytes: int,
                 headers: dict[str, str]) -> Waiter:
@@ -188,7 +198,7 @@ class FlowController:
                     return  # strict priority: lower bands wait behind this one
 
     def _dispatch(self, w: Waiter) -> bool:
-        d = self.scheduler.schedule(w.req, self.pool.all())
+        d = self._schedule(w.req)
         if d is None:
             return False
         self._drop(w, "dispatched")

@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .cycle import PREFIX_MATCHES
+from .cycle import PREFILL_MISSED, PREFIX_MATCHES
 from .endpoints import Endpoint
 from .plugin_config import param
 from .plugins import Filter, PluginType, SchedRequest, Scorer
@@ -162,6 +162,8 @@ class DisaggProfileHandler:
         p = profiles[self.prefill].run(req, others, rng)
         if p is not None:
             out.results[self.prefill] = p
+        else:
+            req.cycle.write(PREFILL_MISSED, True)
         return out
 
 

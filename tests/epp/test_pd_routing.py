@@ -50,3 +50,22 @@ async def test_prefill_target_is_signed_with_the_pool_key(fake_vllm, epp, xp, tm
     assert pd_auth.verify(b"k" * 32, pre.address, token) is None
     assert pd_auth.verify(b"k" * 32, "6.6.6.6:1", token) == "bad prefill signature"
     assert pd_auth.verify(b"x" * 32, pre.address, token) == "bad prefill signature"
+
+
+async def test_a_prefill_pool_at_zero_is_woken_and_decode_serves_alone(fake_vllm, epp, xp):
+    dec = await fake_vllm()
+    app = await epp([EndpointSpec(dec.address, "decode")], config=PD)
+    woken: list[str] = []
+    app.demand.subscribe(woken.append)
+    await xp.wait_for(app.is_ready, what="EPP ready")
+    text = "a long prompt for a pool whose prefill pods are scaled to zero. " * 100
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": text}]}).encode()
+    resps = await xp.exchange(app.ports["ext_proc"],
+                              [xp.headers_msg(xp.chat_headers()), xp.body_msg(body)])
+    hdrs = xp.set_headers(resps[0])  # routed at once, not held
+    assert hdrs[DESTINATION_HEADER] == dec.address and PREFILLER_HEADER not in hdrs
+    assert woken == ["prefill"]
+    short = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    await xp.exchange(app.ports["ext_proc"], [xp.headers_msg(xp.chat_headers()),
+                                              xp.body_msg(short)])
+    assert woken == ["prefill"]  # a prompt the decider keeps local wakes nobody
