@@ -264,7 +264,8 @@ def run(args: argparse.Namespace) -> int:
     auto = autoscaler_view(state, doc)
     if args.json:
         print(json.dumps({"gateway": state.gateway_url, "endpoints": rows, "supervisor": sup,
-                          "scaler": scaler, "autoscaler": auto}, indent=2))
+                          "scaler": scaler, "autoscaler": auto, "flow": doc.get("flow")},
+                         indent=2))
         return 0
     print(f"gateway: {state.gateway_url}")
     cols = (*COLUMNS, "kvstore", "handoffs")
@@ -275,6 +276,10 @@ def run(args: argparse.Namespace) -> int:
     for x in cells:
         print("  ".join(v.ljust(w) for v, w in zip(x, widths)).rstrip())
     print(_fmt_supervisor(sup))
+    flow = doc.get("flow")
+    if flow:
+        print(f"flow control: {flow['parked']} parked (no ready endpoint), {flow['queued']} "
+              f"queued (saturated), {flow['bytes']} bytes held")
     print(fmt_scaler(scaler))
     if auto is not None:
         print(fmt_autoscaler(auto))

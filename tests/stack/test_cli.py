@@ -41,6 +41,7 @@ def test_up_status_down(tmp_path: Path, h) -> None:
             assert e["kvstore"] == {"dram": {"up": True, "errors": 0},
                                     "ssd": {"up": True, "errors": 0}}
         assert sum(e["picks"] for e in doc["endpoints"]) >= 1
+        assert doc["flow"]["parked"] == 0 and doc["flow"]["queued"] == 0  # nothing held
 
         table = kvyard("status", "--run-dir", rd)
         assert table.returncode == 0 and state.endpoints[0] in table.stdout
