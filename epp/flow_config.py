@@ -14,14 +14,17 @@ the same, so configs read alike:
 
 Durations are seconds (a number) or strings like `500ms`, `60s`, `5m`. Unlike
 llm-d, a TTL of 0 is refused: a held request must end, so "wait forever" is
-not a setting; a very small TTL answers at once. Keep `noEndpointRequestTTL`
-at or below the gateway's `max_hold_s` (Envoy ends longer holds itself).
+not a setting; a very small TTL answers at once. A TTL above
+`kvyard.common.wire.MAX_HOLD_S` (900 s, the gateway's ext_proc
+max_message_timeout) is refused: Envoy would end the hold first.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvyard.common.wire import MAX_HOLD_S
 
 from .plugin_config import ConfigError
 
@@ -65,6 +68,9 @@ def duration_s(v: Any, path: str) -> float:
     if not s > 0:
         raise ConfigError(path, "must be > 0 (a held request must end; a tiny TTL answers "
                                 "at once)")
+    if s > MAX_HOLD_S:
+        raise ConfigError(path, f"at most {MAX_HOLD_S:g}s, the gateway's longest hold "
+                                "(ext_proc max_message_timeout)")
     return s
 
 

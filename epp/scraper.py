@@ -86,6 +86,8 @@ class Scraper:
         if not ep.down and (immediate or ep.failures >= self.fail_threshold):
             ep.down = True
             log.warning("endpoint %s is down: %s", ep.address, why)
+            if self.on_scraped is not None:  # queued requests may now wait for a cold start
+                self.on_scraped()
 
     def _done(self, addr: str, task: asyncio.Task) -> None:
         if self._inflight.get(addr) is task:

@@ -40,6 +40,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from kvyard.common import pd_auth
+from kvyard.common.wire import MAX_HOLD_S
 
 from . import responses
 from .flow_control import FlowController
@@ -105,7 +106,8 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                 d = self.flow.try_now(req)
                 if isinstance(d, str):  # held: tell Envoy to wait, then wait our turn
                     w = self.flow.enqueue(req, d, len(body), headers)
-                    yield responses.hold(self.flow.remaining_s(w) + HOLD_MARGIN_S)
+                    yield responses.hold(min(self.flow.remaining_s(w) + HOLD_MARGIN_S,
+                                             MAX_HOLD_S))
                     t0 = time.perf_counter()
                     d = await self.flow.wait(w)
             except RequestError as e:

@@ -16,6 +16,9 @@ ROUTING_HEADERS = (DESTINATION_HEADER, PREFILLER_HEADER, PREFILLER_AUTH_HEADER)
 # may hold this request (milliseconds; it can only shorten the configured TTLs).
 FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"
 QUEUE_TTL_HEADER = "x-kvyard-queue-ttl-ms"
+# The longest the EPP holds a request: the gateway's ext_proc max_message_timeout, and
+# the cap on the EPP's override_message_timeout answers (Envoy ignores larger ones).
+MAX_HOLD_S = 900.0
 
 # The gateway's cluster of workers, as the EPP's EDS service names it.
 WORKERS_CLUSTER = "kvyard_workers"

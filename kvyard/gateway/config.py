@@ -50,7 +50,7 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
-from kvyard.common.wire import DESTINATION_HEADER, ROUTING_HEADERS, WORKERS_CLUSTER
+from kvyard.common.wire import DESTINATION_HEADER, MAX_HOLD_S, ROUTING_HEADERS, WORKERS_CLUSTER
 
 _T = "type.googleapis.com/"
 EPP_CLUSTER = "kvyard_epp"
@@ -71,7 +71,7 @@ class GatewayConfig:
     # The longest the EPP may hold a request (its waiting room and flow-control queues):
     # while it holds one it extends Envoy's per-message timeout up to this, in
     # `override_message_timeout` answers; a silent EPP still fails at ext_proc_timeout_s.
-    max_hold_s: float = 900.0
+    max_hold_s: float = MAX_HOLD_S
     # Generation can run for minutes, but a silent stream is dead. A request the EPP
     # holds is silent too: the stream idle timeout covers the longest hold.
     stream_idle_timeout_s: float = 300.0

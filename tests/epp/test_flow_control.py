@@ -166,6 +166,7 @@ async def test_without_flow_control_nothing_is_held(epp, xp):
     ({"maxRequests": 0}, "flowControl.maxRequests"),
     ({"noEndpointRequestTTL": "0s"}, "flowControl.noEndpointRequestTTL"),
     ({"defaultRequestTTL": "soon"}, "flowControl.defaultRequestTTL"),
+    ({"noEndpointRequestTTL": "1h"}, "flowControl.noEndpointRequestTTL"),
     ({"bogus": 1}, "flowControl.bogus"),
     ({"priorityBands": [{"priority": 1}, {"priority": 1}]}, "flowControl.priorityBands[1]"),
     ({"priorityBands": [{"priority": 0, "maxBytes": -1}]},
@@ -192,3 +193,19 @@ def test_example_config_documents_the_flow_control_defaults():
     from kvyard.epp.scheduler import load_config
     raw = load_config(Path(kvyard.epp.__file__).parent / "scheduler.example.yaml")
     assert parse_flow_config(raw["flowControl"]) == FlowConfig()
+
+
+async def test_queued_requests_move_to_the_waiting_room_when_the_pool_dies(fake_vllm, epp, xp):
+    w = await fake_vllm(waiting=10)
+    app = await epp([w])
+    await xp.wait_for(lambda: app.pool.get(w.address).waiting == 10, what="scrape")
+    held = _send(xp, app)
+    await xp.wait_for(lambda: app.demand.queued["decode"] == 1, what="queued")
+    woken: list[str] = []
+    app.demand.subscribe(woken.append)
+    await w.stop()  # refused scrapes: down at once
+    await xp.wait_for(lambda: app.demand.parked["decode"] == 1, what="moved to the room")
+    assert app.demand.queued["decode"] == 0 and woken == ["decode"]
+    w.waiting = 0
+    await w.start()  # same port: back on the next good scrape
+    assert _routed_to(xp, await asyncio.wait_for(held, 5)) == w.address
