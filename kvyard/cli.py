@@ -33,6 +33,9 @@ BENCHES: dict[str, tuple[str, str]] = {
                   "KV connector with CUDA caches: pinned vs pageable host staging"),
     "pd": ("kvyard.bench.pd", "P/D (1 prefill + 1 decode) vs 2 colocated workers, mixed load"),
     "gpu": ("kvyard.bench.gpu", "Triton attention kernels and an 8B decode step on CUDA vs plain torch"),
+    "coldstart": ("kvyard.bench.coldstart",
+                  "scale to zero: a request at zero workers to its first token, worker start "
+                  "breakdown, vs a warm pool and KEDA-style polling"),
 }
 
 

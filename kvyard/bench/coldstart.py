@@ -1,0 +1,234 @@
+"""`kvyard bench coldstart`: a request at a pool scaled to zero, to its first token.
+
+Two parts, both on the demo model (or `--model`), real processes:
+
+1. Worker start to ready, `--phase-reps` times: `coldstart_phases` (a fresh process
+   running what `kvyard worker` runs before it listens: interpreter, torch, kvyard's
+   imports, the CPU kernels (cached), the kvstore connector, the weights, the
+   tokenizer, the rest of the engine (KV cache), then a first and a second step of
+   one prompt: the warm-up) and a real `kvyard worker` from spawn to `/health` 200.
+2. `kvyard up --workers 1 --scale-to-zero` (autoscaler, supervisor, EPP, Envoy): `--reps`
+   times, wait for the pool at zero, send a streamed chat request through the
+   gateway and split its time to the first token into the wake-up signal (request
+   sent -> the autoscaler's push-driven scale-up, from its log), the supervisor's
+   spawn (-> its "started worker" line), the worker's start (-> its "serving" log
+   line) and the rest (EPP scrape + dispatch + first token). Baselines from the
+   same run: the same request at the warm pool right after (its first token), and
+   KEDA-style polling at `--keda-polling` seconds (30, KEDA's default), simulated: the
+   measured arrival-to-first-token with the push signal replaced by a wait uniform
+   over one polling interval (a request arrives at a random point of the period).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvyard.bench.report import Report, percentile
+
+PROMPT = "Name one colour of the sky."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reps", type=int, default=20, help="wake-ups from zero")
+    p.add_argument("--phase-reps", type=int, default=3, help="worker start breakdowns")
+    p.add_argument("--model", default="demo")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--idle-seconds", type=float, default=1.0,
+                   help="the bench's scale-to-zero idle time (short, to cycle quickly)")
+    p.add_argument("--keda-polling", type=float, default=30.0,
+                   help="the simulated polling baseline's interval (KEDA's default 30 s)")
+    p.add_argument("--seed", type=int, default=0, help="the simulated baseline's arrivals")
+    p.add_argument("--json", action="store_true")
+
+
+def _kvyard(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvyard.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _log_time(line: str) -> float | None:
+    """The epoch time of a `%(asctime)s` log line (local time, millisecond precision)."""
+    try:
+        stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+    except ValueError:
+        return None
+    return stamp.timestamp()
+
+
+def _last(path: Path, needle: str, after: float) -> float | None:
+    """The time of the first line containing `needle` logged at or after `after`."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        t = _log_time(line)
+        if t is not None and t >= after - 0.002 and needle in line:
+            return t
+    return None
+
+
+def worker_phases(model: str, flags: list[str]) -> dict:
+    t_spawn = time.time()
+    out = subprocess.run([sys.executable, "-m", "kvyard.bench.coldstart_phases", "--model",
+                          model, *flags], capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"coldstart_phases failed: {out.stderr[-2000:]}")
+    d = json.loads(out.stdout.strip().splitlines()[-1])
+    t, s = d["t"], d["spans"]
+    engine = t["engine"] - t["connector"]
+    return {"interpreter": t["start"] - t_spawn, "torch": t["torch"] - t["start"],
+            "kvyard imports": t["imports"] - t["torch"], "kernels": t["kernels"] - t["imports"],
+            "connector": t["connector"] - t["kernels"], "weights": s.get("weights", 0.0),
+            "tokenizer": s.get("tokenizer", 0.0),
+            "engine rest (KV cache)": engine - s.get("weights", 0.0) - s.get("tokenizer", 0.0),
+            "first step": d["steps"][0], "second step": d["steps"][1],
+            "total": t["engine"] - t_spawn}
+
+
+def worker_ready(cmd: list[str], port: int, log: Path, timeout_s: float = 600) -> float:
+    """Spawn -> /health 200 of a real `kvyard worker`, stopped afterwards."""
+    from kvyard.stack import procs
+
+    t0 = time.monotonic()
+    p = procs.spawn("bench-worker", cmd, log)
+    try:
+        while not procs.http_ok(f"http://127.0.0.1:{port}/health", 0.5):
+            if not procs.alive(p.pid) or time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(f"the worker did not start; log {log}")
+            time.sleep(0.01)
+        return time.monotonic() - t0
+    finally:
+        procs.stop([p.pid])
+
+
+def first_token(url: str, max_tokens: int, timeout: float = 600) -> tuple[float, str]:
+    """Seconds from sending a streamed chat request to its first content chunk, and the
+    whole answer."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    body = json.dumps({"model": "SmolLM2-135M-Instruct", "stream": True, "temperature": 0,
+                       "max_tokens": max_tokens,
+                       "messages": [{"role": "user", "content": PROMPT}]})
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    t0 = time.perf_counter()
+    ttft, text = None, []
+    try:
+        conn.request("POST", "/v1/chat/completions", body=body,
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {r.read()[:300]!r}")
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            delta = json.loads(line[6:])["choices"][0].get("delta", {}).get("content")
+            if delta:
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                text.append(delta)
+    finally:
+        conn.close()
+    if ttft is None:
+        raise RuntimeError("no token streamed")
+    return ttft, "".join(text)
+
+
+def wake_cycles(a: argparse.Namespace, rd: Path, port: int) -> list[dict]:
+    from kvyard.stack import autoscale, procs
+    from kvyard.stack.launch import StackState
+
+    def at_zero() -> bool:
+        s = StackState.load(rd)
+        doc = autoscale.read_file(rd) or {}
+        return s is not None and not [p for p in s.procs if p.name.startswith("worker-")] \
+            and bool(doc.get("pools")) and doc["pools"][0]["replicas"] == 0
+
+    url = f"http://127.0.0.1:{port}"
+    out = []
+    for _ in range(a.reps):
+        deadline = time.monotonic() + 120
+        while not at_zero():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the pool did not scale to zero")
+            time.sleep(0.05)
+        time.sleep(0.2)  # the stopped worker's exit settles (not a synchronisation)
+        sent = time.time()
+        ttft, text = first_token(url, a.max_tokens)
+        warm, warm_text = first_token(url, a.max_tokens)
+        s = StackState.load(rd)
+        [w] = [p for p in s.procs if p.name.startswith("worker-")]
+        woke = _last(rd / "logs" / "autoscaler.log", "woken by StreamIsActive", sent)
+        started = _last(rd / "logs" / "supervisor.log", f"started {w.name} ", sent)
+        ready = _last(Path(w.log), "kvyard.server: serving", sent)
+        if None in (woke, started, ready):
+            raise RuntimeError(f"missing timestamps: woke {woke}, started {started}, "
+                               f"ready {ready}")
+        out.append({"ttft": ttft, "warm": warm, "same": text == warm_text,
+                    "signal": woke - sent, "spawn": started - woke,
+                    "worker start": ready - started, "rest": sent + ttft - ready})
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvyard.stack import procs
+    from kvyard.stack.launch import StackState
+
+    rep = Report("kvyard bench coldstart: a request at zero workers to its first token",
+                 ["part", "step", "p50_s", "p90_s", "n"])
+    with tempfile.TemporaryDirectory(prefix="kvyard-coldstart-") as tmp:
+        rd, port = Path(tmp) / "run", procs.free_port()
+        up = _kvyard("up", "--workers", "1", "--scale-to-zero", "--idle-seconds",
+                     f"{args.idle_seconds:g}", "--polling-seconds", "0.5", "--model", args.model,
+                     "--port", str(port), "--run-dir", str(rd))
+        if up.returncode != 0:
+            print(up.stdout + up.stderr, file=sys.stderr)
+            return 1
+        try:
+            pool = StackState.load(rd).scaling
+            flags = [a for a in pool["template"]]
+            flags = flags[flags.index("--model") + 2:]  # the stack's worker flags, as run
+            wport = procs.free_port()
+            flags = [x.replace("{port}", str(wport)) for x in flags]
+            cycles = wake_cycles(args, rd, port)
+        finally:
+            _kvyard("down", "--run-dir", str(rd))
+        phases = [worker_phases(args.model, flags) for _ in range(args.phase_reps)]
+        cmd = [sys.executable, "-m", "kvyard.cli", "worker", "--model", args.model, *flags]
+        ready = [worker_ready(cmd, wport, Path(tmp) / f"w{i}.log")
+                 for i in range(args.phase_reps)]
+    for step in phases[0]:
+        v = [p[step] for p in phases]
+        rep.add(part="worker start (in-process phases)", step=step, p50_s=percentile(v, 50),
+                p90_s=percentile(v, 90), n=len(v))
+    rep.add(part="worker start", step="spawn -> /health 200 (kvyard worker)",
+            p50_s=percentile(ready, 50), p90_s=percentile(ready, 90), n=len(ready))
+    for step in ("signal", "spawn", "worker start", "rest", "ttft", "warm"):
+        v = [c[step] for c in cycles]
+        name = {"ttft": "arrival at zero -> first token", "warm": "baseline: warm pool's first "
+                "token", "signal": "wake-up signal (StreamIsActive push)", "spawn":
+                "supervisor spawns the worker", "worker start": "worker process -> serving",
+                "rest": "ready -> first token (EPP scrape, dispatch, prefill)"}[step]
+        rep.add(part="through the gateway", step=name, p50_s=percentile(v, 50),
+                p90_s=percentile(v, 90), n=len(v))
+    rng = random.Random(args.seed)
+    polled = [c["ttft"] - c["signal"] + rng.uniform(0, args.keda_polling) for c in cycles]
+    rep.add(part="through the gateway", step=f"baseline: KEDA polling {args.keda_polling:g}s "
+            "(simulated)", p50_s=percentile(polled, 50), p90_s=percentile(polled, 90),
+            n=len(polled))
+    rep.notes.append(f"greedy answers after a wake-up equal the warm pool's: "
+                     f"{sum(c['same'] for c in cycles)}/{len(cycles)}")
+    rep.notes.append("target: arrival -> first token p90 <= 3 s, of which the signal <= 0.1 s")
+    rep.meta.update(model=args.model, reps=args.reps, phase_reps=args.phase_reps,
+                    cycles=cycles, phases=phases, ready_s=ready)
+    rep.emit(args.json)
+    return 0
