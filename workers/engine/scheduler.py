@@ -106,6 +106,7 @@ class Scheduler:
         """Queue a parked request (its remote KV arrived, or will not)."""
         seq = self.parked.pop(request_id, None)
         if seq is not None:
+            self.blocked_on_loads = False
             seq.status = SeqStatus.WAITING
             self.waiting.append(seq)
         return seq
@@ -114,7 +115,8 @@ class Scheduler:
         return bool(self.requests)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End a request and return its blocks at once (finish, stop, abort alike)."""
+        """End a request and return its blocks at once (finish, stop, abort alike), but
+        for a connector load's owner: its blocks go back when the load is collected."""
         if self.requests.pop(seq.request_id, None) is None:
             return
         self.blocked_on_loads = False
