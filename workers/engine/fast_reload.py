@@ -5,8 +5,8 @@ thread) and copies it from pageable memory (measured on the H200 host: 7 GB/s pa
 against 55 GB/s pinned; 8 threads read the page cache at 34 GB/s), 3.1 s for the 8B
 shape. Here the files' data sections are streamed whole into one device staging buffer:
 `threads` readers, each with its own pinned slot (kept in a `PinnedRing` for the
-engine's life: pinning costs ~1.7 GB/s, so a per-wake buffer would cost more than the
-reload), `preadv` a piece from the page cache, copy it to the device on the reader's
+engine's life: pinning ran at 1.7-2.3 GB/s there, so a per-wake buffer would cost more
+than the reload), `preadv` a piece from the page cache, copy it to the device on the reader's
 own stream and wait for that copy before reusing the slot. Then the loader's `build`
 runs over views of the staging buffer (its casts and fusions as always), so the result
 is the model `load_model` gives, from the checkpoint's bytes, not from any copy of the

@@ -12,9 +12,10 @@ captured afterwards stay valid across any number of sleeps.
   pinning 16 GB costs seconds, a copy into it 0.3 s), then both arenas' memory is
   released. Wake: map both, one host-to-device copy of the weights, zero the KV cache.
 - Level 2 (vLLM: both discarded, weights reloaded from the checkpoint): both released and
-  the pinned buffer freed; wake maps both and loads the model from its source again, then
-  copies the fresh storages into the arena at the recorded offsets (the same build gives
-  the same storages in the same order; anything else is an error, not a silent mix).
+  the pinned buffer freed; wake maps both and builds the model from its source again
+  (fast_reload.py for an HF directory), then copies the fresh tensors into the sleeping
+  model's, pairwise in the walk's order (the same build gives the same tensors in the same
+  order; any mismatch is an error, not a silent mix).
 
 `pack` is device-agnostic (tests run it on the CPU); the arenas are CUDA-only.
 """
