@@ -11,9 +11,9 @@ Two places a request can wait, both bounded (`flow_config.FlowConfig`):
   were admitted when they arrived, and the new pods' own queues take them.
   TTL `noEndpointRequestTTL` (a cold start: long), then 503
   `rejected-no-endpoints` with `retry-after`.
-* the **saturation queue**: the pool is saturated (`saturation.py`, from the
-  scraped queues and KV use alone: a burst of our own picks is the workers' to
-  batch, not ours to delay) and the request is not sheddable. Per-priority bands, highest first; inside a band,
+* the **saturation queue**: every ready endpoint is saturated (`saturation.py`,
+  from the scraped queues and KV use alone: a burst of our own picks is the
+  workers' to batch, not ours to delay) and the request is not sheddable. Per-priority bands, highest first; inside a band,
   round-robin over fairness ids (`x-llm-d-inference-fairness-id`), FIFO per
   id. Dispatched as scrapes show room again. TTL `defaultRequestTTL`, then 429
   `rejected-ttl-expired`. Sheddable requests (priority < 0) are never queued
@@ -48,7 +48,7 @@ from .flow_config import FlowConfig
 from .flow_metrics import FlowMetrics
 from .plugins import SchedRequest
 from .request import RequestError
-from .saturation import pool_saturation
+from .saturation import pod_saturation, pool_saturation
 from .scheduler import Decision, Scheduler
 
 WAITING_ROOM, SATURATED = "waiting_room", "saturated"
@@ -125,8 +125,7 @@ class FlowController:
             raise RequestError(429, "the pool is saturated; sheddable request dropped",
                                "shed", code="rejected-saturated",
                                headers=((DROPPED_REASON_HEADER, "rejected-saturated"),))
-        if (self.cfg.queue_when_saturated and pool_saturation(ready, picks=False) >= 1.0) \
-                or self.bands:
+        if (self.cfg.queue_when_saturated and _full(ready)) or self.bands:
             return SATURATED  # nobody overtakes the requests already queued
         d = self._schedule(req)
         return d if d is not None else WAITING_ROOM
@@ -194,7 +193,7 @@ class FlowController:
                 if not ready:
                     self._all_to_waiting_room()
                     return
-                if pool_saturation(ready, picks=False) >= 1.0 or not self._dispatch(w):
+                if _full(ready) or not self._dispatch(w):
                     return  # strict priority: lower bands wait behind this one
 
     def _dispatch(self, w: Waiter) -> bool:
@@ -307,6 +306,12 @@ class FlowController:
                 "queued": self.count - len(self.room), "bytes": self.nbytes,
                 "oldest_wait_s": round(max((self.clock() - w.enqueued for w in self.room),
                                            default=0.0), 3)}
+
+
+def _full(ready: list[Endpoint]) -> bool:
+    """No endpoint has room: every one is saturated by its scraped queue or KV use. (The
+    pool's mean, which sheds, would hold everything behind one deeply queued pod.)"""
+    return min(pod_saturation(e, picks=False) for e in ready) >= 1.0
 
 
 def _shutting_down() -> RequestError:

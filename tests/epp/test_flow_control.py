@@ -209,3 +209,14 @@ async def test_queued_requests_move_to_the_waiting_room_when_the_pool_dies(fake_
     w.waiting = 0
     await w.start()  # same port: back on the next good scrape
     assert _routed_to(xp, await asyncio.wait_for(held, 5)) == w.address
+
+
+async def test_one_deeply_queued_endpoint_holds_nothing_while_another_has_room(
+        fake_vllm, epp, xp):
+    busy, idle = await fake_vllm(waiting=50), await fake_vllm()
+    app = await epp([busy, idle])
+    await xp.wait_for(lambda: app.pool.get(busy.address).waiting == 50
+                      and app.pool.get(idle.address).last_ok > 0, what="scrape")
+    resps = await asyncio.wait_for(_send(xp, app), 5)
+    assert xp.set_headers(resps[0])[DESTINATION_HEADER] == idle.address  # not held
+    assert app.flow.count == 0
