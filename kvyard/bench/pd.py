@@ -8,8 +8,9 @@ prompts (`--long-tokens`, 2k by default) arrive every `--long-interval` seconds.
 Per class it reports TTFT and TPOT p50/p99 and goodput (requests meeting the
 stated SLO per second). For P/D also: handoff bytes, handoff (transfer) time
 against the prefill alone (a long prompt's recompute on an idle worker), an idle
-P/D request's TTFT against that prefill, and the peer handoff's bandwidth against
-loopback TCP measured in the same process.
+P/D request's TTFT against that prefill, and per peer transport (`pd`: the same-host
+memfd, `pd-tcp`: a decode worker told to use TCP) the handoff's bandwidth against
+loopback TCP measured in the same run and where its time goes (pd_handoff.py).
 """
 from __future__ import annotations
 
@@ -18,14 +19,13 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvyard.bench import pd_handoff
 from kvyard.bench.report import Report, percentile
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work "
@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft-short", type=float, default=0.5, help="seconds")
     p.add_argument("--slo-ttft-long", type=float, default=6.0, help="seconds")
     p.add_argument("--slo-tpot", type=float, default=0.06, help="seconds per output token")
-    p.add_argument("--setups", default="colocated,pd")
+    p.add_argument("--setups", default="colocated,pd,pd-tcp",
+                   help="colocated, pd (peer transport: same-host memfd), pd-tcp (TCP)")
     p.add_argument("--json", action="store_true")
 
 
@@ -148,55 +149,6 @@ def metrics(address: str) -> dict[str, float]:
     return out
 
 
-_SENDER = """
-import os, socket, sys
-os.sched_setaffinity(0, {int(sys.argv[1])})
-c = socket.create_connection(("127.0.0.1", int(sys.argv[2])))
-buf = bytearray(1 << 20)
-for _ in range(int(sys.argv[3])):
-    c.sendall(buf)
-c.close()
-"""
-
-
-def loopback_gbps(send_cpu: int, recv_cpu: int, mib: int = 512, fresh: bool = False) -> float:
-    """One TCP connection over loopback between two processes pinned as the prefill
-    and decode workers are: sendall of 1 MiB buffers, recv_into a reused 4 MiB buffer
-    (the socket's ceiling), or with `fresh` into one new buffer of the whole size, as
-    a handoff receives (its pages are faulted in and miss the cache)."""
-    import subprocess
-    import sys
-
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
-    out: list[float] = []
-
-    def receive() -> None:
-        os.sched_setaffinity(0, {recv_cpu})  # this thread only
-        conn, _ = srv.accept()
-        import numpy as np
-
-        sink = memoryview(np.empty((mib << 20) if fresh else (4 << 20), dtype=np.uint8))
-        got, t0 = 0, time.perf_counter()
-        while (k := conn.recv_into(sink[got:] if fresh else sink)) > 0:
-            got += k
-        out.append(got / (time.perf_counter() - t0) / 1e9)
-        conn.close()
-    t = threading.Thread(target=receive)
-    t.start()
-    sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(send_cpu),
-                               str(srv.getsockname()[1]), str(mib)])
-    sender.wait(120)
-    t.join(120)
-    srv.close()
-    return out[0] if out else float("nan")
-
-
-def _delta(after: dict, before: dict, key: str) -> float:
-    return after.get(key, 0.0) - before.get(key, 0.0)
-
-
 async def _direct(url: str, body: dict) -> float:
     import aiohttp
 
@@ -210,13 +162,14 @@ def run_setup(name: str, a: argparse.Namespace, run_dir: Path, prompts: Prompts 
               ) -> tuple[list[Result], dict, Prompts]:
     from kvyard.stack.launch import StackSpec, start_stack, stop_stack
 
-    pd = name == "pd"
+    pd = name.startswith("pd")
+    transports = ["--pd-transports", "tcp"] if name == "pd-tcp" else []
     spec = StackSpec(run_dir=run_dir / name, workers=2, prefill=int(pd), decode=int(pd),
                      dtype=a.dtype, gateway_port=None, worker_base_port=None,
                      epp_ports=(None, None, None), admin_port=None, ready_timeout_s=600.0,
                      kv_tiers=False,
                      worker_args=["--max-model-len", "4096", "--kv-cache-memory-bytes",
-                                  "768MiB", "--num-threads", "1"])
+                                  "768MiB", "--num-threads", "1", *transports])
     state = start_stack(spec)
     extra: dict = {}
     try:
@@ -253,12 +206,8 @@ def run_setup(name: str, a: argparse.Namespace, run_dir: Path, prompts: Prompts 
             from kvyard.common import wire
 
             m2 = metrics(decode_addr)
-            sec = f'{wire.M_PD_HANDOFF_SECONDS}_sum{{path="peer"}}'
-            cnt = f'{wire.M_PD_HANDOFF_SECONDS}_count{{path="peer"}}'
-            byt = wire.M_PD_HANDOFF_BYTES
-            for phase, (x, y) in (("idle", (m1, m0)), ("load", (m2, m1))):
-                extra[phase] = {"handoffs": _delta(x, y, cnt), "bytes": _delta(x, y, byt),
-                                "seconds": _delta(x, y, sec)}
+            extra["idle"] = pd_handoff.stats(m1, m0)
+            extra["load"] = pd_handoff.stats(m2, m1)
             extra["fallbacks"] = sum(v for key, v in m2.items()
                                      if key.startswith(wire.M_PD_FALLBACKS))
     finally:
@@ -300,32 +249,24 @@ def run(a: argparse.Namespace) -> int:
         rep.notes.append(f"short-stream TPOT p99: P/D {tpot_p99['pd']:.1f} ms vs colocated "
                          f"{tpot_p99['colocated']:.1f} ms (ratio "
                          f"{tpot_p99['pd'] / tpot_p99['colocated']:.2f}; target <= 0.5)")
-    pd = rep.meta.get("pd")
-    if pd:
+    pds = {k: v for k, v in rep.meta.items() if k.startswith("pd") and v}
+    if pds:
+        cpus = next(iter(pds.values()))["cpus"]
         # best of three: a ceiling, on a machine other work shares
-        lo = max(loopback_gbps(*pd["cpus"]) for _ in range(3))
-        size = pd["idle"]["bytes"] / pd["idle"]["handoffs"] if pd["idle"]["handoffs"] else 96e6
-        lo_fresh = max(loopback_gbps(*pd["cpus"], mib=max(1, int(size) >> 20), fresh=True)
+        lo = max(pd_handoff.loopback_gbps(*cpus) for _ in range(3))
+        first = next(iter(pds.values()))["idle"]
+        size = first["bytes"] / first["handoffs"] if first["handoffs"] else 96e6
+        lo_fresh = max(pd_handoff.loopback_gbps(*cpus, mib=max(1, int(size) >> 20), fresh=True)
                        for _ in range(3))
-        pd["loopback_gbps"] = lo
-        pd["loopback_fresh_gbps"] = lo_fresh
+        rep.meta["loopback_gbps"] = lo
+        rep.meta["loopback_fresh_gbps"] = lo_fresh
+    for name, pd in pds.items():
         for phase in ("idle", "load"):
-            ph = pd[phase]
-            n, secs = ph["handoffs"], ph["seconds"]
-            ph["gbps"] = ph["bytes"] / secs / 1e9 if secs else float("nan")
-            ph["seconds_mean"] = secs / n if n else float("nan")
-            rep.notes.append(
-                f"{phase}: {n:.0f} peer handoffs, {ph['bytes'] / n / 1e6 if n else 0:.1f} MB "
-                f"each, transfer {ph['seconds_mean'] * 1e3:.0f} ms mean "
-                f"({ph['seconds_mean'] / pd['prefill_alone_s']:.1%} of the prefill alone, "
-                f"{pd['prefill_alone_s'] * 1e3:.0f} ms); {ph['gbps']:.2f} GB/s = "
-                f"{ph['gbps'] / lo:.0%} of loopback TCP between the same cores "
-                f"({lo:.2f} GB/s into a reused buffer; target >= 50%), "
-                f"{ph['gbps'] / lo_fresh:.0%} of it into a fresh handoff-sized buffer "
-                f"({lo_fresh:.2f} GB/s)")
-        rep.notes.append(f"fallbacks to a local prefill: {pd['fallbacks']:.0f}")
-        rep.notes.append(f"idle P/D TTFT {pd['pd_idle_ttft_s'] * 1e3:.0f} ms vs prefill alone "
-                         f"{pd['prefill_alone_s'] * 1e3:.0f} ms "
+            rep.notes.append(pd_handoff.note(name, phase, pd[phase], pd["prefill_alone_s"], lo,
+                                             lo_fresh))
+        rep.notes.append(f"{name}: fallbacks to a local prefill: {pd['fallbacks']:.0f}")
+        rep.notes.append(f"{name}: idle P/D TTFT {pd['pd_idle_ttft_s'] * 1e3:.0f} ms vs prefill "
+                         f"alone {pd['prefill_alone_s'] * 1e3:.0f} ms "
                          f"(+{pd['pd_idle_ttft_s'] / pd['prefill_alone_s'] - 1:.0%}; "
                          "target <= +10%)")
     rep.emit(a.json)

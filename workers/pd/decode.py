@@ -39,6 +39,7 @@ from .params import Offer, prefill_leg_body
 from .peer_client import pull
 from .peer_shm import ShmUnavailable, pull_shm
 from .peer_wire import PeerError
+from .shm_pool import ShmPool
 
 log = logging.getLogger("kvyard.pd")
 
@@ -52,6 +53,7 @@ class PDDecoder:
     transfer_timeout_s: float = 30.0
     connector: Any = None        # the worker's StoreConnector (its store), or None
     transports: tuple[str, ...] = ("shm", "tcp")   # the peer transports to try, in order
+    shm_pool: ShmPool = field(default_factory=ShmPool)   # same-host receive buffers
     _session: aiohttp.ClientSession | None = field(default=None, init=False)
 
     def authorize(self, headers: Mapping[str, str]) -> str | None:
@@ -107,7 +109,7 @@ class PDDecoder:
             try:
                 return await pull_shm(offer.remote_engine_id, offer.remote_request_id,
                                       self.namespace, hashes, self.transfer_timeout_s,
-                                      phases), "shm"
+                                      self.shm_pool, phases), "shm"
             except ShmUnavailable as e:  # nothing claimed: TCP takes the same hold
                 log.debug("no same-host endpoint for %s: %s", offer.remote_engine_id, e)
         if "tcp" not in self.transports:
@@ -184,6 +186,7 @@ class PDDecoder:
         self.metrics.bytes.inc(sum(memoryview(p).nbytes for p in payloads))
 
     async def close(self) -> None:
+        self.shm_pool.close()
         if self._session is not None:
             await self._session.close()
             self._session = None

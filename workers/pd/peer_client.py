@@ -17,7 +17,7 @@ import numpy as np
 from kvyard.kvstore.codec import HEADER_BYTES
 from kvyard.kvstore.layout import Namespace
 
-from .peer_wire import PeerError, message, recv_message, verified_frame
+from .peer_wire import PeerError, message, offered_blocks, recv_message, verified_frame
 
 log = logging.getLogger("kvyard.pd")
 _RCVBUF = 4 << 20
@@ -61,14 +61,8 @@ async def _pull(host: str, port: int, engine_id: str, request_id: str,
                                                "remote_request_id": request_id,
                                                "num_blocks": len(block_hashes)}))
         head = await recv_message(loop, sock)
-        if head.get("ok") is not True:
-            raise PeerError("transfer_refused", f"peer refused: {head.get('error')}")
+        n = offered_blocks(head, namespace, len(block_hashes))
         lay = namespace.layout
-        n = head.get("num_blocks")
-        if head.get("block_bytes") != lay.nbytes or not isinstance(n, int) \
-                or not 0 < n <= len(block_hashes):
-            raise PeerError("kv_mismatch", f"peer offers {n} blocks of "
-                            f"{head.get('block_bytes')} bytes, expected {lay.nbytes}")
         frame = HEADER_BYTES + lay.nbytes
         phases["claim"] = time.perf_counter() - t0
         return await asyncio.to_thread(_receive, sock, n, frame, namespace, block_hashes[:n],

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -104,15 +105,19 @@ class PeerServer:
         rid = None
         pending: asyncio.Future | None = None
         sent = False
-        say = peer_shm.packet if shm else message
+        fd: int | None = None    # shm: the puller's buffer
         try:
             if shm:
-                req = await asyncio.wait_for(peer_shm.recv_packet(loop, conn), REQUEST_TIMEOUT_S)
+                req, fd = await asyncio.to_thread(peer_shm.recv_request, conn, REQUEST_TIMEOUT_S)
+                conn.setblocking(False)
             else:
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SNDBUF)
                 req = await asyncio.wait_for(recv_message(loop, conn), REQUEST_TIMEOUT_S)
             if req.get("remote_engine_id") != self.engine_id:
                 raise PeerError("unknown_engine", "remote_engine_id is not this worker's")
+            frame = HEADER_BYTES + self.namespace.layout.nbytes
+            if shm:  # before the claim: a bad buffer costs nobody the hold
+                peer_shm.check_target(fd, max(1, int(req.get("num_blocks", 0))) * frame)
             rid = str(req.get("remote_request_id"))
             hold = self.engine.claim_hold(rid)
             if hold is None:
@@ -121,7 +126,9 @@ class PeerServer:
             n = min(int(req.get("num_blocks", len(hold.block_ids))), len(hold.block_ids))
             lay = self.namespace.layout
             if shm:
-                pending = asyncio.ensure_future(asyncio.to_thread(self._send_shm, conn, hold, n))
+                peer_shm.check_target(fd, n * frame)
+                pending = asyncio.ensure_future(asyncio.to_thread(self._send_shm, conn, fd, hold,
+                                                                  n))
             else:
                 await loop.sock_sendall(conn, message({"ok": True, "num_blocks": n,
                                                        "block_bytes": lay.nbytes}))
@@ -131,8 +138,9 @@ class PeerServer:
             sent = True
         except PeerError as e:
             try:
-                await loop.sock_sendall(conn, say({"ok": False, "error": str(e),
-                                                   "reason": e.reason}))
+                conn.setblocking(False)
+                await loop.sock_sendall(conn, message({"ok": False, "error": str(e),
+                                                       "reason": e.reason}))
             except OSError:
                 pass
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, ValueError,
@@ -147,6 +155,8 @@ class PeerServer:
                 else:
                     self.aborted += 1
                 self.engine.finish_hold(rid)
+            if fd is not None:
+                os.close(fd)    # never kept: the buffer is the puller's
             conn.close()
 
     def _send(self, conn: socket.socket, hold: Any, n: int) -> None:
@@ -166,10 +176,9 @@ class PeerServer:
             self._block_pieces = (fn() if fn is not None else None) or []
         return self._block_pieces or None
 
-    def _send_shm(self, conn: socket.socket, hold: Any, n: int) -> None:
-        """In a thread: the held frames into a sealed memfd for a same-host puller, a chunk
-        at a time (CPU caches straight from the rows, device caches gathered)."""
-        conn.setblocking(True)
+    def _send_shm(self, conn: socket.socket, fd: int, hold: Any, n: int) -> None:
+        """In a thread: the held frames into a same-host puller's buffer, a chunk at a time
+        (CPU caches straight from the rows, device caches gathered)."""
         pieces = self._pieces()
 
         def chunks():
@@ -184,7 +193,7 @@ class PeerServer:
                     bufs = [memoryview(frames).cast("B")]
                 yield bufs
                 self.sent_blocks += e - s
-        peer_shm.send_hold(conn, chunks(), n, self.namespace.layout.nbytes)
+        peer_shm.send_hold(conn, fd, chunks(), n, self.namespace.layout.nbytes)
 
     def _block_bufs(self, pieces: list[np.ndarray], hold: Any, i: int) -> list[memoryview]:
         """Held block i's frame as buffers over the cache: its header (checksum hashed over

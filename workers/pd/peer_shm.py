@@ -1,57 +1,53 @@
-"""The same-host peer transfer: a hold's frames in a sealed memfd, its descriptor passed
-over a Unix socket (SCM_RIGHTS).
+"""The same-host peer transfer: the prefill worker writes a hold's frames into a memfd
+the decode worker owns and passes it over a Unix socket (SCM_RIGHTS).
 
-Why this shape (security first): the decode worker is given a new memfd holding
-exactly the held blocks' frames (the TCP path's bytes: header with key and xxh3
-checksum + payload per block), never a mapping of the prefill worker's KV cache,
-so a decode worker can read nothing but what a valid hold offers, and what it
-reads once it cannot read again after later holds (a memfd is never reused).
-The prefill side writes the frames with `pwritev` straight from the cache rows
-(one kernel copy, no gather) and seals the file against shrinking and growing
-before the descriptor leaves (so the mapping can never SIGBUS the reader), and
-against writes once the last frame is in. The decode side maps it privately
-(reads fault pages in 16 at a time; its scatter needs a writable buffer, which
-it never writes), checks the seals, verifies every frame as the TCP path does,
-and hands the payloads on; the mapping goes when the engine has copied them.
+Why this shape (security first): the decode worker gets exactly the held blocks'
+frames (the TCP path's bytes: header with key and xxh3 checksum + payload per
+block), never a view of the prefill worker's KV cache, so it can read nothing
+but what a valid hold offers. The buffer is the decode worker's (`shm_pool.py`:
+reused per prefill peer, so a transfer is a copy, not a page allocation per
+4 KiB; sealed against resizing, so a peer cannot truncate it under the decode
+worker's mapping). The prefill worker never maps it: it `pwritev`s each block's
+header and its K/V rows straight from the cache rows into it (one kernel copy,
+no gather; a hostile descriptor can cost it nothing but a failed write) and
+closes its copy of the descriptor when done. The decode worker verifies every
+frame as over TCP, chunk k while chunk k+1 is written (each on its own core),
+then the engine copies the blocks from the buffer into its cache.
 
-Pipelined: the prefill side reports each chunk of `CHUNK_BLOCKS` frames as it
-is written, so the decode side verifies chunk k while chunk k+1 is written
-(each on its own core). The socket is SOCK_SEQPACKET, one peer_wire message per
-packet. Its name is abstract (`\\0kvyard-pd-<engine id>`): visible only inside
-the prefill worker's network namespace, so two pods on one node fall back to
-TCP, containers of one pod (or the local stack) use it; the decode side also
-requires the listener's uid to be its own.
+The socket is SOCK_SEQPACKET, one peer_wire message per packet. Its name is
+abstract (`\\0kvyard-pd-<engine id>`): visible only inside the prefill worker's
+network namespace, so two pods on one node fall back to TCP, containers of one
+pod (or the local stack) use it; the decode side also requires the listener's
+uid to be its own. The hold's capability (engine id + request id) is the same
+as over TCP.
 
-  decode -> prefill: {"remote_engine_id", "remote_request_id", "num_blocks"}
-  prefill -> decode: {"ok": true, "num_blocks": n, "block_bytes": b} + the memfd
-                     (or {"ok": false, ...}), then {"ready": k} per chunk written,
-                     the last {"ready": n, "sealed": true}.
+  decode -> prefill: {"remote_engine_id", "remote_request_id", "num_blocks"} + its
+                     buffer's descriptor (at least num_blocks frames)
+  prefill -> decode: {"ok": true, "num_blocks": n, "block_bytes": b} (or {"ok":
+                     false, ...}), then {"ready": k} per chunk written, the last
+                     {"ready": n, "done": true}.
 """
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import mmap
 import os
 import re
 import socket
+import stat
 import struct
 import time
 from typing import Any, Iterable
-
-import numpy as np
 
 from kvyard.kvstore.codec import HEADER_BYTES
 from kvyard.kvstore.layout import Namespace
 
 from .peer_wire import (HEAD_BYTES, MAX_MESSAGE, PeerError, check_head, message, parse_body,
-                        verified_frame, write_all)
+                        offered_blocks, verified_frame, write_all)
+from .shm_pool import ShmPool
 
 CHUNK_BLOCKS = 16
 _IOV_MAX = 1024
 _RECV_TIMEOUT_S = 10.0
-_SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-_ALL_SEALS = _SIZE_SEALS | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
@@ -86,59 +82,71 @@ def parse_packet(data: bytes) -> dict[str, Any]:
     return parse_body(data[HEAD_BYTES:])
 
 
-async def recv_packet(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> dict[str, Any]:
-    data = await loop.sock_recv(sock, HEAD_BYTES + MAX_MESSAGE)
-    if not data:
-        raise asyncio.IncompleteReadError(b"", HEAD_BYTES)
-    return parse_packet(data)
+def recv_request(sock: socket.socket, timeout_s: float) -> tuple[dict[str, Any], int | None]:
+    """In a thread: the puller's request and the descriptor that came with it (the
+    caller closes it)."""
+    sock.settimeout(timeout_s)
+    data, fds, _, _ = socket.recv_fds(sock, HEAD_BYTES + MAX_MESSAGE, 1)
+    fd = fds[0] if fds else None
+    for extra in fds[1:]:
+        os.close(extra)
+    try:
+        if not data:
+            raise asyncio.IncompleteReadError(b"", HEAD_BYTES)
+        return parse_packet(data), fd
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        raise
 
 
 # ---------------------------------------------------------------- prefill side
-def send_hold(conn: socket.socket, chunks: Iterable[list[memoryview]], n: int,
+def check_target(fd: int | None, size: int) -> None:
+    """The puller's buffer must be a regular file (a memfd) of at least `size` bytes."""
+    if fd is None:
+        raise PeerError("transfer_refused", "no buffer descriptor came with the request")
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size < size:
+        raise PeerError("transfer_refused", f"the buffer is not a file of {size} bytes")
+
+
+def send_hold(conn: socket.socket, fd: int, chunks: Iterable[list[memoryview]], n: int,
               block_bytes: int) -> None:
-    """In a thread: a fresh memfd sized for the n frames, size-sealed, passed with the
-    ok packet; each chunk of frame buffers written in place, announced, then the file
-    write-sealed. `chunks` yields (header, rows...) buffers for CHUNK_BLOCKS blocks at
-    a time."""
+    """In a thread: each chunk of frame buffers written into the puller's buffer in place,
+    announced; `chunks` yields (header, rows...) buffers for CHUNK_BLOCKS blocks at a
+    time."""
     conn.settimeout(60.0)
     frame = HEADER_BYTES + block_bytes
-    fd = os.memfd_create("kvyard-pd-hold", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, n * frame)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SIZE_SEALS)
-        socket.send_fds(conn, [packet({"ok": True, "num_blocks": n,
-                                       "block_bytes": block_bytes})], [fd])
-        off = 0
+    conn.sendall(packet({"ok": True, "num_blocks": n, "block_bytes": block_bytes}))
+    off = 0
 
-        def pwritev(bufs: list[memoryview]) -> int:
-            nonlocal off
-            k = os.pwritev(fd, bufs, off)
-            off += k
-            return k
-        for bufs in chunks:
-            write_all(pwritev, bufs, _IOV_MAX)
-            if off // frame < n:
-                conn.sendall(packet({"ready": off // frame}))
-        if off != n * frame:
-            raise PeerError("transfer_failed", f"wrote {off} of {n * frame} bytes")
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
-        conn.sendall(packet({"ready": n, "sealed": True}))
-    finally:
-        os.close(fd)
+    def pwritev(bufs: list[memoryview]) -> int:
+        nonlocal off
+        k = os.pwritev(fd, bufs, off)
+        off += k
+        return k
+    for bufs in chunks:
+        write_all(pwritev, bufs, _IOV_MAX)
+        if off // frame < n:
+            conn.sendall(packet({"ready": off // frame}))
+    if off != n * frame:
+        raise PeerError("transfer_failed", f"wrote {off} of {n * frame} bytes")
+    conn.sendall(packet({"ready": n, "done": True}))
 
 
 # ---------------------------------------------------------------- decode side
 async def pull_shm(engine_id: str, request_id: str, namespace: Namespace,
-                   block_hashes: list[int], timeout_s: float,
+                   block_hashes: list[int], timeout_s: float, pool: ShmPool,
                    phases: dict[str, float] | None = None) -> list[memoryview]:
-    """The blocks' payloads, verified, in order (views into the mapping). ShmUnavailable
-    when there is no same-host endpoint (nothing was claimed), PeerError on any failure
-    after that."""
+    """The blocks' payloads, verified, in order (views into a pooled buffer, given back
+    once the last is gone). ShmUnavailable when there is no same-host endpoint (nothing
+    was claimed), PeerError on any failure after that."""
     if not re.fullmatch(r"[0-9a-f]{32}", engine_id):  # only ever a kvyard endpoint's name
         raise ShmUnavailable(f"engine id {engine_id[:40]!r} is not a kvyard worker's")
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.setblocking(False)
+    t0 = time.perf_counter()
     try:
         try:
             await loop.sock_connect(sock, socket_name(engine_id))
@@ -148,12 +156,18 @@ async def pull_shm(engine_id: str, request_id: str, namespace: Namespace,
                                                      _PEERCRED.size))
         if uid != os.getuid():
             raise ShmUnavailable(f"same-host endpoint belongs to uid {uid}")
-        await loop.sock_sendall(sock, packet({"remote_engine_id": engine_id,
-                                              "remote_request_id": request_id,
-                                              "num_blocks": len(block_hashes)}))
+        frame = HEADER_BYTES + namespace.layout.nbytes
+        buf, view = await asyncio.to_thread(pool.take, engine_id, len(block_hashes) * frame)
+        ok = False
         try:
-            return await asyncio.wait_for(
-                asyncio.to_thread(_receive, sock, namespace, block_hashes, phases), timeout_s)
+            socket.send_fds(sock, [packet({"remote_engine_id": engine_id,
+                                           "remote_request_id": request_id,
+                                           "num_blocks": len(block_hashes)})], [buf.fd])
+            out = await asyncio.wait_for(
+                asyncio.to_thread(_receive, sock, view, namespace, block_hashes, t0, phases),
+                timeout_s)
+            ok = True
+            return out
         except TimeoutError:
             raise PeerError("transfer_timeout",
                             f"same-host pull took over {timeout_s}s") from None
@@ -161,70 +175,42 @@ async def pull_shm(engine_id: str, request_id: str, namespace: Namespace,
             raise PeerError("transfer_truncated", "same-host transfer ended early") from None
         except OSError as e:
             raise PeerError("transfer_failed", f"same-host transfer: {e}") from None
+        finally:
+            if not ok:
+                pool.drop(buf)   # its peer may still write it: never reused
     finally:
         sock.close()
 
 
-def _receive(sock: socket.socket, namespace: Namespace, block_hashes: list[int],
-             phases: dict[str, float] | None) -> list[memoryview]:
-    """In a thread: the descriptor with the ok packet, then each progress report's frames
-    verified while the next chunk is written. Phases: claim (request to descriptor),
-    transfer (to the last report, verifying meanwhile), verify (what is left after it)."""
+def _receive(sock: socket.socket, view: Any, namespace: Namespace, block_hashes: list[int],
+             t0: float, phases: dict[str, float] | None) -> list[memoryview]:
+    """In a thread: the ok, then each progress report's frames verified while the next
+    chunk is written. Phases: claim (connect to the ok), transfer (to the last report,
+    verifying meanwhile), verify (what is left after it)."""
     sock.settimeout(_RECV_TIMEOUT_S)
-    t0 = time.perf_counter()
-    data, fds, _, _ = socket.recv_fds(sock, HEAD_BYTES + MAX_MESSAGE, 1)
-    try:
-        if not data:
-            raise asyncio.IncompleteReadError(b"", HEAD_BYTES)
-        head = parse_packet(data)
-        if head.get("ok") is not True:
-            raise PeerError("transfer_refused", f"peer refused: {head.get('error')}")
-        lay = namespace.layout
-        n = head.get("num_blocks")
-        if head.get("block_bytes") != lay.nbytes or not isinstance(n, int) \
-                or not 0 < n <= len(block_hashes) or len(fds) != 1:
-            raise PeerError("kv_mismatch", f"peer offers {n} blocks of "
-                            f"{head.get('block_bytes')} bytes, expected {lay.nbytes}")
-        frame = HEADER_BYTES + lay.nbytes
-        mm = _map(fds[0], n * frame)
-        t1 = time.perf_counter()
-        buf = memoryview(np.frombuffer(mm, dtype=np.uint8)).cast("B")
-        out: list[memoryview] = []
-        sealed = False
-        while not sealed:
-            data = sock.recv(HEAD_BYTES + MAX_MESSAGE)
-            if not data:
-                raise asyncio.IncompleteReadError(b"", HEAD_BYTES)
-            msg = parse_packet(data)
-            ready, sealed = msg.get("ready"), msg.get("sealed") is True
-            if not isinstance(ready, int) or not len(out) <= ready <= n \
-                    or (sealed and ready != n):
-                raise PeerError("transfer_corrupt", f"bad progress report {msg}")
-            if sealed and fcntl.fcntl(fds[0], fcntl.F_GET_SEALS) & _ALL_SEALS != _ALL_SEALS:
-                raise PeerError("transfer_corrupt", "shared block file not write-sealed")
-            t2 = time.perf_counter()
-            for i in range(len(out), ready):
-                out.append(verified_frame(buf, i, frame, namespace, block_hashes[i]))
-    finally:
-        for fd in fds:
-            os.close(fd)
+    head = _recv(sock)
+    n = offered_blocks(head, namespace, len(block_hashes))
+    lay = namespace.layout
+    t1 = time.perf_counter()
+    frame = HEADER_BYTES + lay.nbytes
+    mem = memoryview(view).cast("B")
+    out: list[memoryview] = []
+    done = False
+    while not done:
+        msg = _recv(sock)
+        ready, done = msg.get("ready"), msg.get("done") is True
+        if not isinstance(ready, int) or not len(out) <= ready <= n or (done and ready != n):
+            raise PeerError("transfer_corrupt", f"bad progress report {msg}")
+        t2 = time.perf_counter()
+        for i in range(len(out), ready):
+            out.append(verified_frame(mem, i, frame, namespace, block_hashes[i]))
     if phases is not None:
-        t3 = time.perf_counter()
-        phases.update(claim=t1 - t0, transfer=t2 - t1, verify=t3 - t2)
+        phases.update(claim=t1 - t0, transfer=t2 - t1, verify=time.perf_counter() - t2)
     return out
 
 
-def _map(fd: int, size: int) -> mmap.mmap:
-    """A private mapping of a size-sealed memfd of exactly `size` bytes (the seals keep
-    it from shrinking under the mapping: no SIGBUS). Private and writable because the
-    engine's scatter wants a writable buffer; nothing writes it."""
-    st = os.fstat(fd)
-    try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError:
-        seals = 0
-    if st.st_size != size or seals & _SIZE_SEALS != _SIZE_SEALS:
-        raise PeerError("transfer_corrupt", f"shared block file of {st.st_size} bytes, "
-                        f"seals {seals:#x}: expected {size} bytes, size-sealed")
-    return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
-                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
+def _recv(sock: socket.socket) -> dict[str, Any]:
+    data = sock.recv(HEAD_BYTES + MAX_MESSAGE)
+    if not data:
+        raise asyncio.IncompleteReadError(b"", HEAD_BYTES)
+    return parse_packet(data)

@@ -109,3 +109,16 @@ def write_all(write: Callable[[list[memoryview]], int], bufs: list[memoryview],
                 bufs[i] = bufs[i][k:]
                 k = 0
     return total
+
+
+def offered_blocks(head: dict[str, Any], namespace: Namespace, wanted: int) -> int:
+    """How many blocks the server's ok says it sends; PeerError on a refusal or an offer
+    that does not fit (another layout, none, more than asked)."""
+    if head.get("ok") is not True:
+        raise PeerError("transfer_refused", f"peer refused: {head.get('error')}")
+    lay = namespace.layout
+    n = head.get("num_blocks")
+    if head.get("block_bytes") != lay.nbytes or not isinstance(n, int) or not 0 < n <= wanted:
+        raise PeerError("kv_mismatch", f"peer offers {n} blocks of "
+                        f"{head.get('block_bytes')} bytes, expected {lay.nbytes}")
+    return n
