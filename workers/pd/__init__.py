@@ -13,16 +13,21 @@ prefill side: holds).
 Two transports, one hold protocol (`peer_server.py` serves both):
 - TCP (`peer_client.py`), between any two pods: the frames go from the cache
   rows to the socket (sendmsg) and into one receive buffer.
-- Same host (`peer_shm.py`), preferred when the offer says `shm` and the prefill
-  worker's abstract Unix socket is reachable (same network namespace, same uid):
-  the prefill worker writes the held frames into a fresh memfd (pwritev from the
-  cache rows), seals it against resizing before the descriptor is passed
-  (SCM_RIGHTS) and against writes once the last frame is in; the decode worker
-  maps it privately, verifies every frame as over TCP while later chunks are
-  still being written, and the engine copies the blocks from the mapping.
-  Why not map the prefill worker's whole KV cache instead (one copy fewer): a
-  decode worker could then read every other request's KV; with a per-hold memfd
-  it can read exactly what a valid hold offers, once. Where the abstract socket
-  is not reachable (pods on one node, separate namespaces) TCP is used; every
-  failure after a claim is a fallback counted by reason, as over TCP.
+- Same host (`peer_shm.py`, `shm_pool.py`), preferred when the offer says `shm`
+  and the prefill worker's abstract Unix socket is reachable (same network
+  namespace, same uid): the decode worker passes a memfd of its own with the
+  request (SCM_RIGHTS); the prefill worker writes the held frames into it with
+  pwritev straight from the cache rows, without mapping it, and reports each
+  chunk; the decode worker verifies chunk k while chunk k+1 is written, and the
+  engine copies the blocks from that buffer into its cache.
+  Why not map the prefill worker's KV cache instead (one copy fewer): a decode
+  worker could then read every other request's KV; this way it sees exactly what
+  a valid hold offers. Why the decode worker's buffer and not a fresh memfd from
+  the prefill worker: a fresh one pays a page allocation per 4 KiB (measured no
+  faster than TCP), the decode worker's are reused, per prefill peer (a peer that
+  kept a descriptor sees only its own frames), sealed against resizing (a peer
+  cannot truncate one under the mapping) and never reused after a failed
+  transfer. Where the socket is not reachable (pods on one node, separate
+  namespaces) TCP is used; every failure after a claim is a fallback counted by
+  reason, as over TCP.
 """
