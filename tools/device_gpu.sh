@@ -26,7 +26,7 @@ cd $S
 case "$1" in
   tests)
     python3 -m pytest --noconftest -p no:cacheprovider -q -rs -s $R/tests/workers/test_cuda_ops.py \
-      $R/tests/workers/test_triton_attention.py $R/tests/workers/test_cuda_engine.py $R/tests/workers/test_sleep_arena.py "${@:2}" 2>&1 \
+      $R/tests/workers/test_triton_attention.py $R/tests/workers/test_cuda_engine.py $R/tests/workers/test_sleep_arena.py $R/tests/workers/test_sampler_gpu.py "${@:2}" 2>&1 \
       | tee -a $OUT/tests.log ;;
   bench)
     python3 -W ignore -m kvyard.cli bench gpu --parts decode,hf --label "$2" --out $OUT/gpu-h200.json 2>&1 \

@@ -11,8 +11,9 @@ Per request: TTFT (request sent -> first token chunk) and TPOT ((last chunk - fi
 chunk) / (tokens - 1)); per level p50/p99 and output tokens/s over the level's wall time.
 
 Baseline, same run, before the worker starts: the in-process engine (`LLM.generate`, no
-HTTP) generating the same shape at batch `c` (prompt + new tokens, greedy), its output
-tokens/s: what the server would reach if serving cost nothing.
+HTTP) generating the same shape at batch `c` (fresh random prompts, so no prefix-cache
+hits, all `c` admitted at once; greedy), its output tokens/s, prefill included: what the
+server would reach if serving cost nothing and requests came in lockstep.
 """
 from __future__ import annotations
 
@@ -114,16 +115,17 @@ def offline_tok_s(torch, d: str, levels: list[int], prompt_len: int, new: int, m
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "bfloat16" if dev == "cuda" else "float32"
     model, cfg = load_model(resolve_model(d), getattr(torch, dtype), 4096, device=dev)
+    # room for every sequence of the largest batch at once (the worker has ~100 GiB): no preemption
     conf = EngineConfig(model=d, dtype=dtype, device=dev, max_model_len=4096, max_num_seqs=max_seqs,
-                        kv_cache_memory_bytes=(8 << 30) if dev == "cuda" else (256 << 20))
+                        kv_cache_memory_bytes=(32 << 30) if dev == "cuda" else (256 << 20))
     llm = LLM(engine=LLMEngine(conf, model, cfg, None))
     del model
     g = torch.Generator().manual_seed(1)
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     out = {}
     for c in levels:
-        prompts = torch.randint(4, vocab, (c, prompt_len), generator=g).tolist()
-        llm.generate(prompts, params)    # warm-up
+        llm.generate(torch.randint(4, vocab, (c, prompt_len), generator=g).tolist(), params)   # warm-up
+        prompts = torch.randint(4, vocab, (c, prompt_len), generator=g).tolist()   # fresh: no prefix hits
         t0 = time.perf_counter()
         res = llm.generate(prompts, params)
         out[str(c)] = sum(len(r.token_ids) for r in res) / (time.perf_counter() - t0)

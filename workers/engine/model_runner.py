@@ -309,14 +309,15 @@ class ModelRunner:
     def _gpu_sample(logits: torch.Tensor, samplers: list[Sequence], plain_greedy
                     ) -> tuple[torch.Tensor | None, list[Sequence], list[int] | None]:
         """Plain greedy rows' tokens by argmax on the GPU (reading them is the step's one
-        sync); the other rows' logits go to the host sampler."""
+        sync); the other rows' logits stay on the GPU for the sampler, which draws there
+        and reads back only the sampled ids (sampler.py)."""
         fast = [i for i, seq in enumerate(samplers) if plain_greedy(seq)] if plain_greedy is not None else []
         if not fast:
-            return logits.float().cpu(), samplers, None
+            return logits.float(), samplers, None
         chosen = set(fast)
         rest = [i for i in range(len(samplers)) if i not in chosen]
         toks = logits.argmax(dim=-1) if not rest else logits[torch.tensor(fast, device=logits.device)].argmax(dim=-1)
-        rest_logits = logits[torch.tensor(rest, device=logits.device)].float().cpu() if rest else None
+        rest_logits = logits[torch.tensor(rest, device=logits.device)].float() if rest else None
         picked = [-1] * len(samplers)
         for i, tok in zip(fast, toks.tolist()):
             picked[i] = tok

@@ -13,6 +13,14 @@ generator, one per step, so its tokens do not depend on its neighbours.
 (logits_process.py) on the rows that asked for them, and logprobs, taken
 from the model's own logits before any adjustment or temperature (vLLM's
 default "raw" logprobs), so they describe the model, not the sampling recipe.
+
+On CUDA (logits on the GPU) the draw runs there: the uniforms still come from the same
+CPU generators (one per row, as above, so a seeded request draws the same numbers) and
+go to the GPU with the temperatures; top-k/top-p rows take one batched sort of their
+distribution instead of the per-row candidate loop (whose exactness check reads a sum
+back per row), the same cut computed densely; the sampled ids are read back once. Rows
+with adjustments or a constraint's redraw take their rows to the host (both need the
+request's history or a tokenizer-side check there).
 """
 from __future__ import annotations
 
@@ -50,17 +58,21 @@ class Sampler:
         if adjust:
             eos = frozenset(eos_token_ids)
             logits = logits.clone()  # the caller's tensor stays as the model made it
-            for i in adjust:
-                adjust_row(logits[i], params[i], histories[i][0], histories[i][1], eos)
+            rows = logits[adjust].cpu() if logits.is_cuda else None   # adjustments index on the host
+            for j, i in enumerate(adjust):
+                adjust_row(logits[i] if rows is None else rows[j], params[i], histories[i][0], histories[i][1], eos)
+            if rows is not None:
+                logits[adjust] = rows.to(logits.device)
         tokens = self(logits, params, generators)
         for i, c in enumerate(constraints or ()):
             if c is not None and not c.allows(tokens[i]):
-                tokens[i] = self._constrained(logits[i], params[i], generators[i], c, eos_token_ids)
+                row = logits[i].cpu() if logits.is_cuda else logits[i]
+                tokens[i] = self._constrained(row, params[i], generators[i], c, eos_token_ids)
         out: list[TokenLogprob | None] = [None] * len(tokens)
         if raw is not None:
             k = max(params[i].logprobs for i in want)
             top_v, top_i = raw.topk(k, dim=-1) if k else (None, None)
-            chosen = raw.gather(1, torch.tensor([[tokens[i]] for i in want])).squeeze(1).tolist()
+            chosen = raw.gather(1, torch.tensor([[tokens[i]] for i in want], device=raw.device)).squeeze(1).tolist()
             for j, i in enumerate(want):
                 n = params[i].logprobs
                 top = list(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist())) if n else []
@@ -86,19 +98,20 @@ class Sampler:
         order for untruncated rows, over the kept candidates (most likely first) for
         top-k/top-p rows, so no row draws vocabulary-sized noise or sorts the vocabulary."""
         n, vocab = logits.shape
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        dev = logits.device
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(dev, non_blocking=True)
         probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
-        u = self._uniforms(generators)
+        u = self._uniforms(generators).to(dev, non_blocking=True)
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         ps = [p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params]
-        out = torch.empty(n, dtype=torch.int64)
+        out = torch.empty(n, dtype=torch.int64, device=dev)
         plain = [i for i in range(n) if ks[i] == vocab and ps[i] == 1.0]
         cut = [i for i in range(n) if ks[i] < vocab or ps[i] < 1.0]
         if plain:
             out[plain] = _invert(probs[plain], u[plain])
         if cut:
-            out[cut] = _sample_truncated(probs[cut], u[cut], [ks[i] for i in cut],
-                                         [ps[i] for i in cut])
+            truncated = _sample_truncated_dense if logits.is_cuda else _sample_truncated
+            out[cut] = truncated(probs[cut], u[cut], [ks[i] for i in cut], [ps[i] for i in cut])
         return out
 
     def _uniforms(self, generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -202,6 +215,33 @@ def _sample_truncated(probs: torch.Tensor, u: torch.Tensor, ks: list[int], ps: l
         pick = _invert(v, u[redo])
         out[redo] = order.gather(1, pick.unsqueeze(1)).squeeze(1)
     return out
+
+
+def _sample_truncated_dense(probs: torch.Tensor, u: torch.Tensor, ks: list[int], ps: list[float]
+                            ) -> torch.Tensor:
+    """`_sample_truncated` without a host round trip per row (the GPU's form): every row's
+    distribution sorted once (a batched GPU sort of the vocabulary costs less than one
+    read-back), then the same cut as masks: ranks past k zeroed, top-p on the
+    top-k-renormalized mass, the draw inverted over what is kept."""
+    n, vocab = probs.shape
+    dev = probs.device
+    k_t = torch.tensor(ks, dtype=torch.int64).to(dev, non_blocking=True).unsqueeze(1)
+    p_t = torch.tensor(ps, dtype=torch.float32).to(dev, non_blocking=True).unsqueeze(1)
+    kmax = min(vocab, max(k if p == 1.0 else vocab for k, p in zip(ks, ps)))
+    if kmax < vocab:
+        vals, idx = probs.topk(kmax, dim=-1)
+    else:
+        vals, idx = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(vals.shape[1], device=dev).unsqueeze(0)
+    v = vals * (rank < k_t)
+    cum = v.cumsum(dim=-1)
+    mass = torch.where(k_t < vocab, cum[:, -1:], torch.ones_like(cum[:, -1:]))
+    v = torch.where(p_t < 1.0, _nucleus(v, cum, p_t * mass), v)
+    kept = (v > 0).sum(dim=-1).clamp_(min=1)
+    cdf = v.cumsum(dim=-1)
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    pick = torch.minimum(pick, kept - 1)
+    return idx.gather(1, pick.unsqueeze(1)).squeeze(1)
 
 
 def _nucleus(v: torch.Tensor, cum: torch.Tensor, limit) -> torch.Tensor:
