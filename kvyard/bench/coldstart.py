@@ -154,19 +154,20 @@ def wake_cycles(a: argparse.Namespace, rd: Path, port: int) -> list[dict]:
             and bool(doc.get("pools")) and doc["pools"][0]["replicas"] == 0
 
     url = f"http://127.0.0.1:{port}"
-    out = []
+    out, old = [], []
     for _ in range(a.reps):
         deadline = time.monotonic() + 120
-        while not at_zero():
+        # At zero with the last worker gone: its drain does not share the CPU with the wake.
+        while not at_zero() or any(procs.alive(pid) for pid in old):
             if time.monotonic() > deadline:
                 raise RuntimeError("the pool did not scale to zero")
             time.sleep(0.05)
-        time.sleep(0.2)  # the stopped worker's exit settles (not a synchronisation)
         sent = time.time()
         ttft, text = first_token(url, a.max_tokens)
         warm, warm_text = first_token(url, a.max_tokens)
         s = StackState.load(rd)
         [w] = [p for p in s.procs if p.name.startswith("worker-")]
+        old = [w.pid]
         woke = _last(rd / "logs" / "autoscaler.log", "woken by StreamIsActive", sent)
         started = _last(rd / "logs" / "supervisor.log", f"started {w.name} ", sent)
         ready = _last(Path(w.log), "kvyard.server: serving", sent)

@@ -167,6 +167,8 @@ def run_stall(args: argparse.Namespace) -> int:
                    hit_ttft_ms=ms([r["ttft_s"] for r in rounds]),
                    blocks_loaded=rounds[0]["loaded"],
                    same_tokens=all(r["tokens"] == want for r in rounds))
+    report.meta["during_steps_ms"] = {m: [[round(x * 1e3, 1) for x in r["during"]] for r in rounds]
+                                      for m, rounds in res.items()}
     report.notes.append(
         "medians over rounds; tpot = one engine step's wall time (each stream decodes a token "
         "per step); during = from the hit's arrival to its first token; inline = "

@@ -47,8 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft-short", type=float, default=0.5, help="seconds")
     p.add_argument("--slo-ttft-long", type=float, default=6.0, help="seconds")
     p.add_argument("--slo-tpot", type=float, default=0.06, help="seconds per output token")
-    p.add_argument("--setups", default="colocated,pd,pd-tcp",
-                   help="colocated, pd (peer transport: same-host memfd), pd-tcp (TCP)")
+    p.add_argument("--setups", default="colocated,pd,pd-tcp,pd-redis",
+                   help="colocated; pd (peer transport: same-host memfd), pd-tcp (TCP), "
+                        "pd-redis (no pull: the blocks from a shared Redis tier)")
     p.add_argument("--json", action="store_true")
 
 
@@ -163,11 +164,15 @@ def run_setup(name: str, a: argparse.Namespace, run_dir: Path, prompts: Prompts 
     from kvyard.stack.launch import StackSpec, start_stack, stop_stack
 
     pd = name.startswith("pd")
-    transports = ["--pd-transports", "tcp"] if name == "pd-tcp" else []
+    redis = name == "pd-redis"
+    # pd-redis: nobody pulls, so holds are let go quickly (the blocks went to Redis)
+    transports = {"pd-tcp": ["--pd-transports", "tcp"],
+                  "pd-redis": ["--pd-transports", "none", "--kv-hold-timeout", "2"]
+                  }.get(name, [])
     spec = StackSpec(run_dir=run_dir / name, workers=2, prefill=int(pd), decode=int(pd),
                      dtype=a.dtype, gateway_port=None, worker_base_port=None,
                      epp_ports=(None, None, None), admin_port=None, ready_timeout_s=600.0,
-                     kv_tiers=False,
+                     kv_tiers=redis, kv_pool_tier="redis" if redis else "ssd",
                      worker_args=["--max-model-len", "4096", "--kv-cache-memory-bytes",
                                   "768MiB", "--num-threads", "1", *transports])
     state = start_stack(spec)
@@ -206,8 +211,9 @@ def run_setup(name: str, a: argparse.Namespace, run_dir: Path, prompts: Prompts 
             from kvyard.common import wire
 
             m2 = metrics(decode_addr)
-            extra["idle"] = pd_handoff.stats(m1, m0)
-            extra["load"] = pd_handoff.stats(m2, m1)
+            path = "store" if redis else "peer"
+            extra["idle"] = pd_handoff.stats(m1, m0, path)
+            extra["load"] = pd_handoff.stats(m2, m1, path)
             extra["fallbacks"] = sum(v for key, v in m2.items()
                                      if key.startswith(wire.M_PD_FALLBACKS))
     finally:
@@ -267,7 +273,7 @@ def run(a: argparse.Namespace) -> int:
         rep.notes.append(f"{name}: fallbacks to a local prefill: {pd['fallbacks']:.0f}")
         rep.notes.append(f"{name}: idle P/D TTFT {pd['pd_idle_ttft_s'] * 1e3:.0f} ms vs prefill "
                          f"alone {pd['prefill_alone_s'] * 1e3:.0f} ms "
-                         f"(+{pd['pd_idle_ttft_s'] / pd['prefill_alone_s'] - 1:.0%}; "
+                         f"({pd['pd_idle_ttft_s'] / pd['prefill_alone_s'] - 1:+.0%}; "
                          "target <= +10%)")
     rep.emit(a.json)
     return 0

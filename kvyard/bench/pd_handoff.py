@@ -7,7 +7,8 @@ the prefill leg's HTTP round trip (the prefill itself, mostly), the hold's claim
 to the ok), the transfer (to the last byte; on the memfd path verification of earlier
 chunks overlaps it), the verification left after it, and the engine's insert into its
 cache. Bandwidth is the KV bytes over the pull (claim + transfer + verify), as the
-handoff histogram measures it.
+handoff histogram measures it; for the Redis path (`pd-redis`: no pull, the blocks the
+prefill worker saved to a shared Redis tier) over the store read.
 """
 from __future__ import annotations
 
@@ -28,11 +29,11 @@ def _delta(after: dict, before: dict, key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
-def stats(after: dict[str, float], before: dict[str, float]) -> dict:
-    """A phase's handoffs from two scrapes of the decode worker."""
-    cnt = f'{wire.M_PD_HANDOFF_SECONDS}_count{{path="peer"}}'
-    sec = f'{wire.M_PD_HANDOFF_SECONDS}_sum{{path="peer"}}'
-    out = {"handoffs": _delta(after, before, cnt), "bytes": _delta(after, before,
+def stats(after: dict[str, float], before: dict[str, float], path: str = "peer") -> dict:
+    """A phase's handoffs by `path` (peer, store) from two scrapes of the decode worker."""
+    cnt = f'{wire.M_PD_HANDOFF_SECONDS}_count{{path="{path}"}}'
+    sec = f'{wire.M_PD_HANDOFF_SECONDS}_sum{{path="{path}"}}'
+    out = {"path": path, "handoffs": _delta(after, before, cnt), "bytes": _delta(after, before,
                                                                    wire.M_PD_HANDOFF_BYTES),
            "seconds": _delta(after, before, sec),
            "transports": {t: _delta(after, before, f'{wire.M_PD_TRANSFERS}{{transport="{t}"}}')
@@ -53,7 +54,7 @@ def note(setup: str, phase: str, ph: dict, prefill_alone_s: float, lo: float,
     n = ph["handoffs"]
     used = ", ".join(f"{t} {v:.0f}" for t, v in ph["transports"].items() if v) or "none"
     parts = " / ".join(f"{k} {v:.0f}" for k, v in ph["phases_ms"].items())
-    return (f"{setup} {phase}: {n:.0f} peer handoffs ({used}), "
+    return (f"{setup} {phase}: {n:.0f} {ph['path']} handoffs ({used}), "
             f"{ph['bytes'] / n / 1e6 if n else 0:.1f} MB each, pull "
             f"{ph['seconds_mean'] * 1e3:.0f} ms mean "
             f"({ph['seconds_mean'] / prefill_alone_s:.1%} of the prefill alone, "

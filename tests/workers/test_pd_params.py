@@ -50,3 +50,19 @@ def test_offer_round_trip_with_vllm_names() -> None:
 def test_bad_offers_are_refused(bad) -> None:
     with pytest.raises(ValueError):
         Offer.from_params(bad)
+
+
+def test_transport_flag() -> None:
+    import argparse
+
+    from kvyard.workers.pd.flags import add_pd_arguments
+
+    p = argparse.ArgumentParser()
+    add_pd_arguments(p)
+    assert p.parse_args([]).pd_transports == ("shm", "tcp")
+    assert p.parse_args(["--pd-transports", "tcp"]).pd_transports == ("tcp",)
+    assert p.parse_args(["--pd-transports", "tcp,shm"]).pd_transports == ("tcp", "shm")
+    assert p.parse_args(["--pd-transports", "none"]).pd_transports == ()
+    for bad in ("udp", "tcp,tcp", "", "none,tcp"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--pd-transports", bad])

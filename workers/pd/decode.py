@@ -84,6 +84,8 @@ class PDDecoder:
             offer = await self._prefill(target, path, body)
             self.metrics.phases.labels(phase="prefill_leg").observe(time.perf_counter() - t_leg)
             n = self._usable(offer, target, own)
+            if not self.transports:
+                raise PeerError("no_transport", "peer pulls are off (--pd-transports none)")
             t0 = time.perf_counter()
             phases: dict[str, float] = {}
             payloads, transport = await self._pull(offer, own[:n], phases)
@@ -178,6 +180,7 @@ class PDDecoder:
         if not payloads:
             return None
         self._count("store", time.perf_counter() - t0, payloads)
+        self.metrics.phases.labels(phase="transfer").observe(time.perf_counter() - t0)
         return RemoteKV(own[:len(payloads)], payloads)
 
     def _count(self, path: str, seconds: float, payloads: list) -> None:

@@ -32,17 +32,21 @@ def add_pd_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a decode worker gives the KV pull before prefilling itself")
     g.add_argument("--pd-transports", type=_transports, default=("shm", "tcp"),
                    help="peer transports a decode worker tries, in order (comma-separated: "
-                        "shm = a sealed memfd from a prefill worker on this host, tcp; "
+                        "shm = a buffer a prefill worker on this host writes into, tcp; "
+                        "none = no pull, blocks only from the shared kvstore tier; "
                         "default shm,tcp)")
     g.add_argument("--kv-hold-timeout", type=float, default=120.0,
                    help="seconds a prefill worker keeps a prompt's blocks for a pull")
 
 
 def _transports(value: str) -> tuple[str, ...]:
+    if value.strip() == "none":
+        return ()
     out = tuple(t.strip() for t in value.split(",") if t.strip())
     bad = [t for t in out if t not in ("shm", "tcp")]
     if bad or not out or len(set(out)) != len(out):
-        raise argparse.ArgumentTypeError(f"expected shm and/or tcp, comma-separated: {value!r}")
+        raise argparse.ArgumentTypeError(f"expected shm and/or tcp, comma-separated, or none: "
+                                         f"{value!r}")
     return out
 
 

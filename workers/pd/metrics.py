@@ -12,11 +12,13 @@ from kvyard.common import wire
 _SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 FALLBACK_REASONS = ("prefill_unreachable", "prefill_timeout", "prefill_error", "kv_mismatch",
                     "transfer_failed", "transfer_truncated", "transfer_corrupt",
-                    "transfer_timeout", "transfer_refused", "unsupported_request")
+                    "transfer_timeout", "transfer_refused", "unsupported_request",
+                    "no_transport")
 PATHS = ("peer", "store")
 TRANSPORTS = ("shm", "tcp")
 # where a handoff's time goes: the prefill leg's HTTP round trip, the pull's claim (connect
-# to the ok), transfer (to the last byte), verify (checksums after it), the engine's insert
+# to the ok), transfer (to the last byte; or the store's read), verify (checksums after
+# it), the engine's insert
 PHASES = ("prefill_leg", "claim", "transfer", "verify", "insert")
 HOLD_OUTCOMES = ("pulled", "expired", "aborted")
 
