@@ -120,6 +120,9 @@ def test_engine_sleep_and_wake_keep_the_graphs_and_the_tokens(tiny_dir) -> None:
     del model
     eng = llm.engine
     assert eng.runner.arenas is not None and eng.runner.graphs is not None
+    # the KV cache is an ordinary tensor: the connector's load threads write it outside inference mode
+    assert not any(t.is_inference() for t in eng.runner.kv_caches)
+    eng.runner.kv_caches[0][0, 0].add_(0)
     prompts = [[5, 6, 7, 8, 9], list(range(20, 60))]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     want = [o.token_ids for o in llm.generate(prompts, params)]

@@ -143,17 +143,19 @@ class SleepArenas:
             buf, offs, sizes = pack(_tensors(model), "cuda", make, lambda end: holder["w"].map(end),
                                     torch.cuda.empty_cache)
             del buf
-            per_layer = 1
-            for d in kv_shape:
-                per_layer *= d
-            es = torch.empty((), dtype=dtype).element_size()
-            step = -(-per_layer * es // ALIGN) * ALIGN
-            kv = cuda_vmm.VmmBuffer(step * layers, device)
-            kv.map()
-            flat = kv.tensor()
-            caches = [flat[i * step:i * step + per_layer * es].view(dtype).view(kv_shape) for i in range(layers)]
-            flat.zero_()
-            return cls(holder["w"], offs, sizes, kv, caches)
+        # The KV cache outside inference mode, as a plain allocation would be: the connector's
+        # loads write it in place from threads of their own, where inference mode is off.
+        per_layer = 1
+        for d in kv_shape:
+            per_layer *= d
+        es = torch.empty((), dtype=dtype).element_size()
+        step = -(-per_layer * es // ALIGN) * ALIGN
+        kv = cuda_vmm.VmmBuffer(step * layers, device)
+        kv.map()
+        flat = kv.tensor()
+        caches = [flat[i * step:i * step + per_layer * es].view(dtype).view(kv_shape) for i in range(layers)]
+        flat.zero_()
+        return cls(holder["w"], offs, sizes, kv, caches)
 
     @property
     def weight_bytes(self) -> int:
