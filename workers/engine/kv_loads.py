@@ -99,11 +99,13 @@ class KVLoader:
                 return
             t0 = time.perf_counter()
             try:
-                if stream is None:
-                    n = self.connector.load(job.block_hashes, job.block_ids)
-                else:
-                    with torch.cuda.stream(stream):
+                # inference mode is per thread: the caches may be inference tensors
+                with torch.inference_mode():
+                    if stream is None:
                         n = self.connector.load(job.block_hashes, job.block_ids)
+                    else:
+                        with torch.cuda.stream(stream):
+                            n = self.connector.load(job.block_hashes, job.block_ids)
                 job.loaded = max(0, min(int(n), len(job.block_ids)))
             except Exception as e:  # noqa: BLE001 - a failed load is a miss: the request computes
                 log.exception("KV connector load of %d blocks failed; computing them",

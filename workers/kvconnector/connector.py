@@ -108,7 +108,7 @@ class StoreConnector(StagedPaths):
             return 0
         return self.store.lookup(block_hashes)[0]
 
-    @torch.no_grad()
+    @torch.inference_mode()  # the caches may be inference tensors (sleep_arena's CUDA KV arena)
     def load(self, block_hashes: Sequence[int], block_ids: Sequence[int]) -> int:
         """Copy the leading blocks the store returns; stop at the first one it cannot."""
         if self.store is None or not block_hashes:
