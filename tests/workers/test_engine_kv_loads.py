@@ -76,7 +76,7 @@ class GatedConnector(StoreConnector):
     loads its first block: loads before `arm` pass.)"""
 
     def __init__(self, store) -> None:
-        super().__init__(StoreConfig(dram_bytes=1 << 26), IDENT, store=store)
+        super().__init__(StoreConfig(dram_bytes=1 << 26), IDENT, store=store, pin_memory=False)
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Event()
@@ -105,7 +105,11 @@ def drive(eng: LLMEngine, toks: dict[str, list[int]], done: dict[str, object]) -
             done[o.request_id] = o
 
 
-def test_slow_load_leaves_running_streams_decoding(loaded, prompts, reference, store):
+@pytest.mark.parametrize("staged", [False, True], ids=["cpu-path", "cuda-staging-path"])
+def test_slow_load_leaves_running_streams_decoding(loaded, prompts, reference, store, staged,
+                                                   monkeypatch):
+    # staged: the path CUDA caches take (kvconnector/staging.py), here on CPU caches
+    monkeypatch.setattr(StoreConnector, "_force_staging", staged)
     conn = GatedConnector(store)
     eng = make(loaded, conn)
     toks: dict[str, list[int]] = {}
@@ -131,6 +135,7 @@ def test_slow_load_leaves_running_streams_decoding(loaded, prompts, reference, s
     assert toks["p"] == reference["p"] and toks["q"] == reference["q"]
     assert done["p"].num_cached_tokens == n * 16 and conn.loaded_blocks > loaded_before
     assert set(conn.threads) == {"kvyard-kv-load"}     # never the engine's own thread
+    assert conn._staged is staged
     assert all(r == 0 for r in eng.block_manager.ref_cnt)
 
 
