@@ -275,8 +275,9 @@ class Scheduler:
         self.loader.submit(job)
 
     def _load_of(self, seq: Sequence, k: int) -> KVLoad | None:
-        """The in-flight load of the block after `seq`'s k local hits, if any."""
-        if not self._loading_hashes:
+        """The in-flight load of the block after `seq`'s k local hits, if any (without a
+        prefix cache a finished load would not help it: it loads for itself)."""
+        if not self._loading_hashes or not self.bm.enable_prefix_caching:
             return None
         hashes = seq.update_block_hashes(self.bm.block_size)
         if k >= min(len(hashes), (seq.num_tokens - 1) // self.bm.block_size):
