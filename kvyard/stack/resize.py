@@ -7,8 +7,9 @@ in), and joins the EPP's endpoints file at once: the EPP counts an endpoint
 only after a good scrape, and the worker listens only once its engine runs, so
 parked requests go to it the first scrape after it is ready (50 ms), not after
 another file poll. A worker to stop (the newest first) leaves the endpoints
-file and the state first, so nothing routes to it and nothing restarts it, then
-gets SIGTERM and drains.
+file and the state first, so nothing restarts it, and gets SIGTERM once the EPP
+has dropped it (its file poll), so nothing is routed to a closed port; then it
+drains (the supervisor kills it if it outlives `DRAIN_S`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from kvyard.stack.procs import Proc
 
 log = logging.getLogger("kvyard.supervisor")
 PORT = "{port}"   # in a pool's command template
+LEAVE_S = 2.0     # longest wait for the EPP to drop a worker before it is stopped anyway
+DRAIN_S = 40.0    # a stopped worker's drain (--shutdown-timeout 30 s) before SIGKILL
 
 
 @dataclass(slots=True)
@@ -66,14 +69,16 @@ def _sync_endpoints(state, pool: Pool) -> None:
     write_endpoints(Path(state.run_dir) / "endpoints.yaml", state.endpoints, pool.role)
 
 
-def resize(state, want: int, stop_timeout_s: float = 10.0) -> bool:
-    """Start or stop workers until the pool has `want` (clamped to its bounds); saves
-    the state before any process is stopped. True when something changed."""
+def resize(state, want: int) -> list[Proc] | None:
+    """Start workers, or pick the ones to stop, until the pool has `want` (clamped to its
+    bounds); saves the state. None when nothing changed, else the workers to stop (already
+    out of the state and the endpoints file): the caller signals them and waits for them
+    without blocking, so a wake-up during a drain is not held back by it."""
     pool = Pool.from_json(state.scaling)
     want = max(pool.min_replicas, min(pool.max_replicas, want))
     workers = [p for p in state.procs if is_worker(p)]
     if want == len(workers):
-        return False
+        return None
     logs = Path(state.run_dir) / "logs"
     if want > len(workers):
         taken = {port for p in state.procs for port in p.ports.values()}
@@ -89,7 +94,7 @@ def resize(state, want: int, stop_timeout_s: float = 10.0) -> bool:
         state.scaling = pool.to_json()
         _sync_endpoints(state, pool)
         state.save()
-        return True
+        return []
     gone = workers[want:][::-1]  # the newest first
     names = {p.name for p in gone}
     state.procs = [p for p in state.procs if p.name not in names]
@@ -97,5 +102,4 @@ def resize(state, want: int, stop_timeout_s: float = 10.0) -> bool:
     state.save()  # recorded gone before stopped: never restarted behind our back
     for p in gone:
         log.info("scaling down: stopping %s (pid %d)", p.name, p.pid)
-    procs.stop([p.pid for p in gone if procs.is_ours(p)], stop_timeout_s)
-    return True
+    return [p for p in gone if procs.is_ours(p)]

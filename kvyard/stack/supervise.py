@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvyard.stack import procs
+from kvyard.stack import procs, resize
 from kvyard.stack.launch import StackState
 from kvyard.stack.procs import Proc
 
@@ -76,6 +76,38 @@ def describe(status: int) -> str:
     return f"exit status {code}"
 
 
+@dataclass(slots=True)
+class Draining:
+    """A worker scaled away: out of the endpoints file, waiting for the EPP to drop it
+    (until `deadline`), then signalled and draining (until the next `deadline`)."""
+
+    proc: Proc
+    deadline: float
+    address: str
+    epp_metrics_url: str
+    signalled: bool = False
+
+
+def _epp_lists(d: Draining) -> bool:
+    """The EPP still has the endpoint (or cannot say): not safe to stop it yet."""
+    import json
+
+    try:
+        code, body = procs.http_get(d.epp_metrics_url + "/debug/endpoints", 0.5)
+        doc = json.loads(body) if code == 200 else None
+    except (OSError, ValueError):
+        return True
+    rows = doc.get("endpoints", []) if isinstance(doc, dict) else doc or []
+    return any(isinstance(r, dict) and r.get("address") == d.address for r in rows)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # procs.spawn gives each child its own session: pid = group
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def exit_status(proc: Proc) -> str | None:
     """None while `proc` runs; how it ended otherwise."""
     try:
@@ -90,6 +122,7 @@ class Supervisor:
     run_dir: Path
     schedules: dict[str, Backoff] = field(default_factory=dict)
     stopping: bool = False
+    draining: dict[int, "Draining"] = field(default_factory=dict)  # by pid
 
     def tick(self, state: StackState, now: float) -> bool:
         """Notice deaths, restart what is due; True when `state` changed."""
@@ -127,20 +160,39 @@ class Supervisor:
         (resize saves it itself, before stopping anything)."""
         if not state.scaling:
             return False
-        from kvyard.stack import autoscale, resize
+        from kvyard.stack import autoscale
 
         want = autoscale.desired(self.run_dir).get(state.scaling.get("role", "both"))
         if want is None:
             return False
         try:
-            changed = resize.resize(state, want)
+            gone = resize.resize(state, want)
         except OSError as e:  # a worker that cannot start: the next tick tries again
             log.error("could not scale to %d workers: %s", want, e)
             return False
+        if gone is None:
+            return False
+        for p in gone:  # stopped by `reap_drained` once the EPP has let go of them
+            self.draining[p.pid] = Draining(p, time.monotonic() + resize.LEAVE_S,
+                                            resize.address(p), state.epp_metrics_url)
         for name in list(self.schedules):  # forget the schedules of stopped workers
             if not any(p.name == name for p in state.procs):
                 del self.schedules[name]
-        return changed
+        return True
+
+    def reap_drained(self, now: float) -> None:
+        """Workers scaled away: SIGTERM once the EPP no longer lists them (a request routed
+        in the meantime is still served), SIGKILL past their drain, forgotten once gone."""
+        for pid, d in list(self.draining.items()):
+            if not procs.alive(pid):
+                del self.draining[pid]
+                log.info("scaled down: %s (pid %d) exited", d.proc.name, pid)
+            elif not d.signalled and (now > d.deadline or not _epp_lists(d)):
+                _signal_group(pid, signal.SIGTERM)
+                d.signalled, d.deadline = True, now + resize.DRAIN_S
+            elif d.signalled and now > d.deadline and procs.is_ours(d.proc):
+                log.warning("%s (pid %d) outlived its drain; SIGKILL", d.proc.name, pid)
+                _signal_group(pid, signal.SIGKILL)
 
     def ours(self, state: StackState | None) -> bool:
         return state is not None and state.supervisor is not None \
@@ -171,8 +223,11 @@ class Supervisor:
             if self.tick(state, time.monotonic()):
                 state.save()
             self.scale(state)
+            self.reap_drained(time.monotonic())
             if select.select([wake_r], [], [], POLL_S)[0]:  # a poll period, or a wake-up
                 os.read(wake_r, 512)
+        if self.draining:  # `down` no longer sees these in the state file: finish them
+            procs.stop([pid for pid, d in self.draining.items() if procs.is_ours(d.proc)])
         log.info("stopping (signalled); the stack's processes are left to `kvyard down`")
         return 0
 

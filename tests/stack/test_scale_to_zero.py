@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -134,10 +135,10 @@ def test_eight_concurrent_chats_at_zero_all_complete_correctly(real_zero_stack, 
 
     expected = [ask(b) for b in bodies]  # warm: the same greedy answers, one worker up
 
-    def scaled(n: int) -> bool:
-        s = StackState.load(rd)
-        sup.scale(s)
-        return len(workers(rd)) == n
+    def scaled(n: int) -> bool:  # the supervisor's part, as its loop plays it
+        sup.scale(StackState.load(rd))
+        sup.reap_drained(time.monotonic())
+        return len(workers(rd)) == n and not sup.draining
     wait_until(lambda: scaled(0), timeout=60, interval=0.1, what="the pool at zero")
     with concurrent.futures.ThreadPoolExecutor(8) as ex:
         futures = [ex.submit(ask, b) for b in bodies]
