@@ -79,6 +79,9 @@ def _env(s: ServiceSpec) -> list[dict[str, Any]]:
         {"name": "KVYARD_CACHE_DIR", "value": CACHE_DIR},
         {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
         {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
+        # The built-weights cache pays off across starts on one disk; a pod's emptyDir is
+        # new every start, so writing it would only cost ephemeral storage.
+        {"name": "KVYARD_WEIGHT_CACHE", "value": "0"},
     ]
     if s.engine.name == "vllm":
         env += [{"name": "HF_HUB_OFFLINE", "value": "1"},

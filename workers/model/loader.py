@@ -23,6 +23,7 @@ from .gguf_file import GGUFFile, int4_parts, quant_parts
 from .linear_ops import GemmOps, select_ops
 from .llama import Int4Weight, LayerWeights, LlamaForCausalLM
 from .rope import rope_table
+from . import weight_cache
 
 _PROGRESS_MIN_BYTES = 1 << 30  # smaller checkpoints load in seconds; no bar
 
@@ -253,8 +254,25 @@ def load_model(src: ModelSource, dtype: torch.dtype, max_len: int | None = None,
     else:
         raise ValueError(f"unknown model source kind {src.kind!r}")
     with torch.inference_mode():
-        model = build(cfg, weights, dtype, max_len, factors, progress=weights.nbytes >= _PROGRESS_MIN_BYTES,
-                      int4_max_tokens=int4_max_tokens, cpu_kernels=cpu_kernels, device=device)
+        # A CPU model's built weights come back memory-mapped from weight_cache when this
+        # file, dtype and kernel build were built before (a cold start skips the packing).
+        ops = select_ops(cfg, dtype, torch.device(device), cpu_kernels) \
+            if torch.device(device).type == "cpu" else None
+        cache = weight_cache.path_for(src, dtype, ops) if ops is not None else None
+        got = weight_cache.load(cache) if cache is not None else None
+        if got is not None:
+            rope = rope_table(cfg, max_len or cfg.max_position_embeddings, dtype, factors)
+            model = LlamaForCausalLM(cfg, got["embed"], got["layers"], got["final_norm"],
+                                     got["lm_head"], rope, TorchCPUBackend(),
+                                     got["int4_max_tokens"], tied=got["tied"], ops=ops)
+            model.eval().requires_grad_(False)
+        else:
+            model = build(cfg, weights, dtype, max_len, factors,
+                          progress=weights.nbytes >= _PROGRESS_MIN_BYTES,
+                          int4_max_tokens=int4_max_tokens, cpu_kernels=cpu_kernels,
+                          device=device, ops=ops)
+            if cache is not None:
+                weight_cache.save(cache, model)
     if on_progress:
         on_progress(f"loaded {src.served_name} in {time.perf_counter() - t0:.1f}s")
     return model, cfg
