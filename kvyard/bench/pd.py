@@ -206,6 +206,8 @@ def run_setup(name: str, a: argparse.Namespace, run_dir: Path, prompts: Prompts 
             extra["prefill_alone_s"] = statistics.median(alone)
             extra["pd_idle_ttft_s"] = statistics.median(idle_pd)
             extra["cpus"] = [cpus[0], cpus[1 % len(cpus)]]
+            # the baseline beside this setup's idle handoffs: the same cores, the same minute
+            extra.update(pd_handoff.loopback(extra["cpus"], pd_handoff.stats(m1, m0)))
         results = asyncio.run(workload(state.gateway_url, a, prompts))
         if pd:
             from kvyard.common import wire
@@ -256,20 +258,10 @@ def run(a: argparse.Namespace) -> int:
                          f"{tpot_p99['colocated']:.1f} ms (ratio "
                          f"{tpot_p99['pd'] / tpot_p99['colocated']:.2f}; target <= 0.5)")
     pds = {k: v for k, v in rep.meta.items() if k.startswith("pd") and v}
-    if pds:
-        cpus = next(iter(pds.values()))["cpus"]
-        # best of three: a ceiling, on a machine other work shares
-        lo = max(pd_handoff.loopback_gbps(*cpus) for _ in range(3))
-        first = next(iter(pds.values()))["idle"]
-        size = first["bytes"] / first["handoffs"] if first["handoffs"] else 96e6
-        lo_fresh = max(pd_handoff.loopback_gbps(*cpus, mib=max(1, int(size) >> 20), fresh=True)
-                       for _ in range(3))
-        rep.meta["loopback_gbps"] = lo
-        rep.meta["loopback_fresh_gbps"] = lo_fresh
     for name, pd in pds.items():
         for phase in ("idle", "load"):
-            rep.notes.append(pd_handoff.note(name, phase, pd[phase], pd["prefill_alone_s"], lo,
-                                             lo_fresh))
+            rep.notes.append(pd_handoff.note(name, phase, pd[phase], pd["prefill_alone_s"],
+                                             pd["loopback_gbps"], pd["loopback_fresh_gbps"]))
         rep.notes.append(f"{name}: fallbacks to a local prefill: {pd['fallbacks']:.0f}")
         rep.notes.append(f"{name}: idle P/D TTFT {pd['pd_idle_ttft_s'] * 1e3:.0f} ms vs prefill "
                          f"alone {pd['prefill_alone_s'] * 1e3:.0f} ms "
