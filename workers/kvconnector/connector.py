@@ -14,6 +14,10 @@ uint8 views of the tensor.
 The store is created at `bind`, when the cache's dtype and shape are known:
 the layout (and so the key namespace) is read from the tensors themselves,
 never assumed. Caches on a CUDA device take the paths in `staging.py`.
+
+`load` runs on the engine's KV loader thread (engine/kv_loads.py), beside
+`save` on the engine thread: the store is thread-safe, and a load writes only
+blocks its request owns, which nothing reads until the engine collects it.
 """
 from __future__ import annotations
 
