@@ -12,8 +12,9 @@ Two parts, both on the demo model (or `--model`), real processes:
    gateway and split its time to the first token into the wake-up signal (request
    sent -> the autoscaler's push-driven scale-up, from its log), the supervisor's
    spawn (-> its "started worker" line), the worker's start (-> its "serving" log
-   line) and the rest (EPP scrape + dispatch + first token). Baselines from the
-   same run: the same request at the warm pool right after (its first token), and
+   line) and the rest (EPP scrape + dispatch + first token); once with the spare
+   interpreter `kvyard up` keeps (kvyard.stack.prestart) and once with a plain process
+   start (`--no-prestart`). Baselines from the same run: the same request at the warm pool right after (its first token), and
    KEDA-style polling at `--keda-polling` seconds (30, KEDA's default), simulated: the
    measured arrival-to-first-token with the push signal replaced by a wait uniform
    over one polling interval (a request arrives at a random point of the period).
@@ -45,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keda-polling", type=float, default=30.0,
                    help="the simulated polling baseline's interval (KEDA's default 30 s)")
     p.add_argument("--seed", type=int, default=0, help="the simulated baseline's arrivals")
+    p.add_argument("--modes", default="spare,plain",
+                   help="wake-ups with the spare interpreter (kvyard up's default) and/or "
+                        "with a plain process start (--no-prestart), in one run")
     p.add_argument("--json", action="store_true")
 
 
@@ -169,7 +173,7 @@ def wake_cycles(a: argparse.Namespace, rd: Path, port: int) -> list[dict]:
         [w] = [p for p in s.procs if p.name.startswith("worker-")]
         old = [w.pid]
         woke = _last(rd / "logs" / "autoscaler.log", "woken by StreamIsActive", sent)
-        started = _last(rd / "logs" / "supervisor.log", f"started {w.name} ", sent)
+        started = _last(rd / "logs" / "supervisor.log", f" {w.name} (pid", sent)
         ready = _last(Path(w.log), "kvyard.server: serving", sent)
         if None in (woke, started, ready):
             raise RuntimeError(f"missing timestamps: woke {woke}, started {started}, "
@@ -180,29 +184,51 @@ def wake_cycles(a: argparse.Namespace, rd: Path, port: int) -> list[dict]:
     return out
 
 
-def run(args: argparse.Namespace) -> int:
+def stack_cycles(args: argparse.Namespace, tmp: Path, prestart: bool
+                 ) -> tuple[list[dict], list[str]]:
+    """`kvyard up --scale-to-zero` (with or without the spare), its wake-ups, and the
+    worker flags it runs."""
     from kvyard.stack import procs
     from kvyard.stack.launch import StackState
 
+    rd, port = tmp / f"run-{'spare' if prestart else 'plain'}", procs.free_port()
+    up = _kvyard("up", "--workers", "1", "--scale-to-zero", "--idle-seconds",
+                 f"{args.idle_seconds:g}", "--polling-seconds", "0.5", "--model", args.model,
+                 "--port", str(port), "--run-dir", str(rd),
+                 "--prestart" if prestart else "--no-prestart")
+    if up.returncode != 0:
+        raise RuntimeError(up.stdout + up.stderr)
+    try:
+        flags = list(StackState.load(rd).scaling["template"])
+        return wake_cycles(args, rd, port), flags[flags.index("--model") + 2:]
+    finally:
+        _kvyard("down", "--run-dir", str(rd))
+
+
+def _rows(rep: Report, part: str, cycles: list[dict]) -> None:
+    names = {"signal": "wake-up signal (StreamIsActive push)",
+             "spawn": "supervisor: worker process started (or spare woken)",
+             "worker start": "worker process -> serving",
+             "rest": "ready -> first token (EPP scrape, dispatch, prefill)",
+             "ttft": "arrival at zero -> first token",
+             "warm": "baseline: warm pool's first token"}
+    for step, name in names.items():
+        v = [c[step] for c in cycles]
+        rep.add(part=part, step=name, p50_s=percentile(v, 50), p90_s=percentile(v, 90),
+                n=len(v))
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvyard.stack import procs
+
     rep = Report("kvyard bench coldstart: a request at zero workers to its first token",
                  ["part", "step", "p50_s", "p90_s", "n"])
+    modes = [m for m in args.modes.split(",") if m]
     with tempfile.TemporaryDirectory(prefix="kvyard-coldstart-") as tmp:
-        rd, port = Path(tmp) / "run", procs.free_port()
-        up = _kvyard("up", "--workers", "1", "--scale-to-zero", "--idle-seconds",
-                     f"{args.idle_seconds:g}", "--polling-seconds", "0.5", "--model", args.model,
-                     "--port", str(port), "--run-dir", str(rd))
-        if up.returncode != 0:
-            print(up.stdout + up.stderr, file=sys.stderr)
-            return 1
-        try:
-            pool = StackState.load(rd).scaling
-            flags = [a for a in pool["template"]]
-            flags = flags[flags.index("--model") + 2:]  # the stack's worker flags, as run
-            wport = procs.free_port()
-            flags = [x.replace("{port}", str(wport)) for x in flags]
-            cycles = wake_cycles(args, rd, port)
-        finally:
-            _kvyard("down", "--run-dir", str(rd))
+        runs = {m: stack_cycles(args, Path(tmp), m == "spare") for m in modes}
+        flags = next(iter(runs.values()))[1]
+        wport = procs.free_port()
+        flags = [x.replace("{port}", str(wport)) for x in flags]
         phases = [worker_phases(args.model, flags) for _ in range(args.phase_reps)]
         cmd = [sys.executable, "-m", "kvyard.cli", "worker", "--model", args.model, *flags]
         ready = [worker_ready(cmd, wport, Path(tmp) / f"w{i}.log")
@@ -213,23 +239,17 @@ def run(args: argparse.Namespace) -> int:
                 p90_s=percentile(v, 90), n=len(v))
     rep.add(part="worker start", step="spawn -> /health 200 (kvyard worker)",
             p50_s=percentile(ready, 50), p90_s=percentile(ready, 90), n=len(ready))
-    for step in ("signal", "spawn", "worker start", "rest", "ttft", "warm"):
-        v = [c[step] for c in cycles]
-        name = {"ttft": "arrival at zero -> first token", "warm": "baseline: warm pool's first "
-                "token", "signal": "wake-up signal (StreamIsActive push)", "spawn":
-                "supervisor spawns the worker", "worker start": "worker process -> serving",
-                "rest": "ready -> first token (EPP scrape, dispatch, prefill)"}[step]
-        rep.add(part="through the gateway", step=name, p50_s=percentile(v, 50),
-                p90_s=percentile(v, 90), n=len(v))
     rng = random.Random(args.seed)
-    polled = [c["ttft"] - c["signal"] + rng.uniform(0, args.keda_polling) for c in cycles]
-    rep.add(part="through the gateway", step=f"baseline: KEDA polling {args.keda_polling:g}s "
-            "(simulated)", p50_s=percentile(polled, 50), p90_s=percentile(polled, 90),
-            n=len(polled))
-    rep.notes.append(f"greedy answers after a wake-up equal the warm pool's: "
-                     f"{sum(c['same'] for c in cycles)}/{len(cycles)}")
+    for mode, (cycles, _) in runs.items():
+        part = "gateway, " + ("spare interpreter" if mode == "spare" else "plain spawn")
+        _rows(rep, part, cycles)
+        polled = [c["ttft"] - c["signal"] + rng.uniform(0, args.keda_polling) for c in cycles]
+        rep.add(part=part, step=f"baseline: KEDA polling {args.keda_polling:g}s (simulated)",
+                p50_s=percentile(polled, 50), p90_s=percentile(polled, 90), n=len(polled))
+        rep.notes.append(f"{part}: greedy answers after a wake-up equal the warm pool's: "
+                         f"{sum(c['same'] for c in cycles)}/{len(cycles)}")
     rep.notes.append("target: arrival -> first token p90 <= 3 s, of which the signal <= 0.1 s")
     rep.meta.update(model=args.model, reps=args.reps, phase_reps=args.phase_reps,
-                    cycles=cycles, phases=phases, ready_s=ready)
+                    cycles={m: c for m, (c, _) in runs.items()}, phases=phases, ready_s=ready)
     rep.emit(args.json)
     return 0

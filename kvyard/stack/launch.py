@@ -85,6 +85,7 @@ class StackSpec:
     polling_seconds: float = 5.0  # KEDA's pollingInterval (30 s there; the push wakes at once)
     scale_window_s: float = 30.0  # scale-down stabilization between 1 and `workers`
     pool_name: str = "local"      # the EPP's --pool-name, the autoscaler's scalerMetadata.pool
+    prestart: bool = True         # keep a spare interpreter for the next worker (prestart.py)
 
     @property
     def disaggregated(self) -> bool:
@@ -372,13 +373,14 @@ def _start_autoscaler(spec: StackSpec, run: Path, started: "_Started", scaler_po
                       kv_args: list[str], kv_env_files: dict[str, str], n: int) -> dict:
     """The scaled pool's record (its worker command with `{port}` to fill in) and the
     autoscaler process, KEDA's part, started once the EPP's scaler serves."""
-    from kvyard.stack import autoscale, resize
+    from kvyard.stack import autoscale, prestart, resize
 
     if spec.disaggregated:
         raise ValueError("scale to zero runs colocated pools (--workers), not P/D")
     pool = resize.Pool(role="both", template=worker_cmd(spec, resize.PORT, kv_args=kv_args),
                        env_files=kv_env_files, min_replicas=0, max_replicas=n, next_index=n,
-                       pool=spec.pool_name)
+                       pool=spec.pool_name, warm=None if not spec.prestart else
+                       ["aiohttp"] if spec.standin else list(prestart.WORKER_WARM))
     target = autoscale.Target(spec.pool_name, "both", 0, n, spec.idle_seconds,
                               spec.polling_seconds, spec.scale_window_s)
     (run / autoscale.FILE).unlink(missing_ok=True)  # a previous stack's wishes are not ours

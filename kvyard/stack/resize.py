@@ -37,21 +37,60 @@ class Pool:
     max_replicas: int = 1
     next_index: int = 0
     pool: str = "local"
+    warm: list[str] | None = None   # a spare's imports (kvyard.stack.prestart); None: no spare
 
     def to_json(self) -> dict:
         return {"role": self.role, "template": self.template, "env_files": self.env_files,
                 "min": self.min_replicas, "max": self.max_replicas, "next": self.next_index,
-                "pool": self.pool}
+                "pool": self.pool, "warm": self.warm}
 
     @classmethod
     def from_json(cls, d: dict) -> "Pool":
         return cls(d["role"], list(d["template"]), dict(d.get("env_files") or {}),
                    int(d.get("min", 0)), int(d.get("max", 1)), int(d.get("next", 0)),
-                   str(d.get("pool", "local")))
+                   str(d.get("pool", "local")), d.get("warm"))
 
 
 def is_worker(p: Proc) -> bool:
     return p.name.startswith("worker-")
+
+
+SPARE = "spare"
+
+
+def ensure_spare(state) -> bool:
+    """One spare interpreter while the pool may still grow; True when one was started."""
+    if not state.scaling:
+        return False
+    pool = Pool.from_json(state.scaling)
+    workers = sum(1 for p in state.procs if is_worker(p))
+    if pool.warm is None or workers >= pool.max_replicas or \
+            any(p.name == SPARE for p in state.procs):
+        return False
+    from kvyard.stack import prestart
+
+    p = procs.spawn(SPARE, prestart.command(Path(state.run_dir), tuple(pool.warm)),
+                    Path(state.run_dir) / "logs" / "spare.log", env_files=pool.env_files)
+    state.procs.append(p)
+    state.save()
+    log.info("started a spare interpreter for the next worker (pid %d)", p.pid)
+    return True
+
+
+def _become(state, pool: Pool, name: str, cmd: list[str], log_path: Path,
+            port: int) -> Proc | None:
+    """The spare, told to become worker `name`; None when there is none to use."""
+    from kvyard.stack import prestart
+
+    i = next((i for i, p in enumerate(state.procs) if p.name == SPARE and procs.alive(p.pid)),
+             None)
+    if i is None or not prestart.can_become(cmd):
+        return None
+    spare = state.procs[i]
+    prestart.wake(Path(state.run_dir), spare.pid, cmd, str(log_path))
+    state.procs[i] = Proc(name=name, pid=spare.pid, log=str(log_path), cmd=cmd,
+                          ports={"http": port}, env_files=dict(pool.env_files))
+    return state.procs.pop(i)
 
 
 def address(p: Proc) -> str:
@@ -87,10 +126,13 @@ def resize(state, want: int) -> list[Proc] | None:
             name = f"worker-{pool.next_index}"
             pool.next_index += 1
             cmd = [a.replace(PORT, str(port)) for a in pool.template]
-            p = procs.spawn(name, cmd, logs / f"{name}.log", env_files=pool.env_files,
-                            ports={"http": port})
+            p = _become(state, pool, name, cmd, logs / f"{name}.log", port)
+            how = "the spare became"
+            if p is None:
+                p, how = procs.spawn(name, cmd, logs / f"{name}.log", env_files=pool.env_files,
+                                     ports={"http": port}), "started"
             state.procs.append(p)
-            log.info("scaled up: started %s (pid %d, port %d)", name, p.pid, port)
+            log.info("scaled up: %s %s (pid %d, port %d)", how, name, p.pid, port)
         state.scaling = pool.to_json()
         _sync_endpoints(state, pool)
         state.save()

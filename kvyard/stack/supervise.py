@@ -164,20 +164,21 @@ class Supervisor:
 
         want = autoscale.desired(self.run_dir).get(state.scaling.get("role", "both"))
         if want is None:
-            return False
+            return resize.ensure_spare(state)
         try:
             gone = resize.resize(state, want)
         except OSError as e:  # a worker that cannot start: the next tick tries again
             log.error("could not scale to %d workers: %s", want, e)
             return False
         if gone is None:
-            return False
+            return resize.ensure_spare(state)
         for p in gone:  # stopped by `reap_drained` once the EPP has let go of them
             self.draining[p.pid] = Draining(p, time.monotonic() + resize.LEAVE_S,
                                             resize.address(p), state.epp_metrics_url)
         for name in list(self.schedules):  # forget the schedules of stopped workers
             if not any(p.name == name for p in state.procs):
                 del self.schedules[name]
+        resize.ensure_spare(state)  # the next wake-up's interpreter, while this one starts
         return True
 
     def reap_drained(self, now: float) -> None:

@@ -55,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--polling-seconds", type=float, default=5.0,
                    help="the autoscaler's poll (KEDA's pollingInterval): scale-down and 1..N "
                         "decisions; a request at zero wakes a worker at once (default 5)")
+    p.add_argument("--prestart", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --scale-to-zero: keep one spare interpreter (torch and the "
+                        "worker's modules imported; no model, no KV cache) that becomes the "
+                        "next worker, so a wake-up skips the imports (default on)")
     p.add_argument("--restart", action="store_true", help="stop a running stack first")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for readiness")
     # Model-free workers, for tests and routing benchmarks.
@@ -156,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
                      kv_tiers=args.kv_tiers, kv_pool_tier=args.kv_pool_tier,
                      kv_redis_max_memory=args.kv_redis_max_memory,
                      scale_to_zero=args.scale_to_zero, idle_seconds=args.idle_seconds,
-                     polling_seconds=args.polling_seconds)
+                     polling_seconds=args.polling_seconds, prestart=args.prestart)
     what = f"{args.prefill} prefill + {args.decode} decode worker(s)" if spec.disaggregated \
         else f"{args.workers} worker(s)" + (
             f" (to zero after {args.idle_seconds:g}s idle)" if args.scale_to_zero else "")

@@ -69,6 +69,10 @@ def test_idle_pool_goes_to_zero_and_a_request_wakes_it(up, h, wait_until) -> Non
         f"127.0.0.1:{next(p for p in state.procs if p.name == 'epp').ports['scaler']}"
     wait_until(lambda: at_zero(rd), timeout=30, interval=0.1, what="the pool at zero")
     assert StackState.load(rd).endpoints == []
+    # A spare interpreter waits for the next worker (kvyard up's default --prestart).
+    [spare] = wait_until(lambda: [p for p in StackState.load(rd).procs if p.name == "spare"],
+                         timeout=15, what="a spare")
+    up.seen.add(spare.pid)
     assert "scaling down: stopping worker-0" in Path(state.supervisor.log).read_text()
     wait_until(lambda: not procs.alive(state.procs[0].pid), timeout=15, what="worker-0 gone")
     st = json.loads(h.kvyard("status", "--json", "--run-dir", str(rd)).stdout)
@@ -85,10 +89,25 @@ def test_idle_pool_goes_to_zero_and_a_request_wakes_it(up, h, wait_until) -> Non
     [w] = workers(rd)
     up.seen.add(w.pid)
     assert w.name == "worker-1" and r.endpoint == f"127.0.0.1:{w.ports['http']}"
+    assert w.pid == spare.pid  # the spare became the worker
+    assert f"the spare became worker-1 (pid {spare.pid}" in Path(state.supervisor.log).read_text()
     assert StackState.load(rd).endpoints == [r.endpoint]
     # Idle again: back to zero, and `down` (the fixture) leaves nothing running.
     wait_until(lambda: at_zero(rd), timeout=30, interval=0.1, what="zero again")
     wait_until(lambda: not procs.alive(w.pid), timeout=15, what="worker-1 stopped")
+
+
+def test_without_a_spare_a_plain_process_wakes_the_pool(up, h, wait_until) -> None:
+    state = up("--workers", "1", "--scale-to-zero", "--idle-seconds", "1",
+               "--polling-seconds", "3", "--no-prestart")
+    rd = up.run_dir
+    wait_until(lambda: at_zero(rd), timeout=30, interval=0.1, what="the pool at zero")
+    # worker-0 serves until the EPP has dropped it; then it drains and exits
+    wait_until(lambda: not procs.alive(state.procs[0].pid), timeout=15, what="worker-0 gone")
+    r = h.request(state.gateway_url, h.chat_body("plain"), timeout=60)
+    assert r.status == 200 and r.json()["choices"][0]["message"]["content"].endswith("plain")
+    assert not [p for p in StackState.load(rd).procs if p.name == "spare"]
+    assert "scaled up: started worker-1" in Path(state.supervisor.log).read_text()
 
 
 def test_up_refuses_scale_to_zero_with_pd(h, tmp_path) -> None:
