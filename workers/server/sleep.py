@@ -5,7 +5,8 @@
   both (waking reloads the weights from the model source). Answers 200 once the
   engine sleeps; a level other than 1 or 2 is a 400.
 - `POST /wake_up`: restores (level 1: copies the weights back, re-allocates the
-  KV cache, re-captures CUDA graphs; level 2: reloads). 200 once serving again.
+  KV cache; level 2: reloads; on CUDA the captured graphs stay valid: engine/sleep_arena.py).
+  200 once serving again.
 - `GET /is_sleeping` -> `{"is_sleeping": bool}`.
 Without the flag the routes do not exist (404), as in vLLM, whose dev routes
 are only registered when sleep mode is on.
