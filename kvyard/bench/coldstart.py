@@ -152,10 +152,18 @@ def wake_cycles(a: argparse.Namespace, rd: Path, port: int) -> list[dict]:
     from kvyard.stack.launch import StackState
 
     def at_zero() -> bool:
+        """No worker, and the spare (if the stack keeps one) done with its imports, as it
+        is after any idle time longer than those imports."""
+        from kvyard.stack import prestart
+
         s = StackState.load(rd)
         doc = autoscale.read_file(rd) or {}
-        return s is not None and not [p for p in s.procs if p.name.startswith("worker-")] \
-            and bool(doc.get("pools")) and doc["pools"][0]["replicas"] == 0
+        if s is None or [p for p in s.procs if p.name.startswith("worker-")] \
+                or not doc.get("pools") or doc["pools"][0]["replicas"] != 0:
+            return False
+        spares = [p for p in s.procs if p.name == "spare"]
+        return not s.scaling.get("warm") or bool(spares) and all(
+            prestart.ready_file(rd, p.pid).exists() for p in spares)
 
     url = f"http://127.0.0.1:{port}"
     out, old = [], []

@@ -39,6 +39,11 @@ def order_file(run_dir: Path, pid: int) -> Path:
     return run_dir / "spares" / f"{pid}.json"
 
 
+def ready_file(run_dir: Path, pid: int) -> Path:
+    """Exists once spare `pid` has done its imports (status and the bench read it)."""
+    return run_dir / "spares" / f"{pid}.ready"
+
+
 def command(run_dir: Path, warm: tuple[str, ...]) -> list[str]:
     return [sys.executable, "-m", "kvyard.stack.prestart", "--run-dir", str(run_dir),
             "--warm", ",".join(warm)]
@@ -76,11 +81,16 @@ def main() -> int:
             importlib.import_module(name)
         except ImportError:
             pass  # an optional part (e.g. the connector) the command may not need
-    order = order_file(Path(a.run_dir), os.getpid())
+    run, pid = Path(a.run_dir), os.getpid()
+    ready = ready_file(run, pid)
+    ready.parent.mkdir(parents=True, exist_ok=True)
+    ready.touch()
+    order = order_file(run, pid)
     while not order.exists():
         signal.sigtimedwait({WAKE}, 1.0)
     spec = json.loads(order.read_text())
     order.unlink(missing_ok=True)
+    ready.unlink(missing_ok=True)
     fd = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

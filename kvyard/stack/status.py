@@ -212,7 +212,12 @@ def autoscaler_view(state, epp_doc: object = None) -> dict | None:
     proc = next((p for p in state.procs if p.name == "autoscaler"), None)
     pools = doc.get("pools") or [{}]
     flow = (epp_doc.get("flow") if isinstance(epp_doc, dict) else None) or {}
+    from kvyard.stack import prestart
+
+    spares = [p for p in state.procs if p.name == resize.SPARE and procs.is_ours(p)]
     return {"running": bool(proc and procs.is_ours(proc)),
+            "spare": None if not spares else "ready" if prestart.ready_file(
+                Path(state.run_dir), spares[0].pid).exists() else "importing",
             "parked": flow.get("parked"), "oldest_wait_s": flow.get("oldest_wait_s"),
             "workers": sum(1 for p in state.procs if resize.is_worker(p)),
             "streams": doc.get("streams", {}), "pushes": doc.get("pushes", 0),
@@ -231,6 +236,8 @@ def fmt_autoscaler(a: dict | None) -> str | None:
         at_zero += f", {a['parked']} request(s) parked (oldest {a['oldest_wait_s']:g}s)"
     idle = "" if a["idle_s"] is None else f", idle {a['idle_s']:g}s of {a['cooldown_s']:g}s"
     streams = ", ".join(f"{k} {v}" for k, v in a["streams"].items()) or "none"
+    if a["spare"]:
+        at_zero += f", spare interpreter {a['spare']}"
     return (f"autoscaler: workers {a['workers']}{at_zero}, wants {a['replicas']} "
             f"[{a['min']}..{a['max']}] ({a['reason']}{idle}); stream {streams}; "
             f"wake-ups {a['pushes']}")
