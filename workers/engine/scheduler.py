@@ -29,7 +29,9 @@ may still be writing them). Parked requests count against `max_num_seqs`.
 If the head cannot fit and nothing runs, requests behind it give back what
 they hold (P/D pins, loaded blocks: both stay cached, so nothing is lost but
 the reference); while loads are in flight an empty step is a wait, not a
-stall. `loader=None` loads inline at admission instead (the baseline).
+stall. `loader=None` loads inline at admission instead (the baseline). The
+connector's `lookup` (how many blocks it has) still runs here, at admission:
+for a Redis tier one round trip for the candidate keys.
 
 P/D: a decode-side request whose prompt is being prefilled elsewhere is
 *parked* (WAITING_FOR_REMOTE_KVS, vLLM's name) outside the queue while its KV
