@@ -1,0 +1,62 @@
+"""The EPP's waiting room in a real local stack at zero (`kvyard up --scale-to-zero`, stand-in
+workers): a request whose TTL runs out gets the 503 body through the gateway, and a client that
+gives up while parked leaves the queue at once (the wake-up it caused still happens)."""
+from __future__ import annotations
+
+import json
+import socket
+
+from kvyard.common.wire import DROPPED_REASON_HEADER, QUEUE_TTL_HEADER
+from kvyard.stack import autoscale, procs
+from kvyard.stack.launch import StackState
+
+
+def _at_zero(rd) -> bool:
+    """No worker in the stack's state and none left in the EPP's pool."""
+    state = StackState.load(rd)
+    doc = autoscale.read_file(rd) or {}
+    if state is None or [p for p in state.procs if p.name.startswith("worker-")] \
+            or not doc.get("pools") or doc["pools"][0]["replicas"] != 0:
+        return False
+    _, body = procs.http_get(state.epp_metrics_url + "/debug/endpoints")
+    return json.loads(body)["endpoints"] == []
+
+
+def _flow(state: StackState) -> tuple[dict, dict[str, float]]:
+    _, body = procs.http_get(state.epp_metrics_url + "/debug/endpoints")
+    _, text = procs.http_get(state.epp_metrics_url + "/metrics")
+    outcomes = {}
+    for line in text.decode().splitlines():
+        if line.startswith("kvyard_epp_flow_requests_total{"):
+            outcome = line.split('outcome="')[1].split('"')[0]
+            outcomes[outcome] = float(line.rsplit(" ", 1)[1])
+    return json.loads(body)["flow"], outcomes
+
+
+def test_ttl_and_disconnect_at_zero(up, h, wait_until) -> None:
+    state = up("--workers", "1", "--scale-to-zero", "--idle-seconds", "1",
+               "--polling-seconds", "2")
+    rd = up.run_dir
+    wait_until(lambda: _at_zero(rd), timeout=30, interval=0.1, what="the pool at zero")
+
+    r = h.request(state.gateway_url, h.chat_body("too late"), headers={QUEUE_TTL_HEADER: "1"},
+                  timeout=30)
+    assert r.status == 503, r.body
+    err = r.json()["error"]
+    assert err["code"] == "rejected-no-endpoints" and err["type"] == "server_error"
+    assert r.headers[DROPPED_REASON_HEADER] == "rejected-no-endpoints"
+    assert int(r.headers["retry-after"]) > 0
+    assert _flow(state)[1]["expired"] == 1
+
+    # A client that gives up while parked (well before a worker can start).
+    wait_until(lambda: _at_zero(rd), timeout=30, interval=0.1, what="zero again")
+    try:
+        h.request(state.gateway_url, h.chat_body("gone"), timeout=0.2)
+        raise AssertionError("answered within 0.2 s at zero")
+    except (TimeoutError, socket.timeout):
+        pass
+    wait_until(lambda: _flow(state)[1]["cancelled"] == 1, timeout=5, what="dropped")
+    assert _flow(state)[0]["parked"] == 0 and _flow(state)[1]["dispatched"] == 0
+    # The pool still wakes for the next request and serves it.
+    r = h.request(state.gateway_url, h.chat_body("here"), timeout=60)
+    assert r.status == 200 and r.json()["choices"][0]["message"]["content"].endswith("here")
