@@ -60,3 +60,31 @@ def test_ttl_and_disconnect_at_zero(up, h, wait_until) -> None:
     # The pool still wakes for the next request and serves it.
     r = h.request(state.gateway_url, h.chat_body("here"), timeout=60)
     assert r.status == 200 and r.json()["choices"][0]["message"]["content"].endswith("here")
+
+
+def test_epp_killed_while_a_request_is_parked_fails_it_cleanly(up, h, wait_until) -> None:
+    """SIGKILL the EPP while a request waits at zero: Envoy answers 503 at once (its stream
+    was cut), the supervisor restarts the EPP, and the next request is served."""
+    import os
+    import signal
+    import threading
+
+    state = up("--workers", "1", "--scale-to-zero", "--idle-seconds", "1",
+               "--polling-seconds", "2", "--no-prestart")
+    rd = up.run_dir
+    wait_until(lambda: _at_zero(rd), timeout=30, interval=0.1, what="the pool at zero")
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(
+        h.request(state.gateway_url, h.chat_body("parked"), timeout=30)))
+    t.start()
+    wait_until(lambda: _flow(state)[0]["parked"] == 1, timeout=10, interval=0.01,
+               what="the request parked")
+    epp = next(p for p in StackState.load(rd).procs if p.name == "epp")
+    os.kill(epp.pid, signal.SIGKILL)
+    t.join(10)
+    assert got and got[0].status == 503, got
+    assert got[0].json()["error"]["code"] == "endpoint_picker_unavailable"
+    r = wait_until(lambda: (lambda x: x if x.status == 200 else None)(
+        h.request(state.gateway_url, h.chat_body("again"), timeout=60)), timeout=60,
+        what="served after the EPP's restart")
+    assert r.json()["choices"][0]["message"]["content"].endswith("again")
