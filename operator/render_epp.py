@@ -38,7 +38,9 @@ def _scorers(s: ServiceSpec, kv_util: bool) -> list[dict[str, Any]]:
 
 
 def scheduler_config(s: ServiceSpec) -> dict[str, Any]:
-    base = {"blockSize": epp_block_size(s.engine.block_size)}
+    # The waiting room holds requests through a wake from zero (epp/flow_control.py).
+    base = {"blockSize": epp_block_size(s.engine.block_size),
+            "flowControl": {"noEndpointRequestTTL": f"{s.cold_start_seconds}s"}}
     objectives = {"batch": -1, "interactive": 0}
     if not s.disaggregated:
         return {**base, "profileHandler": {"type": "single-profile"},

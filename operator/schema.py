@@ -166,6 +166,10 @@ SPEC = _obj("An inference service: model, engine, pools, routing, KV store.", {
     "scaleToZero": _obj("Let the autoscaler take pools to zero (KEDA wakes them).", {
         "enabled": {"type": "boolean", "default": False},
         "idleSeconds": _int("Idle time before the step to zero.", minimum=30, default=300),
+        "coldStartSeconds": _int("How long the EPP holds a request while no endpoint is ready "
+                                 "(a wake from zero: pod start, image pull, model load) "
+                                 "before a 503; the gateway holds at most 900 s.",
+                                 minimum=1, maximum=900, default=300),
     }, default={}),
     "inferencePool": _obj("Also create a GAIE InferencePool pointing at the EPP.", {
         "enabled": {"type": "boolean", "default": False},

@@ -107,6 +107,7 @@ class ServiceSpec:
     scale_to_zero: bool
     idle_seconds: int
     inference_pool: bool
+    cold_start_seconds: int = 300
     autoscaling: bool = False
     slo: dict[str, int] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict)
@@ -233,6 +234,8 @@ def parse(body: dict[str, Any], defaults: Defaults | None = None) -> ServiceSpec
         uid=meta.get("uid", ""), generation=int(meta.get("generation") or 1), model=model,
         engine=engine, pools=pools, routing=routing, kvstore=kvstore,
         scale_to_zero=bool(stz.get("enabled")), idle_seconds=int(stz.get("idleSeconds", 300)),
+        cold_start_seconds=_int(stz.get("coldStartSeconds", 300),
+                                "spec.scaleToZero.coldStartSeconds", 1, 900),
         autoscaling=bool((raw.get("autoscaling") or {}).get("enabled")),
         inference_pool=bool(raw["inferencePool"].get("enabled")),
         slo=dict(raw.get("slo") or {}), raw=raw, defaults=defaults or Defaults())
