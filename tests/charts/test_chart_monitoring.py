@@ -116,9 +116,10 @@ def _exposition_texts() -> list[str]:
 
     sm.register_extra(KVStoreCollector(lambda: _Store()))
     try:
-        from kvyard.workers.pd.metrics import PDMetrics, worker_info
+        from kvyard.workers.pd.metrics import HoldCollector, PDMetrics, worker_info
         worker_info(sm.registry, "decode")
         PDMetrics(sm.registry, sm.slow_registry).seconds.labels(path="peer").observe(0.1)
+        sm.register_extra(HoldCollector(lambda: (3, {"pulled": 1})))  # the prefill side's
     except ImportError:
         pass
     texts.append(sm.render().decode())
