@@ -152,3 +152,15 @@ async def test_engine_error_fails_the_request_and_the_engine_recovers(loaded):
     finally:
         await eng.shutdown()
     assert not eng.is_running
+
+
+async def test_an_idle_engine_faults_its_kv_cache_in_and_still_matches(loaded, engine):
+    """Idle time goes to faulting the CPU KV cache in (kv_prefault.py); output unchanged."""
+    p = engine.engine.runner.prefault
+    total = sum(len(m) for m in p.maps)
+    assert total > 16 << 20                          # the 32 MiB cache, in whole blocks
+    await until(lambda: p.populated == total or p._i == len(p.maps), what="prefault done")
+    prompt = ids(loaded, "What is rain?")
+    offline = LLM(engine=build(loaded)).generate([prompt], SamplingParams(max_tokens=12))[0]
+    got = await collect(engine, "r-idle", prompt, SamplingParams(max_tokens=12))
+    assert [t for o in got for t in o.new_token_ids] == offline.token_ids

@@ -252,6 +252,8 @@ class AsyncLLMEngine:
             if self._lifecycle:         # the step may have finished the last request
                 self._run_lifecycle()
             if not eng.has_schedulable_requests() and self._cmds.empty():
+                if eng.idle_work():     # a few ms of it, then look for work again
+                    continue
                 deadline = eng.kv_holds.next_deadline()
                 self._wake.wait(None if deadline is None
                                 else max(0.0, deadline - time.monotonic()) + 0.01)

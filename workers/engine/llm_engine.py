@@ -182,6 +182,11 @@ class LLMEngine:
         self.scheduler.unpark(request_id)
         return len(pins)
 
+    def idle_work(self) -> bool:
+        """A little background work for an idle engine (faulting the CPU KV cache in:
+        kv_prefault.py); False once there is none left."""
+        return self.runner.prefault.step()
+
     def reap_kv_holds(self) -> int:
         """Give back the blocks of pulled and expired holds; returns how many blocks."""
         n = 0

@@ -17,6 +17,7 @@ import torch
 
 from kvyard.workers.attention import AttentionMetadata
 
+from .kv_prefault import Prefaulter
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 
@@ -110,15 +111,18 @@ PROMPT_LOGITS_ROWS = 256
 GREEDY_SCREEN_MIN_ROWS = 5
 
 
-def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed KV cache. On the CPU from an anonymous mapping, which the kernel hands out
-    zero-filled page by page on first touch: torch.zeros would memset (and fault in) the
-    whole cache before the worker listens, 0.4-1.4 s of a cold start for the 1 GiB default."""
+def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+            maps: list[mmap.mmap]) -> torch.Tensor:
+    """A zeroed KV cache. On the CPU from an anonymous mapping (appended to `maps`), which
+    the kernel hands out zero-filled page by page on first touch: torch.zeros would memset
+    (and fault in) the whole cache before the worker listens, 0.4-1.4 s of a cold start for
+    the 1 GiB default; the engine faults it in while idle instead (kv_prefault.py)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype,
-                            count=math.prod(shape)).view(shape)
+    m = mmap.mmap(-1, max(nbytes, 1))
+    maps.append(m)
+    return torch.frombuffer(m, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 class ModelRunner:
@@ -148,8 +152,10 @@ class ModelRunner:
         self.dtype = dtype
         self.device = torch.device(getattr(model, "device", "cpu"))
         shape = (2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
-        self.kv_caches = [_zeroed(shape, dtype, self.device)
+        maps: list[mmap.mmap] = []
+        self.kv_caches = [_zeroed(shape, dtype, self.device, maps)
                           for _ in range(model_config.num_layers)]
+        self.prefault = Prefaulter(maps)  # the engine's idle work (async_engine.py)
         self.arenas = None  # sleep_arena.SleepArenas on CUDA with fixed_addresses
         if self.device.type == "cuda" and fixed_addresses:
             self._move_to_arenas(shape)
