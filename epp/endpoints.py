@@ -37,6 +37,7 @@ class Endpoint:
     failures: int = 0  # consecutive failed scrapes
     down: bool = False  # dropped from candidates until a scrape succeeds
     sleeping: bool = False  # the worker reports kvyard:sleeping 1 (sleep mode): no traffic
+    prompt_tokens_pending: float | None = None  # kvyard:prompt_tokens_pending; None: not exported
     last_error: str = ""
     pending: int = 0  # picks since the last good scrape (not yet in `waiting`)
     picks: int = 0

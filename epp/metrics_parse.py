@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvyard.common.wire import (M_CACHE_CONFIG, M_GENERATION_TOKENS, M_KV_USAGE, M_KV_USAGE_OLD,
-                                M_PROMPT_TOKENS, M_REQUEST_SUCCESS, M_RUNNING, M_SLEEPING,
-                                M_WAITING)
+                                M_PROMPT_TOKENS, M_PROMPT_TOKENS_PENDING, M_REQUEST_SUCCESS,
+                                M_RUNNING, M_SLEEPING, M_WAITING)
 
 _COUNTERS = {M_PROMPT_TOKENS: "prompt_tokens", M_GENERATION_TOKENS: "generation_tokens",
              M_REQUEST_SUCCESS: "finished"}
@@ -34,6 +34,7 @@ class WorkerMetrics:
     prompt_tokens: float | None = None  # vllm:prompt_tokens_total
     generation_tokens: float | None = None  # vllm:generation_tokens_total
     finished: float | None = None  # vllm:request_success_total, all finish reasons
+    prompt_tokens_pending: float | None = None  # kvyard:prompt_tokens_pending (kvyard workers)
 
 
 def _value(line: str) -> float:
@@ -56,11 +57,13 @@ def parse_vllm_metrics(text: str) -> WorkerMetrics:
     kv_old: float | None = None
     for line in text.splitlines():
         if not line.startswith("vllm:"):
-            if line.startswith(M_SLEEPING):
-                try:
+            try:
+                if line.startswith(M_SLEEPING):
                     m.sleeping = m.sleeping or _value(line) > 0
-                except (ValueError, IndexError):
-                    pass
+                elif line.startswith(M_PROMPT_TOKENS_PENDING):
+                    m.prompt_tokens_pending = (m.prompt_tokens_pending or 0.0) + _value(line)
+            except (ValueError, IndexError):
+                pass
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
         try:

@@ -10,9 +10,12 @@ the per-replica capacity measured in `capacity.py`:
 
     held     = Demand.waiting(wait role)       parked (no ready endpoint) + queued
     queued   = Σ_endpoints (waiting + pending) + held
-    prefill  = in_flight · prompt_tokens / (prefill_tokens_per_s · ttft_objective)
-               in_flight: queued, plus the running requests on prefill endpoints
-               (they are mid-prefill; on the others, running requests decode)
+    prefill  = prompt_backlog / (prefill_tokens_per_s · ttft_objective)
+               prompt_backlog: the endpoints' own `kvyard:prompt_tokens_pending`
+               (admitted prompt tokens not computed yet) plus (held + our picks not
+               yet scraped) x the measured prompt length; for an endpoint without
+               that gauge (stock vLLM), its queue, plus its running requests on a
+               prefill endpoint (mid-prefill), x the prompt length
     decode   = max((Σ running + queued) / sequences_at_tpot_objective,
                    Σ kv_usage / kv_target)
 
@@ -55,8 +58,14 @@ def read(pool: EndpointPool, demand: Demand, cap: Capacity, p: ScaledObjectParam
     queued = waiting + held
     rc = cap.role(p.role)
     fb = cap.fallback
-    in_flight = queued + (running if p.role == "prefill" else 0.0)
-    prefill = in_flight * rc.prompt_len(fb) / (rc.prefill_rate(fb) * p.ttft_s)
+    plen = rc.prompt_len(fb)
+    tokens = held * plen  # what waits in the EPP, at the measured prompt length
+    for e in eps:
+        if e.prompt_tokens_pending is not None:  # a kvyard worker counts its own backlog
+            tokens += e.prompt_tokens_pending + e.pending * plen
+        else:                                     # stock vLLM: estimate it
+            tokens += (e.waiting + e.pending + (e.running if p.role == "prefill" else 0.0)) * plen
+    prefill = tokens / (rc.prefill_rate(fb) * p.ttft_s)
     decode = max((running + queued) / rc.decode_sequences(p.tpot_s, fb),
                  sum(e.kv_usage for e in eps) / p.kv_target)
     metric = {"prefill": prefill, "decode": decode}.get(p.role, max(prefill, decode))

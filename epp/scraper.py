@@ -66,6 +66,7 @@ class Scraper:
         if m.sleeping != ep.sleeping:
             log.info("endpoint %s is %s", ep.address, "asleep" if m.sleeping else "awake")
         ep.sleeping = m.sleeping
+        ep.prompt_tokens_pending = m.prompt_tokens_pending
         if m.block_size is not None:
             ep.block_size, ep.num_gpu_blocks = m.block_size, m.num_gpu_blocks
         if ep.down:

@@ -52,6 +52,9 @@ M_GENERATION_TOKENS = "vllm:generation_tokens_total"
 M_PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 M_PREFIX_HITS = "vllm:prefix_cache_hits_total"
 M_REQUEST_SUCCESS = "vllm:request_success_total"
+# kvyard's own: prompt tokens admitted but not computed yet (queued, parked or mid-prefill),
+# the prefill backlog the EPP's KEDA scaler divides by the measured prefill rate.
+M_PROMPT_TOKENS_PENDING = "kvyard:prompt_tokens_pending"
 
 # P/D (llm-d / vLLM): the request field both legs carry, and the decode worker's metrics.
 KV_TRANSFER_PARAMS = "kv_transfer_params"

@@ -268,3 +268,19 @@ async def test_readings_on_the_epp_registry_present_from_the_start():
     assert got[("kvyard_epp_scaler_active", "decode")] == 1.0
     assert got[("kvyard_epp_scaler_metric", "both")] > 0.0
     assert got[("kvyard_epp_scaler_active", "prefill")] == 0.0
+
+
+async def test_prefill_backlog_is_the_workers_own_pending_prompt_tokens(scaler):
+    """A kvyard worker exports kvyard:prompt_tokens_pending: the backlog is that, not its
+    queue times an estimated prompt length (so a few long prompts weigh what they cost)."""
+    pool = pool_with(("10.0.0.3:8000", "prefill"))
+    _, stub = await scaler(pool=pool)
+    p1 = pool.get("10.0.0.3:8000")
+    p1.prompt_tokens_pending = 0.0
+    p1.waiting = 3  # the gauge says they are computed already: no backlog
+    assert await metric(stub, ref("prefill")) == 0.0
+    p1.prompt_tokens_pending = 4000.0
+    one = await metric(stub, ref("prefill"))
+    assert one > 0
+    p1.prompt_tokens_pending = 8000.0
+    assert await metric(stub, ref("prefill")) == pytest.approx(2 * one)

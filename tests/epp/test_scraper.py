@@ -91,3 +91,12 @@ async def test_hung_endpoint_dropped_after_repeated_timeouts(fake_vllm, epp, xp,
     finally:
         never.set()
         await runner.cleanup()
+
+
+def test_parser_reads_the_pending_prompt_tokens_gauge():
+    from kvyard.epp.metrics_parse import parse_vllm_metrics
+    text = ('vllm:num_requests_waiting{model_name="m"} 2\n'
+            '# HELP kvyard:prompt_tokens_pending Prompt tokens not computed yet.\n'
+            'kvyard:prompt_tokens_pending{model_name="m"} 1536.0\n')
+    assert parse_vllm_metrics(text).prompt_tokens_pending == 1536.0
+    assert parse_vllm_metrics('vllm:num_requests_waiting{a="b"} 2\n').prompt_tokens_pending is None

@@ -297,3 +297,19 @@ def test_kv_connector_supplies_prefix_blocks_to_a_fresh_engine(loaded, prompts, 
     local_hits = second.engine.stats().prefix_hits_tokens
     assert sum(o.num_cached_tokens for o in outs) == conn.loaded * 16 + local_hits
     assert local_hits < sum(o.num_cached_tokens for o in outs)
+
+
+def test_stats_count_the_prompt_tokens_not_computed_yet(loaded, prompts):
+    """kvyard:prompt_tokens_pending (the KEDA scaler's prefill backlog): queued prompts
+    count whole, a chunked prefill counts what is left, a decoding request nothing."""
+    eng = make(loaded, max_num_batched_tokens=16).engine
+    long = prompts[0] * 3
+    eng.add_request("a", long, GREEDY)
+    eng.add_request("b", prompts[1], GREEDY)
+    assert eng.stats().prompt_tokens_pending == len(long) + len(prompts[1])
+    eng.step()                                   # one 16-token chunk of "a"
+    assert eng.stats().prompt_tokens_pending == len(long) + len(prompts[1]) - 16
+    while eng.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                       for s in eng.scheduler.running):
+        eng.step()
+    assert eng.stats().prompt_tokens_pending == 0 and eng.scheduler.running  # now decoding

@@ -93,6 +93,7 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    prompt_tokens_pending: int = 0  # prompt tokens not computed yet: queued, parked, mid-prefill
 
 
 class KVConnector(Protocol):

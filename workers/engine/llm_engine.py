@@ -369,4 +369,10 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            prompt_tokens_pending=self._prompt_tokens_pending(),
         )
+
+    def _prompt_tokens_pending(self) -> int:
+        sch = self.scheduler
+        seqs = [*sch.waiting, *sch.running, *sch.parked.values(), *sch.loading.values()]
+        return sum(max(0, s.num_prompt_tokens - s.num_computed_tokens) for s in seqs)

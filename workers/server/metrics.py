@@ -66,6 +66,9 @@ class _EngineCollector:
         yield gauge(wire.M_RUNNING, "Requests in the running batch.", s.num_running)
         yield gauge(wire.M_WAITING, "Requests waiting to be scheduled.", s.num_waiting)
         yield gauge(wire.M_KV_USAGE, "KV-cache usage, 0..1.", s.kv_cache_usage)
+        yield gauge(wire.M_PROMPT_TOKENS_PENDING,
+                    "Prompt tokens admitted but not computed yet (queued, parked, mid-prefill).",
+                    s.prompt_tokens_pending)
         info = GaugeMetricFamily(wire.M_CACHE_CONFIG, "KV-cache geometry.",
                                  labels=["model_name", "block_size", "num_gpu_blocks"])
         info.add_metric([self._model, str(s.block_size), str(s.num_blocks)], 1.0)
