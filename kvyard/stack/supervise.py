@@ -199,7 +199,9 @@ class Supervisor:
         return state is not None and state.supervisor is not None \
             and state.supervisor.pid == os.getpid()
 
-    def run(self) -> int:
+    def run(self, ready_fd: int | None = None) -> int:
+        """Supervise until signalled; `ready_fd` gets "ok" (then closed) once the signal
+        handlers are in and the state names this process (`kvyard up` waits for it)."""
         def stop(signum, _frame) -> None:  # finish the tick (a restart is recorded), then exit
             self.stopping = True
         signal.signal(signal.SIGTERM, stop)
@@ -215,6 +217,9 @@ class Supervisor:
                       self.run_dir, os.getpid())
             return 1
         log.info("supervising %s (pid %d)", ", ".join(p.name for p in state.procs), os.getpid())
+        if ready_fd is not None:
+            os.write(ready_fd, b"ok")
+            os.close(ready_fd)
         while not self.stopping:
             state = StackState.load(self.run_dir)
             if not self.ours(state):
@@ -236,10 +241,11 @@ class Supervisor:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run-dir", required=True)
+    p.add_argument("--ready-fd", type=int, default=None, help="write 'ok' here once running")
     a = p.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s")
-    return Supervisor(Path(a.run_dir).resolve()).run()
+    return Supervisor(Path(a.run_dir).resolve()).run(a.ready_fd)
 
 
 if __name__ == "__main__":

@@ -123,8 +123,10 @@ def _become_supervisor(spec, w: int, log_path) -> None:
     state.supervisor = Proc(name="supervisor", pid=os.getpid(), log=str(log_path), cmd=cmd)
     state.save()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.write(w, b"ok")
-    os.execv(cmd[0], cmd)
+    # The supervisor itself says "ok", once its signal handlers are in: `up` returning
+    # earlier let a quick `down` kill the fresh interpreter before it could stop cleanly.
+    os.set_inheritable(w, True)
+    os.execv(cmd[0], [*cmd, "--ready-fd", str(w)])
 
 
 def run(args: argparse.Namespace) -> int:
