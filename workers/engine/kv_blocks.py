@@ -21,11 +21,15 @@ def layout_of(caches: Sequence[torch.Tensor]) -> KVLayout:
                     int(t.shape[3]), int(t.shape[4]))
 
 
-@torch.no_grad()
+# Inference mode, not no_grad: after a wake from sleep the caches may be inference tensors,
+# which refuse in-place writes outside it (it is per thread, and these run on several).
+@torch.inference_mode()
 def gather(caches: Sequence[torch.Tensor], block_ids: Sequence[int], out: np.ndarray) -> None:
     """Copy the blocks into `out` (`[len(block_ids), layout.nbytes]` uint8, rows may be
     views into larger frames). Safe off the engine thread for blocks nobody writes
-    (held or pinned): the cache tensors are never reallocated."""
+    (held or pinned): the cache tensors are never reallocated. Device caches gather on
+    the device, then one copy to the host (on the calling thread's current stream, so
+    after the model's writes on the default stream; it returns once `out` is filled)."""
     n = len(block_ids)
     if n == 0:
         return
@@ -33,11 +37,17 @@ def gather(caches: Sequence[torch.Tensor], block_ids: Sequence[int], out: np.nda
     shape = (n, len(caches), 2, *t0.shape[2:])
     ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=t0.device)
     dst = torch.from_numpy(out).view(t0.dtype).view(shape)
-    for layer, kv in enumerate(caches):  # straight into place: no temporary per layer
-        torch.index_select(kv, 1, ids, out=dst[:, layer].transpose(0, 1))
+    if t0.device.type == "cpu":
+        for layer, kv in enumerate(caches):  # straight into place: no temporary per layer
+            torch.index_select(kv, 1, ids, out=dst[:, layer].transpose(0, 1))
+        return
+    staged = torch.empty(shape, dtype=t0.dtype, device=t0.device)
+    for layer, kv in enumerate(caches):
+        staged[:, layer].copy_(kv.index_select(1, ids).transpose(0, 1))
+    dst.copy_(staged)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def scatter(caches: Sequence[torch.Tensor], block_ids: Sequence[int],
             payloads: Sequence[object]) -> None:
     """Write each payload (one block in the travel layout) into its block id."""
