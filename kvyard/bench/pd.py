@@ -8,9 +8,12 @@ prompts (`--long-tokens`, 2k by default) arrive every `--long-interval` seconds.
 Per class it reports TTFT and TPOT p50/p99 and goodput (requests meeting the
 stated SLO per second). For P/D also: handoff bytes, handoff (transfer) time
 against the prefill alone (a long prompt's recompute on an idle worker), an idle
-P/D request's TTFT against that prefill, and per peer transport (`pd`: the same-host
-memfd, `pd-tcp`: a decode worker told to use TCP) the handoff's bandwidth against
-loopback TCP measured in the same run and where its time goes (pd_handoff.py).
+P/D request's TTFT against that prefill. `pd` streams the blocks while the prefill
+computes (the default): it reports how many blocks arrived before the prefill
+ended and the tail left after it. `pd-pull` (same-host memfd) and `pd-tcp` (a
+decode worker told to use TCP) pull only once the prefill has answered, so a
+pull's bandwidth can be set against loopback TCP measured in the same run, with
+where its time goes (pd_handoff.py).
 """
 from __future__ import annotations
 
@@ -47,9 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft-short", type=float, default=0.5, help="seconds")
     p.add_argument("--slo-ttft-long", type=float, default=6.0, help="seconds")
     p.add_argument("--slo-tpot", type=float, default=0.06, help="seconds per output token")
-    p.add_argument("--setups", default="colocated,pd,pd-tcp,pd-redis",
-                   help="colocated; pd (peer transport: same-host memfd), pd-tcp (TCP), "
-                        "pd-redis (no pull: the blocks from a shared Redis tier)")
+    p.add_argument("--setups", default="colocated,pd,pd-pull,pd-tcp,pd-redis",
+                   help="colocated; pd (streamed while the prefill computes), pd-pull (pulled "
+                        "after it, same-host memfd), pd-tcp (pulled after it, TCP), pd-redis "
+                        "(no pull: the blocks from a shared Redis tier)")
     p.add_argument("--json", action="store_true")
 
 
@@ -166,7 +170,8 @@ def run_setup(name: str, a: argparse.Namespace, run_dir: Path, prompts: Prompts 
     pd = name.startswith("pd")
     redis = name == "pd-redis"
     # pd-redis: nobody pulls, so holds are let go quickly (the blocks went to Redis)
-    transports = {"pd-tcp": ["--pd-transports", "tcp"],
+    transports = {"pd-pull": ["--no-pd-stream"],
+                  "pd-tcp": ["--pd-transports", "tcp", "--no-pd-stream"],
                   "pd-redis": ["--pd-transports", "none", "--kv-hold-timeout", "2"]
                   }.get(name, [])
     spec = StackSpec(run_dir=run_dir / name, workers=2, prefill=int(pd), decode=int(pd),

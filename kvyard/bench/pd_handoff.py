@@ -6,7 +6,9 @@ A handoff's time, as the decode worker splits it (`kvyard:pd_handoff_phase_secon
 the prefill leg's HTTP round trip (the prefill itself, mostly), the hold's claim (connect
 to the ok), the transfer (to the last byte; on the memfd path verification of earlier
 chunks overlaps it), the verification left after it, and the engine's insert into its
-cache. Bandwidth is the KV bytes over the pull (claim + transfer + verify), as the
+cache; a streamed handoff has, instead of claim, transfer and verify, its tail (from
+learning that the prefill ended to the last block verified), which is also what its
+handoff histogram times. Bandwidth is the KV bytes over the pull (claim + transfer + verify), as the
 handoff histogram measures it; for the Redis path (`pd-redis`: no pull, the blocks the
 prefill worker saved to a shared Redis tier) over the store read.
 """
@@ -21,7 +23,7 @@ import time
 
 from kvyard.common import wire
 
-PHASES = ("prefill_leg", "claim", "transfer", "verify", "insert")
+PHASES = ("prefill_leg", "claim", "transfer", "verify", "insert", "stream_tail")
 TRANSPORTS = ("shm", "tcp")
 
 
@@ -38,7 +40,9 @@ def stats(after: dict[str, float], before: dict[str, float], path: str = "peer")
            "seconds": _delta(after, before, sec),
            "transports": {t: _delta(after, before, f'{wire.M_PD_TRANSFERS}{{transport="{t}"}}')
                           for t in TRANSPORTS},
-           "phases_ms": {}}
+           "phases_ms": {},
+           "streamed": {w: _delta(after, before, f'{wire.M_PD_STREAMED_BLOCKS}{{when="{w}"}}')
+                        for w in ("during_prefill", "after_prefill")}}
     for ph in PHASES:
         n = _delta(after, before, f'{wire.M_PD_PHASE_SECONDS}_count{{phase="{ph}"}}')
         s = _delta(after, before, f'{wire.M_PD_PHASE_SECONDS}_sum{{phase="{ph}"}}')
@@ -53,10 +57,16 @@ def note(setup: str, phase: str, ph: dict, prefill_alone_s: float, lo: float,
          lo_fresh: float) -> str:
     n = ph["handoffs"]
     used = ", ".join(f"{t} {v:.0f}" for t, v in ph["transports"].items() if v) or "none"
-    parts = " / ".join(f"{k} {v:.0f}" for k, v in ph["phases_ms"].items())
-    return (f"{setup} {phase}: {n:.0f} {ph['path']} handoffs ({used}), "
-            f"{ph['bytes'] / n / 1e6 if n else 0:.1f} MB each, pull "
-            f"{ph['seconds_mean'] * 1e3:.0f} ms mean "
+    parts = " / ".join(f"{k} {v:.0f}" for k, v in ph["phases_ms"].items() if v == v)
+    head = (f"{setup} {phase}: {n:.0f} {ph['path']} handoffs ({used}), "
+            f"{ph['bytes'] / n / 1e6 if n else 0:.1f} MB each, ")
+    during, after = ph["streamed"]["during_prefill"], ph["streamed"]["after_prefill"]
+    if during + after:   # streamed: what is left after the prefill is the handoff's cost
+        return (head + f"streamed: {during / (during + after):.0%} of the blocks arrived "
+                f"while the prefill ran; tail after it {ph['seconds_mean'] * 1e3:.1f} ms mean "
+                f"({ph['seconds_mean'] / prefill_alone_s:.1%} of the prefill alone, "
+                f"{prefill_alone_s * 1e3:.0f} ms); mean ms by phase: {parts}")
+    return (head + f"pull {ph['seconds_mean'] * 1e3:.0f} ms mean "
             f"({ph['seconds_mean'] / prefill_alone_s:.1%} of the prefill alone, "
             f"{prefill_alone_s * 1e3:.0f} ms); {ph['gbps']:.2f} GB/s = "
             f"{ph['gbps'] / lo:.0%} of loopback TCP between the same cores "

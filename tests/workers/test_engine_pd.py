@@ -153,3 +153,68 @@ async def test_parked_request_never_stalls_the_step_loop(loaded, prompt) -> None
         assert await asyncio.wait_for(task, 120) == want
     finally:
         await eng.shutdown()
+
+
+def test_a_hold_grows_chunk_by_chunk_and_outlives_preemption_of_its_request(loaded, prompt):
+    """Chunked prefill: after each step the hold has the blocks computed so far, each
+    referenced by the hold itself (a preemption frees the request's blocks, not those),
+    and holding the bytes an unchunked prefill computes; the request's end completes it."""
+    ref = make(loaded)
+    ref.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
+    want = run(ref, "r")[1][-1].kv_hold
+    lay = layout_of(ref.runner.kv_caches)
+    want_bytes = np.empty((len(want.block_ids), lay.nbytes), dtype=np.uint8)
+    gather(ref.runner.kv_caches, want.block_ids, want_bytes)
+
+    eng = make(loaded, max_num_batched_tokens=32)
+    eng.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True,
+                    hold_id="ab" * 16)
+    seq = eng.scheduler.requests["p"]
+    hold = seq.kv_hold
+    assert hold.request_id == "ab" * 16 and hold.growing and hold.block_ids == []
+    assert eng.kv_holds.claim("ab" * 16) is hold
+    sizes = []
+    eng.step()
+    eng.step()
+    assert len(hold.block_ids) == 4 and hold.growing     # 64 tokens computed: 4 blocks
+    assert eng.kv_holds.wait(hold, 3, 0.0) == (4, True)
+    with pytest.raises(TimeoutError):
+        eng.kv_holds.wait(hold, 4, 0.01)                 # nothing new until the next step
+    assert all(eng.block_manager.ref_cnt[b] == 2 for b in hold.block_ids)  # request + hold
+    first = list(hold.block_ids)
+    eng.scheduler._preempt(seq)                          # as when blocks run out
+    assert seq.block_table == [] and all(eng.block_manager.ref_cnt[b] == 1 for b in first)
+    while eng.has_schedulable_requests():
+        eng.step()
+        sizes.append(len(hold.block_ids))
+    assert not hold.growing and hold.deadline < float("inf")
+    assert hold.block_ids[:4] == first and sizes == sorted(sizes) and sizes[0] > 4
+    assert len(hold.block_ids) == len(prompt) // 16 and hold.block_hashes == want.block_hashes
+    got = np.empty_like(want_bytes)
+    gather(eng.runner.kv_caches, hold.block_ids, got)
+    np.testing.assert_allclose(got.view(np.float32), want_bytes.view(np.float32), rtol=1e-4,
+                               atol=1e-5)
+    assert all(eng.block_manager.ref_cnt[b] == 1 for b in hold.block_ids)  # the hold's only
+    eng.kv_holds.finish(hold.request_id)
+    assert eng.reap_kv_holds() == len(hold.block_ids)
+    assert all(r == 0 for r in eng.block_manager.ref_cnt)
+
+
+def test_a_hold_whose_request_is_aborted_fails_its_pull(loaded, prompt):
+    eng = make(loaded, max_num_batched_tokens=32)
+    eng.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
+    hold = eng.kv_holds.claim("p")
+    eng.step()
+    assert len(hold.block_ids) == 2
+    eng.abort_request("p")
+    with pytest.raises(RuntimeError):
+        eng.kv_holds.wait(hold, 2, 1.0)
+    assert eng.block_manager.ref_cnt[hold.block_ids[0]] == 1   # claimed: kept while read
+    eng.kv_holds.finish("p")
+    eng.reap_kv_holds()
+    assert all(r == 0 for r in eng.block_manager.ref_cnt) and len(eng.kv_holds) == 0
+    # an unclaimed one goes back at once
+    eng.add_request("q", prompt, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
+    eng.step()
+    eng.abort_request("q")
+    assert all(r == 0 for r in eng.block_manager.ref_cnt) and len(eng.kv_holds) == 0

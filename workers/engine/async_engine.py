@@ -12,8 +12,9 @@ disconnect) is aborted and its blocks freed on the next loop turn.
 P/D: a decode request's remote KV is fetched on the event loop (`remote_kv`,
 an awaitable) while the request is parked in the engine, so the step loop
 never waits on the network; the blocks reach the engine thread as a command.
-Prefill holds are reaped between steps; the peer server reads held blocks
-off the engine thread (`gather_blocks`: nobody writes them while held).
+Prefill holds grow as the prompt's chunks compute and are reaped between
+steps; the peer server reads held blocks off the engine thread (`gather_blocks`:
+nobody writes them while held).
 """
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ class AsyncLLMEngine:
         await asyncio.to_thread(thread.join)
         self._thread = None
         self.engine.abort_all()
+        self.engine.kv_holds.close()    # pulls waiting for a hold end now
         err = EngineError("the engine shut down before this request finished")
         for q in self._queues.values():
             q.put_nowait(err)
@@ -95,11 +97,12 @@ class AsyncLLMEngine:
     # ---- requests ------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: Seq[int],
                        params: SamplingParams, *, hold_kv: bool = False,
+                       hold_id: str | None = None,
                        remote_kv: Awaitable[RemoteKV | None] | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last one has `finished` set.
 
-        `hold_kv`: a P/D prefill (see LLMEngine.add_request). `remote_kv`: a P/D
+        `hold_kv`, `hold_id`: a P/D prefill (see LLMEngine.add_request). `remote_kv`: a P/D
         decode: the request is parked until this resolves (to None, or on any
         error: it prefills itself). Raises ValueError for a request that can
         never run (checked before it queues) and EngineError if the engine
@@ -114,7 +117,7 @@ class AsyncLLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
-        self._submit(("add", request_id, list(prompt_token_ids), params, hold_kv,
+        self._submit(("add", request_id, list(prompt_token_ids), params, hold_kv, hold_id,
                       remote_kv is not None))
         fetch = None if remote_kv is None else asyncio.ensure_future(
             self._remote(request_id, remote_kv))
@@ -148,8 +151,14 @@ class AsyncLLMEngine:
         self._submit(("remote_kv", request_id, blocks))
 
     # ---- P/D prefill holds (the peer server's side) --------------------------
-    def claim_hold(self, request_id: str) -> KVHold | None:
-        return self.engine.kv_holds.claim(request_id)
+    def claim_hold(self, request_id: str, wait_s: float = 0.0) -> KVHold | None:
+        """The hold, once (blocking up to `wait_s` for one not opened yet: call from a
+        thread when waiting)."""
+        return self.engine.kv_holds.claim(request_id, wait_s=wait_s)
+
+    def wait_hold(self, hold: KVHold, have: int, timeout_s: float) -> tuple[int, bool]:
+        """From a thread: see KVHolds.wait (a growing hold's next blocks)."""
+        return self.engine.kv_holds.wait(hold, have, timeout_s)
 
     def finish_hold(self, request_id: str) -> None:
         """The hold's blocks may go back; the engine thread releases them next turn."""
@@ -268,13 +277,14 @@ class AsyncLLMEngine:
             if cmd[0] == "lifecycle":
                 self._lifecycle.append(cmd[1:])
             elif cmd[0] == "add":
-                _, rid, ids, params, hold_kv, parked = cmd
+                _, rid, ids, params, hold_kv, hold_id, parked = cmd
                 if eng.sleep_level or self._lifecycle:
                     out.append((rid, EngineSleeping("the model is sleeping (sleep mode); "
                                                     "wake it with POST /wake_up")))
                     continue
                 try:
-                    eng.add_request(rid, ids, params, hold_kv=hold_kv, parked=parked)
+                    eng.add_request(rid, ids, params, hold_kv=hold_kv, hold_id=hold_id,
+                                    parked=parked)
                 except Exception as e:  # noqa: BLE001 - reported to that request only
                     out.append((rid, e))
             elif cmd[0] == "remote_kv":

@@ -154,16 +154,13 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_cached_blocks = 0
 
-    def hold(self, seq: Sequence, num_blocks: int) -> list[int]:
-        """Free `seq` except its first `num_blocks` blocks, whose references pass to the
-        caller (a P/D hold, released with `release`); returns those block ids."""
-        kept = seq.block_table[:num_blocks]
-        seq.block_table = seq.block_table[num_blocks:]
-        self.free(seq)
-        return kept
+    def ref(self, block_ids: Seq[int]) -> None:
+        """One more reference on blocks in use (a P/D hold's, released with `release`)."""
+        for b in block_ids:
+            self._touch(b)
 
     def release(self, block_ids: Seq[int]) -> None:
-        """Drop references taken by `hold` or `pin_cached` (tail first, as `free`)."""
+        """Drop references taken by `ref` or `pin_cached` (tail first, as `free`)."""
         for b in reversed(block_ids):
             self.ref_cnt[b] -= 1
             if self.ref_cnt[b] == 0:

@@ -123,13 +123,20 @@ class LLMEngine:
             raise ValueError("repetition_penalty must be positive")
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
-                    *, hold_kv: bool = False, parked: bool = False) -> None:
-        """`hold_kv`: a P/D prefill; its prompt blocks are held for a pull when it ends
-        (the final output's `kv_hold`). `parked`: a P/D decode; it waits for
-        `load_remote_kv` (or `unpark`) before it is scheduled."""
+                    *, hold_kv: bool = False, hold_id: str | None = None,
+                    parked: bool = False) -> None:
+        """`hold_kv`: a P/D prefill; its prompt blocks are held for a pull, from the
+        step that computes them (the hold, named `hold_id` if that is free, else
+        after the request, is every output's `kv_hold`). `parked`: a P/D decode; it
+        waits for `load_remote_kv` (or `unpark`) before it is scheduled."""
         self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params,
                        arrival=time.monotonic(), hold_kv=hold_kv)
+        if hold_kv:
+            seq.kv_hold = (hold_id and self.kv_holds.open(hold_id)) \
+                or self.kv_holds.open(request_id)
+            if seq.kv_hold is None:
+                raise ValueError(f"request id {request_id!r} is already in use")
         if params.seed is not None:
             seq.generator = make_generator(params.seed)
         if params.json_object or params.json_schema is not None or params.guided_choice \
@@ -198,7 +205,23 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Free the request's blocks now; returns its final output, None if unknown."""
         seq = self.scheduler.abort(request_id)
+        if seq is not None and seq.kv_hold is not None:
+            self.kv_holds.fail(seq.kv_hold)
+            self.reap_kv_holds()            # unless a pull reads it, its blocks go back now
         return None if seq is None else self._output(seq, [], "")
+
+    def _publish(self, seq: Sequence) -> None:
+        """The prompt blocks this step completed, referenced for the request's hold (a
+        streamed pull may send them now; a preemption cannot free them)."""
+        hold, bs = seq.kv_hold, self.block_manager.block_size
+        have = len(hold.block_ids)
+        full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // bs
+        if full <= have:
+            return
+        ids = seq.block_table[have:full]
+        self.block_manager.ref(ids)
+        if not self.kv_holds.publish(hold, ids, seq.update_block_hashes(bs)[have:full]):
+            self.block_manager.release(ids)   # its pull ended already: nobody sends them
 
     def abort_all(self) -> list[RequestOutput]:
         out = [o for rid in list(self.scheduler.requests) if (o := self.abort_request(rid))]
@@ -277,6 +300,8 @@ class LLMEngine:
             newly = self.block_manager.cache_blocks(seq)
             if newly and self.connector is not None:
                 self.connector.save([h for h, _ in newly], [b for _, b in newly])
+            if seq.kv_hold is not None:
+                self._publish(seq)
         outputs: list[RequestOutput] = []
         for seq, tok, lp in zip(samplers, tokens, lps):
             if seq.num_output_tokens == 0:
@@ -286,9 +311,10 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             out = self._output(seq, [tok], delta, None if lp is None else [lp])
-            if seq.kv_hold:
-                out.kv_hold = self.kv_holds.add(seq.request_id, seq.kv_hold, seq.block_hashes)
-                seq.kv_hold = []
+            if seq.kv_hold is not None:
+                out.kv_hold = seq.kv_hold
+                if reason is not None:
+                    self.kv_holds.complete(seq.kv_hold)
             if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
                 out.prompt_logprobs = seq.prompt_logprobs or [None]
             outputs.append(out)

@@ -37,8 +37,9 @@ P/D: a decode-side request whose prompt is being prefilled elsewhere is
 *parked* (WAITING_FOR_REMOTE_KVS, vLLM's name) outside the queue while its KV
 travels; the engine loads what arrived as prefix-cache blocks, pinned to the
 request, and `unpark` queues it, so admission takes them as ordinary hits.
-A prefill-side request marked `hold_kv` keeps its prompt's full blocks when
-it finishes (`seq.kv_hold`), for the decode side to pull.
+A prefill-side request marked `hold_kv` has a hold (`seq.kv_hold`,
+kv_holds.py) that references its prompt's full blocks as they are computed,
+for the decode side to pull, while it runs and after it ends.
 """
 from __future__ import annotations
 
@@ -137,12 +138,8 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self._unpin(seq)
-        if loading:
-            pass                                # freed when the load is collected
-        elif seq.hold_kv and reason != "abort":
-            seq.kv_hold = self.bm.hold(seq, seq.num_computed_tokens // self.bm.block_size)
-        else:
-            self.bm.free(seq)
+        if not loading:                         # else freed when the load is collected
+            self.bm.free(seq)                   # a P/D hold has references of its own
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
 

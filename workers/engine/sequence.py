@@ -45,8 +45,8 @@ class Sequence:
     prompt_logprobs: list[Any] = field(default_factory=list)  # [None, TokenLogprob, ...] as computed
     constraint: Any = None               # json_mode.JsonConstraint for JSON-mode requests
     stop_scan: Any = None                # stopping.StopScan: this sequence's stop-string automaton state
-    hold_kv: bool = False                # P/D prefill: keep the prompt's blocks for a pull when done
-    kv_hold: list[int] = field(default_factory=list)  # ... those blocks, once it finished
+    hold_kv: bool = False                # P/D prefill: keep the prompt's blocks for a pull
+    kv_hold: Any = None                  # ... its kv_holds.KVHold, growing as chunks compute
     pinned_blocks: list[int] = field(default_factory=list)  # P/D decode: loaded remote blocks,
                                          # referenced until admission shares them
     kv_load: Any = None                  # kv_loads.KVLoad it waits for (or came back from)

@@ -10,6 +10,10 @@ usual. Any failure: the store, else a local prefill. `runtime.py` wires it into
 the server; `metrics.py` counts it (decode side: handoffs, fallbacks, phases;
 prefill side: holds).
 
+By default the pull is streamed (`peer_stream.py`): opened beside the prefill
+leg, under a hold name the decode worker chose, it receives each chunk's blocks
+as the prefill worker's engine computes them.
+
 Two transports, one hold protocol (`peer_server.py` serves both):
 - TCP (`peer_client.py`), between any two pods: the frames go from the cache
   rows to the socket (sendmsg) and into one receive buffer.

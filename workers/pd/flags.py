@@ -15,6 +15,7 @@ class PDOptions:
     prefill_timeout_s: float = 60.0
     transfer_timeout_s: float = 30.0
     transports: tuple[str, ...] = ("shm", "tcp")
+    stream: bool = True                  # pull while the prefill computes (peer_stream.py)
 
 
 def add_pd_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,6 +36,9 @@ def add_pd_arguments(p: argparse.ArgumentParser) -> None:
                         "shm = a buffer a prefill worker on this host writes into, tcp; "
                         "none = no pull, blocks only from the shared kvstore tier; "
                         "default shm,tcp)")
+    g.add_argument("--no-pd-stream", dest="pd_stream", action="store_false",
+                   help="pull a prefill's blocks only once it has answered (default: stream "
+                        "them while the prefill worker still computes the prompt)")
     g.add_argument("--kv-hold-timeout", type=float, default=120.0,
                    help="seconds a prefill worker keeps a prompt's blocks for a pull")
 
@@ -55,4 +59,4 @@ def pd_options(args: argparse.Namespace, advertise: str) -> PDOptions:
                      peer_port=args.kv_peer_port, advertise_host=advertise.rpartition(":")[0],
                      prefill_timeout_s=args.pd_prefill_timeout,
                      transfer_timeout_s=args.pd_transfer_timeout,
-                     transports=args.pd_transports)
+                     transports=args.pd_transports, stream=args.pd_stream)

@@ -13,13 +13,15 @@ _SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 FALLBACK_REASONS = ("prefill_unreachable", "prefill_timeout", "prefill_error", "kv_mismatch",
                     "transfer_failed", "transfer_truncated", "transfer_corrupt",
                     "transfer_timeout", "transfer_refused", "unsupported_request",
-                    "no_transport")
+                    "no_transport", "prefill_failed")
 PATHS = ("peer", "store")
 TRANSPORTS = ("shm", "tcp")
 # where a handoff's time goes: the prefill leg's HTTP round trip, the pull's claim (connect
 # to the ok), transfer (to the last byte; or the store's read), verify (checksums after
-# it), the engine's insert
-PHASES = ("prefill_leg", "claim", "transfer", "verify", "insert")
+# it), the engine's insert; a streamed pull's tail (from learning that the prefill ended
+# to its last block verified: what the stream leaves on the critical path)
+PHASES = ("prefill_leg", "claim", "transfer", "verify", "insert", "stream_tail")
+STREAMED = ("during_prefill", "after_prefill")
 HOLD_OUTCOMES = ("pulled", "expired", "aborted")
 
 
@@ -48,7 +50,8 @@ class PDMetrics:
                                 "Prefill targets refused (unsigned, expired, bad signature).",
                                 registry=registry)
         self.seconds = Histogram(wire.M_PD_HANDOFF_SECONDS,
-                                 "Time to receive a handoff's KV (the transfer, not the prefill).",
+                                 "Time to receive a handoff's KV (the transfer, not the "
+                                 "prefill; streamed: what is left after the prefill ends).",
                                  ["path"], buckets=_SECONDS, registry=registry)
         self.transfers = Counter(wire.M_PD_TRANSFERS.removesuffix("_total"),
                                  "Peer handoffs by transport: a same-host memfd or TCP.",
@@ -57,6 +60,12 @@ class PDMetrics:
         self.phases = Histogram(wire.M_PD_PHASE_SECONDS,
                                 "Where a handoff's time goes, by phase.", ["phase"],
                                 buckets=_SECONDS, registry=registry)
+        self.streamed = Counter(wire.M_PD_STREAMED_BLOCKS.removesuffix("_total"),
+                                "Blocks of streamed handoffs, by when the prefill worker sent "
+                                "them: while it still computed the prompt, or after.",
+                                ["when"], registry=registry)
+        for w in STREAMED:
+            self.streamed.labels(when=w)
         for p in PATHS:
             self.handoffs.labels(path=p)
         for r in FALLBACK_REASONS:

@@ -2,7 +2,9 @@
 
 The prefill leg is the client's body with `stream: false`, `stream_options`
 removed, the token limits forced to 1, `n` 1 and vLLM's request-side
-`kv_transfer_params` (`do_remote_decode: true`). The prefill worker answers
+`kv_transfer_params` (`do_remote_decode: true`; kvyard adds `kvyard.stream_id`,
+the decode worker's name for the hold, so it can pull the blocks while the
+prompt still computes: peer_stream.py). The prefill worker answers
 with vLLM's response-side fields (`remote_block_ids`, `remote_engine_id`,
 `remote_request_id`, `remote_host`, `remote_port`, `tp_size`) and, under
 `"kvyard"`, what a kvyard decode worker checks before it trusts a block: the
@@ -15,6 +17,7 @@ same-host memfd (peer_shm.py).
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,10 +27,12 @@ REQUEST_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
                   "remote_engine_id": None, "remote_block_ids": None,
                   "remote_host": None, "remote_port": None}
 _ONE = ("max_tokens", "max_completion_tokens", "min_tokens")
+_STREAM_ID = re.compile(r"[0-9a-f]{32}")
 
 
-def prefill_leg_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The body the decode worker sends the prefill worker (llm-d's pd-sidecar's)."""
+def prefill_leg_body(body: dict[str, Any], stream_id: str | None = None) -> dict[str, Any]:
+    """The body the decode worker sends the prefill worker (llm-d's pd-sidecar's);
+    `stream_id` names the hold so it can be pulled while the prompt computes."""
     out = copy.deepcopy(body)
     out["stream"] = False
     out.pop("stream_options", None)
@@ -38,7 +43,17 @@ def prefill_leg_body(body: dict[str, Any]) -> dict[str, Any]:
     if "n" in out:
         out["n"] = 1
     out[KV_TRANSFER_PARAMS] = dict(REQUEST_PARAMS)
+    if stream_id is not None:
+        out[KV_TRANSFER_PARAMS]["kvyard"] = {"stream_id": stream_id}
     return out
+
+
+def stream_id_of(body: dict[str, Any]) -> str | None:
+    """The decode worker's name for the hold (32 hex digits, a uuid4), if it sent one."""
+    ktp = body.get(KV_TRANSFER_PARAMS)
+    ky = ktp.get("kvyard") if isinstance(ktp, dict) else None
+    sid = ky.get("stream_id") if isinstance(ky, dict) else None
+    return sid if isinstance(sid, str) and _STREAM_ID.fullmatch(sid) else None
 
 
 def wants_remote_decode(body: dict[str, Any]) -> bool:

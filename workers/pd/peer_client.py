@@ -17,7 +17,8 @@ import numpy as np
 from kvyard.kvstore.codec import HEADER_BYTES
 from kvyard.kvstore.layout import Namespace
 
-from .peer_wire import PeerError, message, offered_blocks, recv_message, verified_frame
+from .peer_wire import (PeerError, message, offered_blocks, recv_all_into, recv_message,
+                        verified_frame)
 
 log = logging.getLogger("kvyard.pd")
 _RCVBUF = 4 << 20
@@ -80,12 +81,7 @@ def _receive(sock: socket.socket, n: int, frame: int, namespace: Namespace,
     sock.settimeout(_RECV_TIMEOUT_S)
     t0 = time.perf_counter()
     buf = memoryview(np.empty(n * frame, dtype=np.uint8)).cast("B")  # not zeroed first
-    got = 0
-    while got < len(buf):
-        k = sock.recv_into(buf[got:])
-        if k == 0:
-            raise asyncio.IncompleteReadError(bytes(buf[:min(got, 64)]), len(buf))
-        got += k
+    recv_all_into(sock, buf)
     t1 = time.perf_counter()
     out = _verify(buf, frame, namespace, block_hashes)
     phases.update(transfer=t1 - t0, verify=time.perf_counter() - t1)

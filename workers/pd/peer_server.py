@@ -18,6 +18,7 @@ pool only (a NetworkPolicy in Kubernetes, loopback in the local stack).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -32,7 +33,7 @@ import xxhash
 from kvyard.kvstore.codec import HEADER_BYTES, encode_header, header_of
 from kvyard.kvstore.layout import Namespace
 
-from . import peer_shm
+from . import peer_shm, peer_stream
 from .peer_wire import PeerError, message, recv_message, write_all
 
 log = logging.getLogger("kvyard.pd")
@@ -42,6 +43,7 @@ SEND_TIMEOUT_S = 60.0
 _SNDBUF = 4 << 20
 _IOV_MAX = 1024            # Linux's UIO_MAXIOV
 _IOV_BATCH = 960           # buffers gathered before a sendmsg (a block is 1 + 2 x layers)
+_SENDERS = 64              # threads: a streamed pull waits in one for its prefill's chunks
 
 
 @dataclass(slots=True)
@@ -60,6 +62,8 @@ class PeerServer:
     _accepting: list[asyncio.Task] = field(default_factory=list, init=False)
     _conns: set[asyncio.Task] = field(default_factory=set, init=False)
     _block_pieces: list[np.ndarray] | None = field(default=None, init=False)
+    _pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        _SENDERS, thread_name_prefix="kvyard-pd-send"), init=False)
 
     async def start(self) -> int:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
@@ -90,6 +94,7 @@ class PeerServer:
             if s is not None:
                 s.close()
         self._sock = self._unix = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def _accept(self, listener: socket.socket, shm: bool) -> None:
         loop = asyncio.get_running_loop()
@@ -102,41 +107,51 @@ class PeerServer:
 
     async def _serve(self, conn: socket.socket, shm: bool = False) -> None:
         loop = asyncio.get_running_loop()
+        run = functools.partial(loop.run_in_executor, self._pool)
         rid = None
         pending: asyncio.Future | None = None
         sent = False
         fd: int | None = None    # shm: the puller's buffer
         try:
             if shm:
-                req, fd = await asyncio.to_thread(peer_shm.recv_request, conn, REQUEST_TIMEOUT_S)
+                req, fd = await run(peer_shm.recv_request, conn, REQUEST_TIMEOUT_S)
                 conn.setblocking(False)
             else:
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SNDBUF)
                 req = await asyncio.wait_for(recv_message(loop, conn), REQUEST_TIMEOUT_S)
             if req.get("remote_engine_id") != self.engine_id:
                 raise PeerError("unknown_engine", "remote_engine_id is not this worker's")
+            stream = req.get("stream") is True
+            want = max(1, int(req.get("num_blocks", 0)))
             frame = HEADER_BYTES + self.namespace.layout.nbytes
             if shm:  # before the claim: a bad buffer costs nobody the hold
-                peer_shm.check_target(fd, max(1, int(req.get("num_blocks", 0))) * frame)
+                peer_shm.check_target(fd, want * frame)
             rid = str(req.get("remote_request_id"))
-            hold = self.engine.claim_hold(rid)
+            hold = await run(self.engine.claim_hold, rid,
+                             peer_stream.STREAM_WAIT_S if stream else 0.0)
             if hold is None:
                 rid = None
                 raise PeerError("unknown_request", "no such hold (pulled already, or expired)")
-            n = min(int(req.get("num_blocks", len(hold.block_ids))), len(hold.block_ids))
-            lay = self.namespace.layout
-            if shm:
-                peer_shm.check_target(fd, n * frame)
-                pending = asyncio.ensure_future(asyncio.to_thread(self._send_shm, conn, fd, hold,
-                                                                  n))
+            if stream:
+                pending = asyncio.ensure_future(run(self._stream, conn, fd, hold, want))
             else:
-                await loop.sock_sendall(conn, message({"ok": True, "num_blocks": n,
-                                                       "block_bytes": lay.nbytes}))
-                pending = asyncio.ensure_future(asyncio.to_thread(self._send, conn, hold, n))
+                if hold.growing:   # an offer is made once the prefill ends: rarely waits
+                    await run(self._until_complete, hold)
+                n = min(int(req.get("num_blocks", len(hold.block_ids))), len(hold.block_ids))
+                lay = self.namespace.layout
+                if shm:
+                    pending = asyncio.ensure_future(run(self._send_shm, conn, fd, hold, n))
+                else:
+                    await loop.sock_sendall(conn, message({"ok": True, "num_blocks": n,
+                                                           "block_bytes": lay.nbytes}))
+                    pending = asyncio.ensure_future(run(self._send, conn, hold, n))
             await pending
             pending = None
             sent = True
         except PeerError as e:
+            if pending is not None:   # a streamed pull's thread failed: it sent whole ranges
+                await asyncio.gather(pending, return_exceptions=True)
+                pending = None
             try:
                 conn.setblocking(False)
                 await loop.sock_sendall(conn, message({"ok": False, "error": str(e),
@@ -158,6 +173,46 @@ class PeerServer:
             if fd is not None:
                 os.close(fd)    # never kept: the buffer is the puller's
             conn.close()
+
+    def _until_complete(self, hold: Any) -> None:
+        while hold.growing:
+            self.engine.wait_hold(hold, len(hold.block_ids), SEND_TIMEOUT_S)
+
+    def _stream(self, conn: socket.socket, fd: int | None, hold: Any, n: int) -> None:
+        """In a thread: a streamed pull (peer_stream.py), each range of blocks sent (TCP)
+        or written into the puller's buffer (same host) as the engine publishes it."""
+        conn.settimeout(SEND_TIMEOUT_S)
+        lay = self.namespace.layout
+        conn.sendall(message({"ok": True, "stream": True, "num_blocks": n,
+                              "block_bytes": lay.nbytes}))
+        frame = HEADER_BYTES + lay.nbytes
+        pieces = self._pieces()
+        total = 0
+        for s, e, growing in peer_stream.ranges(self.engine.wait_hold, hold, n, SEND_TIMEOUT_S):
+            head = peer_stream.range_message(hold, s, e, growing)
+            if fd is None:
+                conn.sendall(head)
+                for c in range(s, e, CHUNK_BLOCKS):
+                    _sendmsg_all(conn, self._range_bufs(pieces, hold, c, min(c + CHUNK_BLOCKS, e)))
+            else:
+                off = s * frame
+                for c in range(s, e, CHUNK_BLOCKS):
+                    off += peer_shm.pwrite_all(fd, self._range_bufs(
+                        pieces, hold, c, min(c + CHUNK_BLOCKS, e)), off)
+                conn.sendall(head)
+            self.sent_blocks += e - s
+            total = e
+        conn.sendall(message({"end": True, "num_blocks": total}))
+
+    def _range_bufs(self, pieces: list[np.ndarray] | None, hold: Any, s: int,
+                    e: int) -> list[memoryview]:
+        """Held blocks s..e as frame buffers: over the cache rows (CPU caches), else
+        gathered into a fresh frame buffer (device caches)."""
+        if pieces is not None:
+            return [v for b in range(s, e) for v in self._block_bufs(pieces, hold, b)]
+        frames = np.empty((e - s, HEADER_BYTES + self.namespace.layout.nbytes), dtype=np.uint8)
+        self._frames(hold.block_ids[s:e], hold.block_hashes[s:e], frames)
+        return [memoryview(frames).cast("B")]
 
     def _send(self, conn: socket.socket, hold: Any, n: int) -> None:
         conn.settimeout(SEND_TIMEOUT_S)
@@ -184,14 +239,7 @@ class PeerServer:
         def chunks():
             for s in range(0, n, peer_shm.CHUNK_BLOCKS):
                 e = min(s + peer_shm.CHUNK_BLOCKS, n)
-                if pieces is not None:
-                    bufs = [v for b in range(s, e) for v in self._block_bufs(pieces, hold, b)]
-                else:
-                    frames = np.empty((e - s, HEADER_BYTES + self.namespace.layout.nbytes),
-                                      dtype=np.uint8)
-                    self._frames(hold.block_ids[s:e], hold.block_hashes[s:e], frames)
-                    bufs = [memoryview(frames).cast("B")]
-                yield bufs
+                yield self._range_bufs(pieces, hold, s, e)
                 self.sent_blocks += e - s
         peer_shm.send_hold(conn, fd, chunks(), n, self.namespace.layout.nbytes)
 

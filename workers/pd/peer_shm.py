@@ -119,14 +119,8 @@ def send_hold(conn: socket.socket, fd: int, chunks: Iterable[list[memoryview]], 
     frame = HEADER_BYTES + block_bytes
     conn.sendall(packet({"ok": True, "num_blocks": n, "block_bytes": block_bytes}))
     off = 0
-
-    def pwritev(bufs: list[memoryview]) -> int:
-        nonlocal off
-        k = os.pwritev(fd, bufs, off)
-        off += k
-        return k
     for bufs in chunks:
-        write_all(pwritev, bufs, _IOV_MAX)
+        off += pwrite_all(fd, bufs, off)
         if off // frame < n:
             conn.sendall(packet({"ready": off // frame}))
     if off != n * frame:
@@ -134,28 +128,51 @@ def send_hold(conn: socket.socket, fd: int, chunks: Iterable[list[memoryview]], 
     conn.sendall(packet({"ready": n, "done": True}))
 
 
+def pwrite_all(fd: int, bufs: list[memoryview], offset: int) -> int:
+    """Gathered writes of every buffer into the puller's buffer from `offset`; the
+    bytes written."""
+    off = offset
+
+    def pwritev(chunk: list[memoryview]) -> int:
+        nonlocal off
+        k = os.pwritev(fd, chunk, off)
+        off += k
+        return k
+    return write_all(pwritev, bufs, _IOV_MAX)
+
+
 # ---------------------------------------------------------------- decode side
-async def pull_shm(engine_id: str, request_id: str, namespace: Namespace,
-                   block_hashes: list[int], timeout_s: float, pool: ShmPool,
-                   phases: dict[str, float] | None = None) -> list[memoryview]:
-    """The blocks' payloads, verified, in order (views into a pooled buffer, given back
-    once the last is gone). ShmUnavailable when there is no same-host endpoint (nothing
-    was claimed), PeerError on any failure after that."""
+async def connect(engine_id: str) -> socket.socket:
+    """A connection to the prefill worker's same-host endpoint, run by this uid;
+    ShmUnavailable where there is none."""
     if not re.fullmatch(r"[0-9a-f]{32}", engine_id):  # only ever a kvyard endpoint's name
         raise ShmUnavailable(f"engine id {engine_id[:40]!r} is not a kvyard worker's")
-    loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.setblocking(False)
-    t0 = time.perf_counter()
     try:
         try:
-            await loop.sock_connect(sock, socket_name(engine_id))
+            await asyncio.get_running_loop().sock_connect(sock, socket_name(engine_id))
         except OSError as e:
             raise ShmUnavailable(str(e)) from None
         _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                      _PEERCRED.size))
         if uid != os.getuid():
             raise ShmUnavailable(f"same-host endpoint belongs to uid {uid}")
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def pull_shm(engine_id: str, request_id: str, namespace: Namespace,
+                   block_hashes: list[int], timeout_s: float, pool: ShmPool,
+                   phases: dict[str, float] | None = None) -> list[memoryview]:
+    """The blocks' payloads, verified, in order (views into a pooled buffer, given back
+    once the last is gone). ShmUnavailable when there is no same-host endpoint (nothing
+    was claimed), PeerError on any failure after that."""
+    t0 = time.perf_counter()
+    sock = await connect(engine_id)
+    try:
         frame = HEADER_BYTES + namespace.layout.nbytes
         buf, view = await asyncio.to_thread(pool.take, engine_id, len(block_hashes) * frame)
         ok = False

@@ -72,6 +72,16 @@ async def recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket,
         got += k
 
 
+def recv_all_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from a blocking socket (in a thread); IncompleteReadError at EOF."""
+    got = 0
+    while got < len(view):
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise asyncio.IncompleteReadError(bytes(view[:min(got, 64)]), len(view))
+        got += k
+
+
 async def recv_message(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> dict[str, Any]:
     head = memoryview(bytearray(HEAD_BYTES))
     await recv_exactly(loop, sock, head)

@@ -45,13 +45,19 @@ class PDRuntime:
         # the only one left); the peer server is for the roles that prefill for others
         self.decoder = PDDecoder(key, self.namespace, self.metrics, o.prefill_timeout_s,
                                  o.transfer_timeout_s, engine.config.kv_connector,
-                                 o.transports)
+                                 o.transports, stream=o.stream)
         engine.on_remote_kv_loaded = self.decoder.loaded
 
     def _hold_counts(self, engine: Any) -> tuple[int, dict[str, int]]:
         holds = engine.engine.kv_holds
         return holds.num_blocks, {"pulled": self.peer.pulled, "aborted": self.peer.aborted,
                                   "expired": holds.expired_total}
+
+    def peer_info(self) -> dict[str, Any] | None:
+        """/health's `kv_peer`: where decode workers open streamed pulls (peer_stream.py)."""
+        if self.peer is None:
+            return None
+        return {"engine_id": self.engine_id, "port": self.peer.port, "shm": self.peer.shm_ready}
 
     def offer(self, request_id: str, hold: Any) -> dict[str, Any] | None:
         """kv_transfer_params for a finished prefill whose blocks are held."""

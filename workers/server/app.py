@@ -56,8 +56,10 @@ async def _health(request: web.Request) -> web.Response:
     if getattr(state.engine, "is_running", True) is False:
         return web.json_response({"status": "engine stopped", "role": state.role}, status=503)
     # asleep: still 200, as vLLM (alive, not to be restarted), and the body says so
+    peer = state.pd.peer_info() if state.pd is not None else None
     return web.json_response({"status": "ok", "role": state.role, "sleeping": False,
-                              **sleep.health_fields(request.app)})
+                              **sleep.health_fields(request.app),
+                              **({"kv_peer": peer} if peer else {})})
 
 
 def _awake_only(handler):

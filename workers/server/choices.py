@@ -34,6 +34,7 @@ class Run:
     finish_reason: str | None = None
     usage: Usage = field(init=False)
     hold_kv: bool = False               # P/D prefill for another worker: keep the blocks
+    hold_id: str | None = None          # ... under the decode worker's stream id
     remote_kv: Any = None               # P/D decode: a coroutine giving the prompt's KV
     kv_hold: Any = None                 # the engine's hold, once a hold_kv request ended
 
@@ -45,7 +46,7 @@ class Run:
         engine = self.state.engine
         pd_kw: dict[str, Any] = {}
         if self.hold_kv:
-            pd_kw["hold_kv"] = True
+            pd_kw.update(hold_kv=True, hold_id=self.hold_id)
         if self.remote_kv is not None:
             pd_kw["remote_kv"] = self.remote_kv
         gen = engine.generate(self.request_id, ids, params, **pd_kw)

@@ -19,7 +19,7 @@ import uuid
 from aiohttp import web
 
 from kvyard.common import wire
-from kvyard.workers.pd.params import wants_remote_decode
+from kvyard.workers.pd.params import stream_id_of, wants_remote_decode
 
 from .choices import Choice, Echo, Run
 from .errors import ApiError
@@ -85,6 +85,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
             run = Run(state, rid, len(ids))
             if single:
                 run.hold_kv = hold_kv
+                run.hold_id = stream_id_of(req.raw) if hold_kv else None
                 if target is not None:
                     run.remote_kv = state.pd.decoder.remote_kv(target, request.path, req.raw, ids)
             c = Choice(index, ids, run, p, lp, echo)
@@ -93,7 +94,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
             choices.append(c)
     if req.stream:
         return await stream(request, choices, shaper, req.n, req.include_usage)
-    offer = (lambda run: pd.offer(run.request_id, run.kv_hold) if run.kv_hold else None) \
+    offer = (lambda run: pd.offer(run.kv_hold.request_id, run.kv_hold) if run.kv_hold else None) \
         if hold_kv else None
     return await complete(choices, shaper, req.n, req.prompt_logprobs, tok.token_text, offer)
 

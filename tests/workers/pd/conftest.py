@@ -1,6 +1,7 @@
 """Shared by the P/D tests between real workers on the demo model: the workers (one
 prefill, one decode pulling through the same-host memfd, one decode pulling over TCP,
-for the whole session), the requests, the scrapes, and `PDProxy`. Test modules cannot
+for the whole session; one that does not stream), the requests, the scrapes, and
+`PDProxy`. Test modules cannot
 import a conftest: they get the helpers through the `pdh` fixture.
 
 Failures are made by `PDProxy`, a man in the middle in this process: its HTTP
@@ -12,7 +13,9 @@ waits for the test (which kills the prefill worker meanwhile), "hang" never
 answers the prefill leg, "dead_peer" answers once the test says the blocks are
 in the shared store, with a port that refuses connections. It relays TCP, so it
 takes the offer's `shm` away: a decode worker on this host would otherwise pull
-around it.
+around it. It serves no /health, so decode workers pull from its offers, unless
+made with `stream=True`: then its /health points streamed pulls at the relay too
+(the same damage, to the first streamed block).
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ class PDProxy:
     _thread: threading.Thread | None = None
     _peer: tuple[str, int] | None = None
     before_answer: object = None          # "dead_peer": called before the leg answers
+    stream: bool = False                  # also relay streamed pulls (its /health points here)
     closed_port: int = 0                  # "dead_peer": where the offer then points
     _runner: web.AppRunner | None = None
     _srv: asyncio.AbstractServer | None = None
@@ -93,6 +97,8 @@ class PDProxy:
     async def _start(self) -> None:
         app = web.Application()
         app.router.add_post("/{tail:.*}", self._leg)
+        if self.stream:
+            app.router.add_get("/health", self._health)
         runner = self._runner = web.AppRunner(app)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -122,6 +128,17 @@ class PDProxy:
                 ktp["remote_port"] = self.closed_port
         return web.json_response(doc, status=status)
 
+    async def _health(self, request: web.Request) -> web.Response:
+        """The prefill worker's /health, its peer endpoint replaced by this relay's."""
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"http://{self.upstream}/health") as r:
+                status, doc = r.status, await r.json()
+        peer = doc.get("kv_peer")
+        if peer:
+            self._peer = (self.upstream.rpartition(":")[0], peer["port"])
+            peer.update(port=self.tcp_port, shm=False)
+        return web.json_response(doc, status=status)
+
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.transfers += 1
         up_r, up_w = await asyncio.open_connection(*self._peer)
@@ -135,6 +152,10 @@ class PDProxy:
             writer.write(head)
             meta = json.loads(head[_HEAD:])
             frame = 80 + meta.get("block_bytes", 0)
+            if meta.get("stream"):               # the first range's header comes first
+                rng = await up_r.readexactly(_HEAD)
+                rng += await up_r.readexactly(int.from_bytes(rng[4:8], "little"))
+                writer.write(rng)
             first = bytearray(await up_r.readexactly(frame))
             if self.mode == "corrupt":
                 first[80 + len(first) // 2] ^= 0xFF
@@ -214,6 +235,15 @@ def prefill(tmp_path_factory, key_file, demo_gguf) -> Iterator[WorkerProcess]:
     w.stop()
 
 
+@pytest.fixture(scope="session")
+def prefill_chunked(tmp_path_factory, key_file, demo_gguf) -> Iterator[WorkerProcess]:
+    """Prefills in 32-token chunks: a long prompt's blocks are published step by step."""
+    w = start_worker([*WORKER_ARGS, "--role", "prefill", "--max-num-batched-tokens", "32"],
+                     tmp_path_factory.mktemp("pwc") / "prefill-chunked.log", env=_env(key_file))
+    yield w
+    w.stop()
+
+
 def _decode_worker(tmp_path_factory, key_file: Path, name: str, *extra: str) -> WorkerProcess:
     return start_worker([*WORKER_ARGS, "--role", "decode", *extra],
                         tmp_path_factory.mktemp(name) / f"{name}.log", env=_env(key_file))
@@ -231,6 +261,14 @@ def decode(tmp_path_factory, key_file, demo_gguf) -> Iterator[WorkerProcess]:
 def decode_tcp(tmp_path_factory, key_file, demo_gguf) -> Iterator[WorkerProcess]:
     """Pulls over TCP only, as a decode worker on another host does."""
     w = _decode_worker(tmp_path_factory, key_file, "decode-tcp", "--pd-transports", "tcp")
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="session")
+def decode_classic(tmp_path_factory, key_file, demo_gguf) -> Iterator[WorkerProcess]:
+    """Pulls only once the prefill has answered, from its offer (no streaming)."""
+    w = _decode_worker(tmp_path_factory, key_file, "decode-classic", "--no-pd-stream")
     yield w
     w.stop()
 

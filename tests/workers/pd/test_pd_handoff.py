@@ -1,5 +1,6 @@
 """P/D handoffs between real workers on the demo model: roles are published, the
-handoff's output equals the colocated output over either transport, streamed too."""
+handoff's output equals the colocated output over either transport, pulled while the
+prefill computes or after it, and with the answer streamed to the client."""
 from __future__ import annotations
 
 import json
@@ -17,13 +18,16 @@ def test_roles_are_published(pdh, prefill, decode) -> None:
         assert pdh.scrape(w.base_url)[f'{wire.M_WORKER_INFO}{{role="{role}"}}'] == 1.0
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport,worker", [("shm", "decode"), ("tcp", "decode_tcp"),
+                                              ("shm", "decode_classic")])
 def test_handoff_gives_the_colocated_output(pdh, prefill, key_file, wait_until, request,
-                                            transport) -> None:
+                                            transport, worker) -> None:
     """Over the same-host memfd (the default decode worker on this host) and over TCP
-    (a decode worker told to use TCP only, as one on another host)."""
-    decode = request.getfixturevalue("decode" if transport == "shm" else "decode_tcp")
-    user = f"Which river flows through Paris? ({transport})"
+    (a decode worker told to use TCP only, as one on another host), streamed while the
+    prefill computes; and pulled from the offer after it (--no-pd-stream)."""
+    decode = request.getfixturevalue(worker)
+    streamed = worker != "decode_classic"
+    user = f"Which river flows through Paris? ({worker})"
     want = pdh.reference(prefill, user)
     before = pdh.scrape(decode.base_url)
     status, got = pdh.post(decode.base_url, pdh.body(user),
@@ -40,10 +44,19 @@ def test_handoff_gives_the_colocated_output(pdh, prefill, key_file, wait_until, 
     blocks = (want["usage"]["prompt_tokens"] - 1) // 16
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == blocks * 16
     assert after[wire.M_PD_HANDOFF_BYTES] > before[wire.M_PD_HANDOFF_BYTES]
-    # every phase of the handoff was timed once
-    for phase in ("prefill_leg", "claim", "transfer", "verify", "insert"):
+    streamed_blocks = sum(after[f'{wire.M_PD_STREAMED_BLOCKS}{{when="{w}"}}']
+                          - before[f'{wire.M_PD_STREAMED_BLOCKS}{{when="{w}"}}']
+                          for w in ("during_prefill", "after_prefill"))
+    assert streamed_blocks == (blocks if streamed else 0)
+    # each phase of this kind of handoff was timed once, the others not at all
+    timed = ("stream_tail", "insert") if streamed else ("claim", "transfer", "verify",
+                                                        "insert")
+    for phase in ("claim", "transfer", "verify", "insert", "stream_tail"):
         key = f'{wire.M_PD_PHASE_SECONDS}_count{{phase="{phase}"}}'
-        assert after[key] == before[key] + 1, phase
+        assert after[key] == before[key] + (phase in timed), phase
+    leg = f'{wire.M_PD_PHASE_SECONDS}_count{{phase="prefill_leg"}}'  # streamed: may end later
+    wait_until(lambda: pdh.scrape(decode.base_url)[leg] == before[leg] + 1, timeout=30,
+               what="the prefill leg timed")
     # the prefill worker gave its held blocks back once they were pulled
     wait_until(lambda: pdh.kv_usage(prefill) == 0.0, timeout=60, what="held blocks freed")
 
