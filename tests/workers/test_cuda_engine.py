@@ -21,12 +21,13 @@ from kvyard.workers.engine.llm_engine import LLMEngine  # noqa: E402
 NEW_TOKENS = 32
 
 
-def _engine_tokens(path: str, dtype: str, prompts: list[list[int]], eager: bool, n: int = NEW_TOKENS):
+def _engine_tokens(path: str, dtype: str, prompts: list[list[int]], eager: bool, n: int = NEW_TOKENS,
+                   budget: int = 1024):
     from kvyard.workers.model import load_model
 
     model, cfg = load_model(resolve_model(path), getattr(torch, dtype), 4096, device="cuda")
     conf = EngineConfig(model=path, dtype=dtype, device="cuda", enforce_eager=eager, max_model_len=4096,
-                        max_num_seqs=16, kv_cache_memory_bytes=256 << 20)
+                        max_num_seqs=16, kv_cache_memory_bytes=256 << 20, max_num_batched_tokens=budget)
     engine = LLMEngine(conf, model, cfg, None)
     assert (engine.runner.graphs is None) == eager
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -112,6 +113,17 @@ def test_demo_greedy_equals_transformers_float32(demo, eager) -> None:
     want = _hf_tokens(hf(torch.float32), prompts, 48)
     got = _engine_tokens("demo", "float32", prompts, eager, 48)
     assert sum(len(w) for w in want) >= 6 * 24, [len(w) for w in want]  # mostly full continuations
+    assert _same(got, want)
+
+
+def test_demo_chunked_prefill_alone_equals_transformers_float32(demo) -> None:
+    """One prompt at a time under a 32-token step budget: most steps compute a prompt's middle
+    chunk and sample nothing (an empty row index for the model)."""
+    prompts, hf = demo
+    prompts = prompts[2:5]
+    want = _hf_tokens(hf(torch.float32), prompts, 16)
+    got = [_engine_tokens("demo", "float32", [p], False, 16, budget=32)[0] for p in prompts]
+    assert all(len(p) > 32 for p in prompts)   # two chunks or more each
     assert _same(got, want)
 
 

@@ -283,7 +283,8 @@ class ModelRunner:
             # (the model may then skip the other rows' last-layer MLP).
             narrow = not prompt_spans and len(sample_rows) < len(ids)
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta,
-                                        torch.tensor(sample_rows, device=self.device) if narrow else None)
+                                        torch.tensor(sample_rows, dtype=torch.int64,  # may be empty
+                                                     device=self.device) if narrow else None)
             for seq, p0, r0, n in prompt_spans:
                 for j in range(0, n, PROMPT_LOGITS_ROWS):
                     k = min(PROMPT_LOGITS_ROWS, n - j)

@@ -1,9 +1,10 @@
 """P/D handoffs from GPU caches (issue 19): a prefill and two decode `kvyard worker --device
 cuda --dtype float32` processes on the demo model. Greedy output through the handoff equals
 the prefill worker's own colocated output token for token, for a prompt of a few hundred
-tokens (tens of blocks move) and a short one, over the same-host memfd (`--pd-transports
-shm`) and over TCP (`tcp`); the decode worker counts the peer handoff and the transport; the
-prefill worker frees the held blocks once they are pulled. Skipped without CUDA (CI has none).
+tokens (tens of blocks move) and a short one, streamed while the prefill computes (in
+32-token chunks) over the same-host memfd (`--pd-transports shm`) and over TCP (`tcp`), and
+pulled after it (`--no-pd-stream`); the decode worker counts the peer handoff, the
+transport and the streamed blocks; the prefill worker frees the held blocks once pulled. Skipped without CUDA (CI has none).
 
 Self-sufficient, so it also runs under tools/device_gpu.sh's `pytest --noconftest` (the GPU
 host lacks openai, which tests/workers/conftest.py imports): its fixtures are here, and the
@@ -57,9 +58,11 @@ def workers(tmp_path_factory) -> Iterator[dict]:
     key.write_text(secrets.token_hex(32))
     key.chmod(0o600)
     env = h._env(key)
-    specs = {"prefill": ["--role", "prefill", "--kv-hold-timeout", "60"],
+    specs = {"prefill": ["--role", "prefill", "--kv-hold-timeout", "60",
+                         "--max-num-batched-tokens", "32"],   # a long prompt streams by chunk
              "shm": ["--role", "decode", "--pd-transports", "shm"],
-             "tcp": ["--role", "decode", "--pd-transports", "tcp"]}
+             "tcp": ["--role", "decode", "--pd-transports", "tcp"],
+             "pull": ["--role", "decode", "--pd-transports", "shm", "--no-pd-stream"]}
     with ThreadPoolExecutor(len(specs)) as pool:
         futs = {name: pool.submit(h.start_worker, [*ARGS, *extra],
                                   tmp_path_factory.mktemp(name) / f"{name}.log", env=env)
@@ -97,10 +100,13 @@ def _fallbacks(w) -> float:
 
 
 @pytest.mark.parametrize("prompt", ["long", "short"])
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "pull"])
 def test_handoff_from_gpu_caches_gives_the_colocated_output(workers, transport, prompt) -> None:
+    """Streamed while the prefill computes (shm, tcp) and pulled after it (pull: shm)."""
     prefill, decode = workers["prefill"], workers[transport]
-    user = f"{LONG if prompt == 'long' else SHORT} ({transport})"  # no cache shared across cases
+    streamed = transport != "pull"
+    # no cache shared across cases: the tag comes first
+    user = f"({transport}) {LONG if prompt == 'long' else SHORT}"
     before, pre_before = h.scrape(decode.base_url), h.scrape(prefill.base_url)
     falls = _fallbacks(decode)
     # the handoff first, so the blocks it moves are computed fresh by its prefill leg
@@ -120,7 +126,12 @@ def test_handoff_from_gpu_caches_gives_the_colocated_output(workers, transport, 
     assert after[peer] == before[peer] + 1
     for t in ("shm", "tcp"):
         key = f'{wire.M_PD_TRANSFERS}{{transport="{t}"}}'
-        assert after[key] == before[key] + (t == transport), t
+        assert after[key] == before[key] + (t == transport.replace("pull", "shm")), t
+    during, late = (after[k] - before[k] for k in (
+        f'{wire.M_PD_STREAMED_BLOCKS}{{when="{w}"}}' for w in ("during_prefill", "after_prefill")))
+    assert during + late == (blocks if streamed else 0)
+    if streamed and prompt == "long":
+        assert during > 0, "no block arrived while the prefill computed"
     assert _fallbacks(decode) == falls
     assert after[wire.M_PD_HANDOFF_BYTES] - before[wire.M_PD_HANDOFF_BYTES] \
         >= blocks * DEMO_F32.nbytes
