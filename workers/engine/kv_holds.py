@@ -4,9 +4,9 @@ A `hold_kv` request gets its hold when it is admitted, empty and *growing*:
 after every step the engine thread `publish`es the prompt blocks that became
 full and computed, each with a reference of the hold's own, so a streamed
 pull can send them while the prefill computes its later chunks, and a
-preemption or the request's end cannot free them under the send. The request
-ending makes the hold `complete` (its deadline starts then) or, aborted,
-`failed`. The engine thread is the only one to give blocks back to the block
+preemption or the request's end cannot free them under the send. The step
+that computes the prompt's last chunk publishes its blocks and completes the
+hold at once (its deadline starts then); an abort makes it `failed`. The engine thread is the only one to give blocks back to the block
 manager (`reap`). The peer server, from its threads, `claim`s a hold once
 (waiting a little for one a decode worker asked for before it was admitted),
 `wait`s for blocks to send and marks it `done` afterwards. A claimed hold is
@@ -59,22 +59,32 @@ class KVHolds:
             self._cond.notify_all()
         return hold
 
-    def publish(self, hold: KVHold, block_ids: list[int], block_hashes: list[int]) -> bool:
-        """Append blocks the caller has just referenced for the hold; False (the caller
-        keeps the references) once the hold is done: nobody will send them."""
+    def publish(self, hold: KVHold, block_ids: list[int], block_hashes: list[int],
+                last: bool = False) -> bool:
+        """Append blocks the caller has just referenced for the hold (`last`: and it is
+        complete, in the same breath, so a pull sees the last blocks as the prefill's
+        end); False (the caller keeps the references) once the hold is done or complete:
+        nobody will send them."""
         with self._cond:
             if hold.done or not hold.growing:
                 return False
             hold.block_ids.extend(block_ids)
             hold.block_hashes.extend(block_hashes)
+            if last:
+                self._complete(hold, None)
             self._cond.notify_all()
         return True
 
     def complete(self, hold: KVHold, now: float | None = None) -> None:
+        """The prompt is computed: the hold has all its blocks, its deadline starts."""
         with self._cond:
-            hold.growing = False
-            hold.deadline = (time.monotonic() if now is None else now) + self.ttl_s
+            if hold.growing:
+                self._complete(hold, now)
             self._cond.notify_all()
+
+    def _complete(self, hold: KVHold, now: float | None) -> None:
+        hold.growing = False
+        hold.deadline = (time.monotonic() if now is None else now) + self.ttl_s
 
     def fail(self, hold: KVHold) -> None:
         """Its request was aborted: a pull waiting on it ends, the blocks go back."""

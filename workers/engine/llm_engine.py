@@ -216,11 +216,14 @@ class LLMEngine:
         hold, bs = seq.kv_hold, self.block_manager.block_size
         have = len(hold.block_ids)
         full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // bs
+        last = seq.num_computed_tokens >= seq.num_prompt_tokens
         if full <= have:
+            if last:
+                self.kv_holds.complete(hold)
             return
         ids = seq.block_table[have:full]
         self.block_manager.ref(ids)
-        if not self.kv_holds.publish(hold, ids, seq.update_block_hashes(bs)[have:full]):
+        if not self.kv_holds.publish(hold, ids, seq.update_block_hashes(bs)[have:full], last):
             self.block_manager.release(ids)   # its pull ended already: nobody sends them
 
     def abort_all(self) -> list[RequestOutput]:
@@ -313,7 +316,7 @@ class LLMEngine:
             out = self._output(seq, [tok], delta, None if lp is None else [lp])
             if seq.kv_hold is not None:
                 out.kv_hold = seq.kv_hold
-                if reason is not None:
+                if reason is not None:      # complete already, unless it ended mid-prompt
                     self.kv_holds.complete(seq.kv_hold)
             if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
                 out.prompt_logprobs = seq.prompt_logprobs or [None]
