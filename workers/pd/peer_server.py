@@ -194,12 +194,13 @@ class PeerServer:
                 conn.sendall(head)
                 for c in range(s, e, CHUNK_BLOCKS):
                     _sendmsg_all(conn, self._range_bufs(pieces, hold, c, min(c + CHUNK_BLOCKS, e)))
-            else:
+            else:   # announced first, as over TCP: the puller times the tail from it
+                conn.sendall(head)
                 off = s * frame
                 for c in range(s, e, CHUNK_BLOCKS):
                     off += peer_shm.pwrite_all(fd, self._range_bufs(
                         pieces, hold, c, min(c + CHUNK_BLOCKS, e)), off)
-                conn.sendall(head)
+                conn.sendall(message({"ready": e}))
             self.sent_blocks += e - s
             total = e
         conn.sendall(message({"end": True, "num_blocks": total}))

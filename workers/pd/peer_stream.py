@@ -23,8 +23,9 @@ SOCK_SEQPACKET socket and buffer of peer_shm.py):
                      (same host: + its buffer's descriptor, n frames)
   prefill -> decode: {"ok": true, "stream": true, "num_blocks": n, "block_bytes": b},
                      then per range {"blocks": [s, e], "hashes": [...], "growing": g}
-                     (TCP: followed by frames s..e; same host: after writing them at
-                     frame s of the buffer), then {"end": true, "num_blocks": total};
+                     followed (TCP) by frames s..e, or (same host) by {"ready": e} once
+                     they are written at frame s of the buffer; then {"end": true,
+                     "num_blocks": total};
                      or {"ok": false, "error", "reason"} instead of a range.
 `growing` says the prefill still ran when the range was sent. The decode worker
 keeps the leading blocks whose hashes are its own tokenization's (a range whose
@@ -87,7 +88,7 @@ class PeerInfo:
 class Streamed:
     payloads: list[memoryview]
     early: int                 # blocks sent while the prefill still ran
-    tail_s: float              # from learning the prefill ended to the last block verified
+    tail_s: float              # from the prompt's last range announced to its blocks verified
     transport: str
 
 
@@ -225,6 +226,8 @@ def _receive(sock: socket.socket, view: Any, namespace: Namespace, own: list[int
         s, e, hashes = _range(msg, len(out), n)
         if view is None:
             recv_all_into(sock, mem[s * frame:e * frame])
+        elif recv(sock).get("ready") != e:
+            raise PeerError("transfer_corrupt", f"range {s}..{e} was not reported written")
         for i in range(s, e):
             if hashes[i - s] != own[i]:     # another tokenization from here on
                 if not out:
