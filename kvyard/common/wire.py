@@ -67,6 +67,8 @@ M_PD_REJECTED = "kvyard:pd_rejected_prefill_targets_total"
 M_PD_TRANSFERS = "kvyard:pd_transfers_total"              # {transport="shm|tcp"}
 M_PD_PHASE_SECONDS = "kvyard:pd_handoff_phase_seconds"    # {phase}
 M_PD_STREAMED_BLOCKS = "kvyard:pd_streamed_blocks_total"   # {when="during_prefill|after_prefill"}
+M_KV_EVENT_BATCHES = "kvyard:kv_event_batches_total"      # --kv-events-config publishing
+M_KV_EVENTS_DROPPED = "kvyard:kv_events_dropped_total"
 M_PD_HELD_BLOCKS = "kvyard:pd_held_blocks"                # prefill side
 M_PD_HOLDS = "kvyard:pd_holds_total"                      # {outcome}, prefill side
 

@@ -120,6 +120,8 @@ def _exposition_texts() -> list[str]:
         worker_info(sm.registry, "decode")
         PDMetrics(sm.registry, sm.slow_registry).seconds.labels(path="peer").observe(0.1)
         sm.register_extra(HoldCollector(lambda: (3, {"pulled": 1})))  # the prefill side's
+        from kvyard.workers.server.kv_events import KVEventMetrics
+        KVEventMetrics(sm.registry)                      # with --kv-events-config
     except ImportError:
         pass
     texts.append(sm.render().decode())

@@ -97,13 +97,15 @@ async def _stamp_endpoint(request: web.Request, response: web.StreamResponse) ->
 def build_app(engine: Any, *, advertise: str, served_names: list[str] | None = None,
               role: str = "both", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               manage_engine: bool = True, extra_collectors: Sequence[Any] = (),
-              pd: Any = None, enable_sleep_mode: bool = False) -> web.Application:
+              pd: Any = None, enable_sleep_mode: bool = False,
+              kv_events: Any = None) -> web.Application:
     """An app serving `engine`; with `manage_engine` the app starts and shuts it down.
 
     `extra_collectors` (e.g. the kvstore connector's) join this app's /metrics.
     `pd`: P/D options (kvyard.workers.pd.runtime.PDOptions); its runtime starts
     with the engine (it needs the bound KV cache). `enable_sleep_mode`: vLLM's sleep
-    routes (sleep.py)."""
+    routes (sleep.py). `kv_events`: a kvyard.common.kv_events.KVEventsConfig; when
+    active, the block manager's events are published (kv_events.py)."""
     names = list(served_names or [engine.served_model_name])
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
     state = ServerState(
@@ -119,6 +121,11 @@ def build_app(engine: Any, *, advertise: str, served_names: list[str] | None = N
         from kvyard.workers.pd.runtime import PDRuntime
 
         runtime = PDRuntime(pd, PDMetrics(state.metrics.registry, state.metrics.slow_registry))
+    publisher = None
+    if kv_events is not None and kv_events.active:
+        from .kv_events import KVEventMetrics, KVEventPublisher
+
+        publisher = KVEventPublisher(kv_events, KVEventMetrics(state.metrics.registry))
     app[STATE] = state
     app.on_response_prepare.append(_stamp_endpoint)
     app.router.add_get("/v1/models", _models)
@@ -133,6 +140,9 @@ def build_app(engine: Any, *, advertise: str, served_names: list[str] | None = N
     app.router.add_get("/version", _version)
     if manage_engine:
         async def start(_: web.Application) -> None:
+            if publisher is not None:   # before the engine runs: no block goes unannounced
+                publisher.start()
+                engine.add_kv_event_listener(publisher.on_event)
             await engine.start()
             if runtime is not None:
                 await runtime.start(engine)
@@ -142,6 +152,8 @@ def build_app(engine: Any, *, advertise: str, served_names: list[str] | None = N
             if runtime is not None:
                 await runtime.stop()
             await engine.shutdown()
+            if publisher is not None:
+                publisher.stop()
 
         app.on_startup.append(start)
         app.on_cleanup.append(stop)

@@ -84,12 +84,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests get to finish on SIGTERM")
     p.add_argument("--enable-sleep-mode", action="store_true",
                    help="vLLM's sleep routes: POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping")
+    p.add_argument("--kv-events-config", type=_kv_events_config, default=None, metavar="JSON",
+                   help="vLLM's KV-cache events for precise prefix routing, e.g. "
+                        "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                        "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "
+                        "\"tcp://*:5558\", \"topic\": \"kv@$POD_IP@model\"}' (off by default)")
     p.add_argument("--log-level", default="info")
     add_pd_arguments(p)
     # --- kvstore hook: the connector module adds its own flags when it is installed.
     kv = _kvconnector()
     if kv is not None:
         kv.add_kv_arguments(p)
+
+
+def _kv_events_config(text: str) -> Any:
+    from kvyard.common.kv_events import KVEventsConfig
+
+    try:
+        return KVEventsConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def advertise_address(args: argparse.Namespace) -> str:
@@ -141,4 +155,5 @@ def run(args: argparse.Namespace) -> int:
                              max_body_bytes=args.max_body_bytes,
                              shutdown_timeout=args.shutdown_timeout,
                              extra_collectors=collectors,
-                             enable_sleep_mode=args.enable_sleep_mode))
+                             enable_sleep_mode=args.enable_sleep_mode,
+                             kv_events=args.kv_events_config))

@@ -26,11 +26,11 @@ async def serve(engine: Any, *, host: str, port: int, advertise: str,
                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_timeout: float = 30.0,
                 stop: asyncio.Event | None = None,
                 extra_collectors: Sequence[Any] = (), pd: Any = None,
-                enable_sleep_mode: bool = False) -> int:
+                enable_sleep_mode: bool = False, kv_events: Any = None) -> int:
     """Serves until a signal (or `stop`, for embedding) arrives; returns the exit code."""
     app = build_app(engine, advertise=advertise, served_names=served_names, role=role,
                     max_body_bytes=max_body_bytes, extra_collectors=extra_collectors, pd=pd,
-                    enable_sleep_mode=enable_sleep_mode)
+                    enable_sleep_mode=enable_sleep_mode, kv_events=kv_events)
     # handler_cancellation: a dropped connection cancels its handler, which aborts the request.
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout,
                            access_log=None)

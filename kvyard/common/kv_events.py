@@ -1,0 +1,140 @@
+"""vLLM's KV-cache events on the wire (../shared/reference/protocols.md §4): what a worker
+publishes and what a subscriber (an EPP's precise prefix index, llm-d's kv-cache
+manager) reads.
+
+A ZMQ PUB message is three frames: the topic, an 8-byte big-endian sequence number
+(from 0, one per batch), and a msgpack `EventBatch`. The batch and its events are
+encoded as current vLLM does (msgspec structs with `omit_defaults`, tagged):
+  {"ts": <float>, "events": [...], "data_parallel_rank": 0}
+  {"type": "BlockStored", "block_hashes": [...], "parent_block_hash": h | None,
+   "token_ids": [...], "block_size": 16, "lora_id": None, "medium": "GPU",
+   "lora_name": None}
+  {"type": "BlockRemoved", "block_hashes": [...], "medium": "GPU"}
+  {"type": "AllBlocksCleared"}
+`decode_batch` also reads the older positional form (arrays whose first element is
+the tag). Block hashes are unsigned 64-bit integers, as vLLM's external hashes
+(`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`): the low 64 bits of kvyard's chained hashes
+(kvyard.common.hashing). Consumers should key blocks by `token_ids` with a hash of
+their own and use these only to match removals, as llm-d does: they identify a
+block on this worker, not its content anywhere else.
+
+The replay socket (ROUTER): a DEALER sends b"" + the start sequence number (8 bytes
+big-endian); each buffered batch from it comes back as (b"", seq, payload), then
+(b"", END_SEQ, b"").
+
+`medium` is "GPU" for the engine's own KV cache on any device: vLLM's name for that
+tier, which consumers such as llm-d score as the primary one.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+import msgpack
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+MEDIUM = "GPU"
+_MASK64 = (1 << 64) - 1
+
+
+def external_hash(h: int) -> int:
+    return h & _MASK64
+
+
+def block_stored(block_hashes: list[int], parent: int | None, token_ids: list[int],
+                 block_size: int) -> dict[str, Any]:
+    return {"type": "BlockStored", "block_hashes": [external_hash(h) for h in block_hashes],
+            "parent_block_hash": None if parent is None else external_hash(parent),
+            "token_ids": list(token_ids), "block_size": block_size, "lora_id": None,
+            "medium": MEDIUM, "lora_name": None}
+
+
+def block_removed(block_hashes: list[int]) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": [external_hash(h) for h in block_hashes],
+            "medium": MEDIUM}
+
+
+def all_blocks_cleared() -> dict[str, Any]:
+    return {"type": "AllBlocksCleared"}
+
+
+def encode_batch(ts: float, events: list[dict[str, Any]], dp_rank: int = 0) -> bytes:
+    return msgpack.packb({"ts": ts, "events": events, "data_parallel_rank": dp_rank})
+
+
+_POSITIONAL = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
+                               "lora_id", "medium", "lora_name"),
+               "BlockRemoved": ("block_hashes", "medium"),
+               "AllBlocksCleared": ()}
+
+
+def decode_batch(payload: bytes) -> tuple[float, list[dict[str, Any]]]:
+    """(ts, events as dicts with "type"); ValueError for what is not an EventBatch."""
+    try:
+        doc = msgpack.unpackb(payload, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException) as e:
+        raise ValueError(f"not msgpack: {e}") from None
+    if isinstance(doc, dict):
+        ts, events = doc.get("ts"), doc.get("events")
+    elif isinstance(doc, list) and len(doc) >= 2:
+        ts, events = doc[0], doc[1]
+    else:
+        raise ValueError("not an EventBatch")
+    if not isinstance(events, list):
+        raise ValueError("EventBatch.events is not a list")
+    out = []
+    for ev in events:
+        if isinstance(ev, list) and ev and ev[0] in _POSITIONAL:
+            ev = {"type": ev[0], **dict(zip(_POSITIONAL[ev[0]], ev[1:]))}
+        if not isinstance(ev, dict) or ev.get("type") not in _POSITIONAL:
+            raise ValueError(f"unknown event {str(ev)[:80]}")
+        out.append(ev)
+    return float(ts or 0.0), out
+
+
+@dataclass(slots=True)
+class KVEventsConfig:
+    """vLLM's `--kv-events-config` (a JSON object), the fields kvyard uses."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"            # "zmq" publishes; "null" does not
+    endpoint: str = "tcp://*:5557"     # PUB: bound when it has a wildcard, else connected
+    replay_endpoint: str | None = None  # ROUTER for replays, bound
+    buffer_steps: int = 10_000         # batches kept for replay
+    hwm: int = 100_000                 # the PUB socket's high-water mark
+    max_queue_size: int = 100_000      # events waiting to be published, at most
+    topic: str = ""
+
+    @property
+    def active(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def parse(cls, text: str) -> "KVEventsConfig":
+        """ValueError naming the field for anything vLLM would not accept either."""
+        try:
+            doc = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"--kv-events-config is not JSON: {e}") from None
+        if not isinstance(doc, dict):
+            raise ValueError("--kv-events-config must be a JSON object")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(doc) - set(known))
+        if unknown:
+            raise ValueError(f"--kv-events-config: unknown field(s) {', '.join(unknown)}")
+        cfg = cls(**doc)
+        for name, kind in (("enable_kv_cache_events", bool), ("publisher", str),
+                           ("endpoint", str), ("buffer_steps", int), ("hwm", int),
+                           ("max_queue_size", int), ("topic", str)):
+            v = getattr(cfg, name)
+            if not isinstance(v, kind) or (kind is int and (isinstance(v, bool) or v < 1)):
+                raise ValueError(f"--kv-events-config.{name}: expected "
+                                 f"{'a positive integer' if kind is int else kind.__name__}, "
+                                 f"got {v!r}")
+        if cfg.publisher not in ("zmq", "null"):
+            raise ValueError(f"--kv-events-config.publisher: expected zmq or null, "
+                             f"got {cfg.publisher!r}")
+        if cfg.replay_endpoint is not None and not isinstance(cfg.replay_endpoint, str):
+            raise ValueError("--kv-events-config.replay_endpoint: expected a string")
+        return cfg
