@@ -140,6 +140,7 @@ class PeerServer:
                 n = min(int(req.get("num_blocks", len(hold.block_ids))), len(hold.block_ids))
                 lay = self.namespace.layout
                 if shm:
+                    peer_shm.check_target(fd, n * frame)   # a request without num_blocks
                     pending = asyncio.ensure_future(run(self._send_shm, conn, fd, hold, n))
                 else:
                     await loop.sock_sendall(conn, message({"ok": True, "num_blocks": n,

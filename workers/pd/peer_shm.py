@@ -205,7 +205,7 @@ def _receive(sock: socket.socket, view: Any, namespace: Namespace, block_hashes:
     chunk is written. Phases: claim (connect to the ok), transfer (to the last report,
     verifying meanwhile), verify (what is left after it)."""
     sock.settimeout(_RECV_TIMEOUT_S)
-    head = _recv(sock)
+    head = recv_packet(sock)
     n = offered_blocks(head, namespace, len(block_hashes))
     lay = namespace.layout
     t1 = time.perf_counter()
@@ -214,7 +214,7 @@ def _receive(sock: socket.socket, view: Any, namespace: Namespace, block_hashes:
     out: list[memoryview] = []
     done = False
     while not done:
-        msg = _recv(sock)
+        msg = recv_packet(sock)
         ready, done = msg.get("ready"), msg.get("done") is True
         if not isinstance(ready, int) or not len(out) <= ready <= n or (done and ready != n):
             raise PeerError("transfer_corrupt", f"bad progress report {msg}")
@@ -226,7 +226,8 @@ def _receive(sock: socket.socket, view: Any, namespace: Namespace, block_hashes:
     return out
 
 
-def _recv(sock: socket.socket) -> dict[str, Any]:
+def recv_packet(sock: socket.socket) -> dict[str, Any]:
+    """One peer_wire message from a blocking SOCK_SEQPACKET socket (in a thread)."""
     data = sock.recv(HEAD_BYTES + MAX_MESSAGE)
     if not data:
         raise asyncio.IncompleteReadError(b"", HEAD_BYTES)

@@ -195,7 +195,7 @@ def _receive(sock: socket.socket, view: Any, namespace: Namespace, own: list[int
              transport: str) -> Streamed:
     """In a thread: the ok, then each range verified as it comes (TCP: its frames read
     into one buffer after its header; same host: already in `view`)."""
-    recv = _recv_packet if view is not None else _recv_message
+    recv = peer_shm.recv_packet if view is not None else _recv_message
     head = recv(sock)
     if head.get("ok") is not True or head.get("stream") is not True:
         raise NotClaimed(str(head.get("reason") or "refused"),
@@ -258,10 +258,3 @@ def _recv_message(sock: socket.socket) -> dict[str, Any]:
     body = bytearray(check_head(bytes(head)))
     recv_all_into(sock, memoryview(body))
     return parse_body(bytes(body))
-
-
-def _recv_packet(sock: socket.socket) -> dict[str, Any]:
-    data = sock.recv(HEAD_BYTES + (64 << 10))
-    if not data:
-        raise asyncio.IncompleteReadError(b"", HEAD_BYTES)
-    return peer_shm.parse_packet(data)
