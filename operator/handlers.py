@@ -123,6 +123,7 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
 
     async def run_pass(body: kopf.Body, memo: kopf.Memo, logger: Any,
                        **_: Any) -> dict[str, Any] | None:
+        """One pass; returns the status it wrote (None: the object is gone)."""
         state: State = memo.state
         uid = body.metadata.uid or f"{body.metadata.namespace}/{body.metadata.name}"
         lock = state.locks.setdefault(uid, asyncio.Lock())
@@ -140,10 +141,15 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
         logger.debug("pass done: Ready=%s (%s)", ready.get("status"), ready.get("reason"))
         return new
 
+    async def handle(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+        # Returns None: kopf would store a result under status.<handler id>, a field the
+        # CRD does not declare; the pass writes the declared status itself.
+        await run_pass(body, memo, logger)
+
     for reason, decorator in (("resume", kopf.on.resume), ("create", kopf.on.create),
                               ("update", kopf.on.update)):
         decorator(*RESOURCE, id=f"reconcile-{reason}", registry=registry,
-                  backoff=cfg.retry_s)(run_pass)
+                  backoff=cfg.retry_s)(handle)
 
     @kopf.daemon(*RESOURCE, id="resync", cancellation_timeout=5.0, registry=registry)
     async def resync(body: kopf.Body, memo: kopf.Memo, logger: Any, stopped: kopf.DaemonStopped,

@@ -259,3 +259,33 @@ async def test_a_recreated_service_leaves_no_orphans(kube, operator, wait_for) -
         assert kube.children()[("Deployment", "demo-both")]["spec"]["replicas"] == 2
     assert all(o["metadata"]["ownerReferences"][0]["uid"] == new for o in kube.api.live()
                if o["metadata"].get("ownerReferences"))
+
+
+
+async def test_status_holds_only_what_the_crd_declares(kube, operator, wait_for) -> None:
+    """kopf stores a handler's return value under status.<handler id>: the handlers return
+    nothing, so after a create and an update the status has only the schema's fields."""
+    import json
+
+    from kvyard.operator.schema import STATUS
+
+    def handled() -> bool:
+        """kopf finished the handlers for the current spec (its diff base is that spec,
+        no handler's progress is pending)."""
+        cr = kube.cr() or {}
+        notes = cr["metadata"].get("annotations") or {}
+        last = notes.get("kvyard.io/last-handled-configuration")
+        return bool(last) and json.loads(last).get("spec") == cr["spec"] \
+            and not any(k.startswith("kvyard.io/reconcile-") for k in notes)
+
+    declared = set(STATUS["properties"]) - {"kopf"}
+    async with operator(resync_s=30.0):
+        await kube.create("demo", CPU)
+        await wait_for(handled, what="the create handled")
+        await wait_for(lambda: "conditions" in (kube.cr().get("status") or {}))
+        assert set(kube.cr()["status"]) <= declared, kube.cr()["status"]
+        await kube.patch(f"{CRS}/demo", {"spec": {"pools": {"both": {"maxReplicas": 2,
+                                                                     "replicas": 2}}}})
+        await wait_for(lambda: kube.cr()["status"].get("observedGeneration") == 2)
+        await wait_for(handled, what="the update handled")
+        assert set(kube.cr()["status"]) <= declared, kube.cr()["status"]
