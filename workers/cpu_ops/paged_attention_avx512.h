@@ -10,10 +10,9 @@
  * at once at the block's start (192 lines for a float32 block of 16 tokens x 3
  * kv heads), the prefetches filled the core's miss buffers and stalled it until
  * the block had arrived, so memory time and compute added up; spread out, they
- * overlap: float32 decode attention, 32 sequences x 320 tokens x 30 layers, in
- * random block order 31 -> 22 ms, in sequential order 26 -> 17-19 ms (the same
- * bytes streamed with no compute: 22 and 13-19 ms). Into L1 (T0) the spread
- * gained a third as much: L1's miss buffers are the scarce ones. */
+ * overlap, and decode attention runs at about the time the same bytes take to
+ * stream with no compute. L2, not L1 (T0): L1's miss buffers are the scarce
+ * ones, so the spread gains much less there. */
 typedef struct {
     const char *p;
     int64_t stride;
