@@ -149,7 +149,7 @@ def first_token(url: str, max_tokens: int, timeout: float = 600) -> tuple[float,
 
 def wake_cycles(a: argparse.Namespace, rd: Path, port: int) -> list[dict]:
     from kvyard.stack import autoscale, procs
-    from kvyard.stack.launch import StackState
+    from kvyard.stack.state import StackState
 
     def at_zero() -> bool:
         """No worker, and the spare (if the stack keeps one) done with its imports, as it
@@ -197,7 +197,7 @@ def stack_cycles(args: argparse.Namespace, tmp: Path, prestart: bool
     """`kvyard up --scale-to-zero` (with or without the spare), its wake-ups, and the
     worker flags it runs."""
     from kvyard.stack import procs
-    from kvyard.stack.launch import StackState
+    from kvyard.stack.state import StackState
 
     rd, port = tmp / f"run-{'spare' if prestart else 'plain'}", procs.free_port()
     up = _kvyard("up", "--workers", "1", "--scale-to-zero", "--idle-seconds",

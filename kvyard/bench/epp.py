@@ -83,7 +83,9 @@ def gateway_rows(rep: Report, args: argparse.Namespace) -> None:
     from kvyard.gateway.config import GatewayConfig
     from kvyard.gateway.envoy import envoy_command, write_config
     from kvyard.stack import procs
-    from kvyard.stack.launch import epp_cmd, epp_sees, py_module, write_endpoints
+    from kvyard.stack.commands import epp_cmd, py_module
+    from kvyard.stack.endpoints_file import write_endpoints
+    from kvyard.stack.readiness import epp_sees
 
     with tempfile.TemporaryDirectory(prefix="kvyard-bench-epp-") as tmp:
         run = Path(tmp)

@@ -165,7 +165,8 @@ async def _direct(url: str, body: dict) -> float:
 
 def run_setup(name: str, a: argparse.Namespace, run_dir: Path, prompts: Prompts | None
               ) -> tuple[list[Result], dict, Prompts]:
-    from kvyard.stack.launch import StackSpec, start_stack, stop_stack
+    from kvyard.stack.launch import start_stack, stop_stack
+    from kvyard.stack.spec import StackSpec
 
     pd = name.startswith("pd")
     redis = name == "pd-redis"
