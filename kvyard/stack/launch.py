@@ -1,7 +1,8 @@
 """Starting a whole local stack: workers, the EPP, Envoy (and any extra service).
 
-Used by `kvyard up`, the end-to-end tests and `kvyard bench epp`, so all
-three run exactly the processes and flags a user runs. Services start in
+Used by `kvyard up`, the end-to-end tests and the benches of whole stacks
+(`bench pd`, `bench hardening`), so all of them run exactly the processes and
+flags a user runs (`commands`; what to run is a `spec.StackSpec`). Services start in
 dependency order (extras such as a redis for the kvstore, then workers, then
 the EPP that scrapes them, then Envoy that calls the EPP); on any failure
 everything already started is stopped and the error carries the log tail.

@@ -4,7 +4,8 @@ everything it imports.
 Read from the source with `ast`, not by importing, so every import counts:
 module level, inside functions (a deferred import only hides a cycle from the
 interpreter, not from the design) and under `if TYPE_CHECKING:` (a type that
-needs the other module is a dependency on it all the same). An import of a
+needs the other module is a dependency on it all the same: `TYPE_CHECKING_COUNTS`
+says so, in one place). An import of a
 package's submodule counts as an import of that submodule, not of the package's
 `__init__`; a name taken from a package that is a submodule (`from pkg import
 mod`) counts as that submodule.
@@ -19,6 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 # setup.py's folder → namespace map (operator/ is kvyard.operator).
 ROOTS = {"kvyard": "kvyard", "kvyard.epp": "epp", "kvyard.workers": "workers",
          "kvyard.kvstore": "kvstore", "kvyard.operator": "operator"}
+TYPE_CHECKING_COUNTS = True
 
 
 @dataclass(slots=True, frozen=True)
@@ -62,11 +64,26 @@ def _base(mod: str, is_pkg: bool, level: int, target: str | None) -> str:
     return ".".join(pkg + ([target] if target else []))
 
 
-def edges(mods: dict[str, tuple[Path, bool]], repo: Path = REPO) -> list[Edge]:
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the import nodes inside `if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`) blocks."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and (
+                isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+                or isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING"):
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
+def edges(mods: dict[str, tuple[Path, bool]], repo: Path = REPO,
+          type_checking: bool = TYPE_CHECKING_COUNTS) -> list[Edge]:
     out: list[Edge] = []
     for mod, (path, is_pkg) in mods.items():
         tree = ast.parse(path.read_text(), filename=str(path))
+        skip = set() if type_checking else _type_checking_only(tree)
         for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -166,3 +183,4 @@ def test_finds_a_function_level_cycle(tmp_path: Path) -> None:
     assert [describe(c).splitlines()[0] for c in found] == \
         ["kvyard.stack.a -> kvyard.stack.b -> kvyard.stack.a"]
     assert Edge("kvyard.stack.c", "kvyard.stack.a", "kvyard/stack/c.py:3") in edges(mods, tmp_path)
+    assert not [e for e in edges(mods, tmp_path, type_checking=False) if e.src == "kvyard.stack.c"]
