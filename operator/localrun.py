@@ -222,7 +222,7 @@ class LocalRun:
         if "grpc" in probe:
             return _grpc_serving(pod.port(probe["grpc"]["port"]))
         if "tcpSocket" in probe:
-            return _tcp(pod.port(probe["tcpSocket"]["port"]))
+            return procs.tcp_ok(pod.port(probe["tcpSocket"]["port"]))
         cmd = [sys.executable if c == "python3" else c for c in probe["exec"]["command"]]
         cmd = [re.sub(r"127\.0\.0\.1:(\d+)",
                       lambda m: f"127.0.0.1:{pod.ports.get(int(m.group(1)), m.group(1))}", c)
@@ -243,15 +243,6 @@ class LocalRun:
 
     def stop(self) -> None:
         procs.stop([p.proc.pid for p in reversed(self.pods) if p.proc is not None])
-
-
-def _tcp(port: int) -> bool:
-    import socket
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
 def _grpc_serving(port: int) -> bool:

@@ -22,6 +22,7 @@ Two parts, both on the demo model (or `--model`), real processes:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import json
 import random
@@ -31,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvyard.bench import servers
+from kvyard.bench.client import chat_body, stream_once
 from kvyard.bench.report import Report, percentile
 
 PROMPT = "Name one colour of the sky."
@@ -99,57 +102,24 @@ def worker_phases(model: str, flags: list[str]) -> dict:
 
 def worker_ready(cmd: list[str], port: int, log: Path, timeout_s: float = 600) -> float:
     """Spawn -> /health 200 of a real `kvyard worker`, stopped afterwards."""
-    from kvyard.stack import procs
-
-    t0 = time.monotonic()
-    p = procs.spawn("bench-worker", cmd, log)
-    try:
-        while not procs.http_ok(f"http://127.0.0.1:{port}/health", 0.5):
-            if not procs.alive(p.pid) or time.monotonic() - t0 > timeout_s:
-                raise RuntimeError(f"the worker did not start; log {log}")
-            time.sleep(0.01)
-        return time.monotonic() - t0
-    finally:
-        procs.stop([p.pid])
+    with servers.Server("bench-worker", cmd, port, startup_timeout_s=timeout_s, log_path=log,
+                        poll_s=0.01) as w:
+        return w.startup_s
 
 
 def first_token(url: str, max_tokens: int, timeout: float = 600) -> tuple[float, str]:
-    """Seconds from sending a streamed chat request to its first content chunk, and the
-    whole answer."""
-    import http.client
-    from urllib.parse import urlsplit
-
-    u = urlsplit(url)
-    body = json.dumps({"model": "SmolLM2-135M-Instruct", "stream": True, "temperature": 0,
-                       "max_tokens": max_tokens,
-                       "messages": [{"role": "user", "content": PROMPT}]})
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
-    t0 = time.perf_counter()
-    ttft, text = None, []
-    try:
-        conn.request("POST", "/v1/chat/completions", body=body,
-                     headers={"Content-Type": "application/json"})
-        r = conn.getresponse()
-        if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {r.read()[:300]!r}")
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            delta = json.loads(line[6:])["choices"][0].get("delta", {}).get("content")
-            if delta:
-                ttft = ttft if ttft is not None else time.perf_counter() - t0
-                text.append(delta)
-    finally:
-        conn.close()
-    if ttft is None:
-        raise RuntimeError("no token streamed")
-    return ttft, "".join(text)
+    """Seconds from sending a streamed chat request to its first token (`bench.client`'s
+    TTFT), and the whole answer."""
+    body = chat_body("SmolLM2-135M-Instruct", PROMPT, max_tokens, ignore_eos=False)
+    r = asyncio.run(stream_once(url, body, timeout))
+    if r.error is not None:
+        raise RuntimeError(r.error)
+    return r.ttft_s, r.text
 
 
 def wake_cycles(a: argparse.Namespace, rd: Path, port: int) -> list[dict]:
     from kvyard.stack import autoscale, procs
-    from kvyard.stack.launch import StackState
+    from kvyard.stack.state import StackState
 
     def at_zero() -> bool:
         """No worker, and the spare (if the stack keeps one) done with its imports, as it
@@ -197,7 +167,7 @@ def stack_cycles(args: argparse.Namespace, tmp: Path, prestart: bool
     """`kvyard up --scale-to-zero` (with or without the spare), its wake-ups, and the
     worker flags it runs."""
     from kvyard.stack import procs
-    from kvyard.stack.launch import StackState
+    from kvyard.stack.state import StackState
 
     rd, port = tmp / f"run-{'spare' if prestart else 'plain'}", procs.free_port()
     up = _kvyard("up", "--workers", "1", "--scale-to-zero", "--idle-seconds",

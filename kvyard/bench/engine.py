@@ -127,7 +127,7 @@ def _measure_server(run: Run, system: str, dtype: str, make_server: Callable[[],
                     prompts: dict[int, list[list[int]]], warmup: list[list[int]],
                     output_len: int) -> None:
     from kvyard.bench.engine_client import run_load
-    from kvyard.bench.engine_servers import ServerError
+    from kvyard.bench.servers import ServerError
 
     _log(f"{system} {dtype}: starting server")
     try:
@@ -250,7 +250,7 @@ def build_report(run: Run, levels: list[int], dtypes: list[str], output_len: int
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvyard.bench import engine_servers as srv
+    from kvyard.bench import servers as srv
     from kvyard.bench.engine_hfdir import hf_dir_for, vocab_size
     from kvyard.common.models import resolve_model
 

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from kvyard.bench.engine_client import LoadResult, RequestResult
+from kvyard.bench.client import RequestResult
+from kvyard.bench.engine_client import LoadResult
 
 
 class _StepClock:

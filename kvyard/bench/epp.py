@@ -8,7 +8,7 @@ Two parts, one run:
    prompt adds <= 25 ms over a 1k one.
 2. Gateway throughput: requests/s through Envoy -> EPP (one process) -> a
    stand-in worker, against Envoy routing straight to the same stand-in. Both
-   paths get the same load generator (`kvyard.stack.loadgen`, raw asyncio
+   paths get the same load generator (`kvyard.bench.loadgen`, raw asyncio
    HTTP/1.1 in its own process so the client never shares an interpreter with
    the measured parts), the same concurrency and the same duration. Target:
    >= 1,000 req/s through one EPP process. Envoy runs with one worker thread.
@@ -71,7 +71,7 @@ def decision_rows(rep: Report, endpoints: list[int], prompts: list[int], iterati
 
 
 def _load(url: str, args: argparse.Namespace) -> dict:
-    out = subprocess.run([sys.executable, "-m", "kvyard.stack.loadgen", "--url", url,
+    out = subprocess.run([sys.executable, "-m", "kvyard.bench.loadgen", "--url", url,
                           "--concurrency", str(args.concurrency), "--duration", str(args.duration),
                           "--prompt-chars", str(args.prompt_chars)],
                          check=True, capture_output=True, text=True,
@@ -83,7 +83,9 @@ def gateway_rows(rep: Report, args: argparse.Namespace) -> None:
     from kvyard.gateway.config import GatewayConfig
     from kvyard.gateway.envoy import envoy_command, write_config
     from kvyard.stack import procs
-    from kvyard.stack.launch import epp_cmd, epp_sees, py_module, write_endpoints
+    from kvyard.stack.commands import epp_cmd, py_module
+    from kvyard.stack.endpoints_file import write_endpoints
+    from kvyard.stack.readiness import epp_sees
 
     with tempfile.TemporaryDirectory(prefix="kvyard-bench-epp-") as tmp:
         run = Path(tmp)
@@ -162,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
                           "req_per_s", "p50_ms", "p99_ms", "epp_cpu_ms_per_req",
                           "envoy_cpu_ms_per_req", "samples", "errors"])
     rep.meta.update({"duration_s": args.duration, "concurrency": args.concurrency,
-                     "loadgen": "kvyard.stack.loadgen (own process, raw asyncio HTTP/1.1)",
+                     "loadgen": "kvyard.bench.loadgen (own process, raw asyncio HTTP/1.1)",
                      "envoy_concurrency": 1})
     ok = True
     if not args.skip_decision:

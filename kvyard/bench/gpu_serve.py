@@ -7,8 +7,8 @@ can detokenize), driven by an aiohttp client over loopback: at each concurrency 
 `c` closed-loop streams each send streaming `/v1/completions` requests back to back
 (random token-id prompts of `--serve-prompt` tokens, `--serve-new` greedy tokens,
 ignore_eos), `--serve-requests-per-stream` each after one warm-up request per stream.
-Per request: TTFT (request sent -> first token chunk) and TPOT ((last chunk - first
-chunk) / (tokens - 1)); per level p50/p99 and output tokens/s over the level's wall time.
+Per request: TTFT and TPOT as `bench.client` defines them (vLLM's `bench serve`'s); per
+level p50/p99 and output tokens/s over the level's wall time.
 
 Baseline, same run, before the worker starts: the in-process engine (`LLM.generate`, no
 HTTP) generating the same shape at batch `c` (fresh random prompts, so no prefix-cache
@@ -18,13 +18,16 @@ server would reach if serving cost nothing and requests came in lockstep.
 from __future__ import annotations
 
 import argparse
-import gc
 import asyncio
+import gc
 import json
-import statistics
+import math
 import time
 from pathlib import Path
 from typing import Any
+
+from kvyard.bench.client import RequestResult, completion_body, stream
+from kvyard.bench.report import percentile
 
 
 def write_tokenizer(d: Path, vocab: int) -> None:
@@ -41,34 +44,13 @@ def write_tokenizer(d: Path, vocab: int) -> None:
         {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": False}))
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))] if xs else float("nan")
-
-
-async def _one(session: Any, url: str, prompt: list[int], new: int) -> dict[str, float]:
-    body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first = last = None
-    tokens = 0
-    async with session.post(url + "/v1/completions", json=body) as r:
-        if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
-        async for raw in r.content:
-            line = raw.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            ev = json.loads(line[5:])
-            if ev.get("usage"):
-                tokens = ev["usage"]["completion_tokens"]
-            if ev.get("choices") and ev["choices"][0].get("text"):
-                now = time.perf_counter()
-                first = first if first is not None else now
-                last = now
-    if first is None or tokens != new:
-        raise RuntimeError(f"stream ended with {tokens} tokens of {new}")
-    return {"ttft": first - t0, "tpot": (last - first) / max(1, tokens - 1), "tokens": tokens}
+async def _one(session: Any, url: str, prompt: list[int], new: int) -> RequestResult:
+    r = await stream(session, url, completion_body(None, prompt, new))
+    if r.error is not None:
+        raise RuntimeError(r.error)
+    if r.num_tokens != new:
+        raise RuntimeError(f"stream ended with {r.num_tokens} tokens of {new}")
+    return r
 
 
 async def _level(url: str, c: int, per_stream: int, prompt_len: int, new: int, vocab: int,
@@ -86,20 +68,21 @@ async def _level(url: str, c: int, per_stream: int, prompt_len: int, new: int, v
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
         await asyncio.gather(*(_one(s, url, prompt(), new) for _ in range(c)))   # warm-up, not counted
-        results: list[dict[str, float]] = []
+        results: list[RequestResult] = []
 
-        async def stream() -> None:
+        async def closed_loop() -> None:
             for _ in range(per_stream):
                 results.append(await _one(s, url, prompt(), new))
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(stream() for _ in range(c)))
+        await asyncio.gather(*(closed_loop() for _ in range(c)))
         wall = time.perf_counter() - t0
-    ttft, tpot = [r["ttft"] for r in results], [r["tpot"] for r in results]
+    ttft = [r.ttft_s for r in results]
+    tpot = [r.tpot_s for r in results if not math.isnan(r.tpot_s)]
     return dict(concurrency=c, requests=len(results), wall_s=wall,
-                tok_s=sum(r["tokens"] for r in results) / wall,
-                ttft_p50_s=statistics.median(ttft), ttft_p99_s=_pct(ttft, 99),
-                tpot_p50_ms=1e3 * statistics.median(tpot), tpot_p99_ms=1e3 * _pct(tpot, 99))
+                tok_s=sum(r.num_tokens for r in results) / wall,
+                ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
+                tpot_p50_ms=1e3 * percentile(tpot, 50), tpot_p99_ms=1e3 * percentile(tpot, 99))
 
 
 def offline_tok_s(torch, d: str, levels: list[int], prompt_len: int, new: int, max_seqs: int,
@@ -138,7 +121,7 @@ def offline_tok_s(torch, d: str, levels: list[int], prompt_len: int, new: int, m
 
 def serve(torch, args: argparse.Namespace, d: str, device: str = "cuda") -> dict[str, Any]:
     """Start the worker on HF directory `d`, run every concurrency level, stop it."""
-    from kvyard.workers.server.testing import start_worker
+    from kvyard.bench import servers
 
     cfg = json.loads((Path(d) / "config.json").read_text())
     vocab = int(cfg["vocab_size"])
@@ -155,9 +138,9 @@ def serve(torch, args: argparse.Namespace, d: str, device: str = "cuda") -> dict
              "--dtype", "bfloat16" if device == "cuda" else "float32"]
     if device != "cuda":
         flags += ["--kv-cache-memory-bytes", "256MiB"]
-    t0 = time.perf_counter()
-    w = start_worker(flags + list(args.serve_worker_args or []), log, timeout=900)
-    out["worker_start_s"] = time.perf_counter() - t0
+    w = servers.worker(flags + list(args.serve_worker_args or []), log_path=log,
+                       startup_timeout_s=900).start()
+    out["worker_start_s"] = w.startup_s
     try:
         rows = []
         for i, c in enumerate(levels):
@@ -171,7 +154,6 @@ def serve(torch, args: argparse.Namespace, d: str, device: str = "cuda") -> dict
                   f"TPOT p50/p99 {r['tpot_p50_ms']:.1f}/{r['tpot_p99_ms']:.1f} ms", flush=True)
         out["levels"] = {str(r["concurrency"]): r for r in rows}
     finally:
-        code = w.stop()
-        out["worker_exit"] = code
-        out["worker_log_tail"] = w.log_tail(1500)
+        out["worker_exit"] = w.stop()
+        out["worker_log_tail"] = w.log_tail(30)
     return out

@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _stack(run_dir: Path):
-    from kvyard.stack.launch import StackSpec, start_stack
+    from kvyard.stack.launch import start_stack
+    from kvyard.stack.spec import StackSpec
 
     return start_stack(StackSpec(run_dir=run_dir, workers=1, gateway_port=None,
                                  worker_base_port=None, epp_ports=(None, None, None),

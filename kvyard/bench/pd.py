@@ -22,13 +22,13 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvyard.bench import pd_handoff
+from kvyard.bench.client import chat_body, stream, stream_once
 from kvyard.bench.report import Report, percentile
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work "
@@ -80,34 +80,13 @@ class Prompts:
         return f"Request {self.n}: " + " ".join(words)
 
 
-def chat(text: str, max_tokens: int, stream: bool = True) -> dict:
-    return {"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": max_tokens,
-            "ignore_eos": True, "stream": stream, "messages": [{"role": "user", "content": text}]}
+def chat(text: str, max_tokens: int) -> dict:
+    return chat_body("SmolLM2-135M-Instruct", text, max_tokens)
 
 
 async def one(session, url: str, body: dict, kind: str) -> Result:
-    t0 = time.perf_counter()
-    first = last = None
-    n = 0
-    try:
-        async with session.post(url + "/v1/chat/completions", json=body) as r:
-            if r.status != 200:
-                await r.read()
-                return Result(kind, False)
-            async for line in r.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                ch = json.loads(line[6:]).get("choices") or []
-                if ch and ch[0].get("delta", {}).get("content"):
-                    now = time.perf_counter()
-                    first = first or now
-                    last = now
-                    n += 1
-    except Exception:  # noqa: BLE001 - a failed request counts as not good
-        return Result(kind, False)
-    if first is None:
-        return Result(kind, False)
-    return Result(kind, True, first - t0, (last - first) / (n - 1) if n > 1 else float("nan"), n)
+    r = await stream(session, url, body)  # a failed request counts as not good
+    return Result(kind, r.ok, r.ttft_s, r.tpot_s, r.num_tokens)
 
 
 async def workload(url: str, a: argparse.Namespace, prompts: Prompts) -> list[Result]:
@@ -117,7 +96,7 @@ async def workload(url: str, a: argparse.Namespace, prompts: Prompts) -> list[Re
     stop = time.monotonic() + a.duration
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as s:
-        async def stream() -> None:
+        async def shorts() -> None:
             while time.monotonic() < stop:
                 results.append(await one(s, url, chat(prompts.text(a.short_tokens),
                                                       a.short_output), "short"))
@@ -129,7 +108,7 @@ async def workload(url: str, a: argparse.Namespace, prompts: Prompts) -> list[Re
                                                                     a.long_output), "long")))
                 await asyncio.sleep(a.long_interval)  # the arrival process, not a synchronisation
             results.extend(await asyncio.gather(*tasks))
-        await asyncio.gather(longs(), *[stream() for _ in range(a.streams)])
+        await asyncio.gather(longs(), *[shorts() for _ in range(a.streams)])
     return results
 
 
@@ -154,18 +133,16 @@ def metrics(address: str) -> dict[str, float]:
     return out
 
 
-async def _direct(url: str, body: dict) -> float:
-    import aiohttp
-
-    async with aiohttp.ClientSession() as s:
-        t0 = time.perf_counter()
-        r = await one(s, url, body, "probe")
-        return r.ttft if r.ok else (time.perf_counter() - t0)
+def _direct(url: str, body: dict) -> float:
+    """One request on its own: its TTFT, or its whole time when it failed."""
+    r = asyncio.run(stream_once(url, body))
+    return r.ttft_s if r.ok else r.latency_s
 
 
 def run_setup(name: str, a: argparse.Namespace, run_dir: Path, prompts: Prompts | None
               ) -> tuple[list[Result], dict, Prompts]:
-    from kvyard.stack.launch import StackSpec, start_stack, stop_stack
+    from kvyard.stack.launch import start_stack, stop_stack
+    from kvyard.stack.spec import StackSpec
 
     pd = name.startswith("pd")
     redis = name == "pd-redis"
@@ -197,19 +174,18 @@ def run_setup(name: str, a: argparse.Namespace, run_dir: Path, prompts: Prompts 
             with urllib.request.urlopen(req, timeout=30) as r:
                 prompts = Prompts(json.loads(r.read())["count"] / 400)
         # warm-up: one long and one short request (kernels, caches, EPP tokenizer)
-        asyncio.run(_direct(state.gateway_url, chat(prompts.text(a.long_tokens), 2)))
-        asyncio.run(_direct(state.gateway_url, chat(prompts.text(a.short_tokens), 2)))
+        _direct(state.gateway_url, chat(prompts.text(a.long_tokens), 2))
+        _direct(state.gateway_url, chat(prompts.text(a.short_tokens), 2))
         if pd:
             prefill_addr, decode_addr = state.endpoints
-            alone = [asyncio.run(_direct(f"http://{prefill_addr}",
-                                         chat(prompts.text(a.long_tokens), 1)))
+            alone = [_direct(f"http://{prefill_addr}", chat(prompts.text(a.long_tokens), 1))
                      for _ in range(3)]
             m0 = metrics(decode_addr)
-            idle_pd = [asyncio.run(_direct(state.gateway_url, chat(prompts.text(a.long_tokens), 2)))
+            idle_pd = [_direct(state.gateway_url, chat(prompts.text(a.long_tokens), 2))
                        for _ in range(3)]
             m1 = metrics(decode_addr)
-            extra["prefill_alone_s"] = statistics.median(alone)
-            extra["pd_idle_ttft_s"] = statistics.median(idle_pd)
+            extra["prefill_alone_s"] = percentile(alone, 50)
+            extra["pd_idle_ttft_s"] = percentile(idle_pd, 50)
             extra["cpus"] = [cpus[0], cpus[1 % len(cpus)]]
             # the baseline beside this setup's idle handoffs: the same cores, the same minute
             extra.update(pd_handoff.loopback(extra["cpus"], pd_handoff.stats(m1, m0)))

@@ -74,7 +74,7 @@ def soak(seconds: float = 300.0, workers: int = 2, max_memory: str = "1GiB",
          tokens: int = 2000, sample_every: float = 10.0, echo: bool = False) -> dict:
     """Redis's memory after `seconds` of unique prompts, with its cap and what was written."""
     from kvyard.common.models import DEMO_SERVED_NAME
-    from kvyard.stack.launch import StackState
+    from kvyard.stack.state import StackState
     from kvyard.workers.server.cli import parse_size
 
     rd = Path(tempfile.mkdtemp(prefix="kvyard-soak-"))

@@ -11,12 +11,16 @@ from typing import Any, Sequence
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100); nan for no data."""
+    """The q-th percentile (q in 0..100), interpolated linearly between the two nearest
+    ranks as numpy.percentile does by default (and vLLM's `bench serve`); nan for no
+    data. Every bench's percentiles are this one."""
     if not values:
         return math.nan
     s = sorted(values)
-    k = max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))
-    return s[k]
+    pos = (len(s) - 1) * q / 100
+    lo = max(0, min(len(s) - 1, math.floor(pos)))
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 @dataclass(slots=True)

@@ -112,11 +112,12 @@ def measure(base_url: str | None = None, pid: int | None = None, *, pairs: int =
     """All of issue 15's worker numbers; starts a demo worker when none is given."""
     worker = None
     if base_url is None:
-        from kvyard.workers.server.testing import start_worker
+        from kvyard.bench import servers
 
         log = Path(log_dir or tempfile.mkdtemp(prefix="kvyard-limits-")) / "worker.log"
-        worker = start_worker(["--model", "demo", "--dtype", "float32"], log)
-        base_url, pid = worker.base_url, worker.proc.pid
+        worker = servers.worker(["--model", "demo", "--dtype", "float32"], log_path=log,
+                                startup_timeout_s=300).start()
+        base_url, pid = worker.base_url, worker.pid
     assert pid is not None, "give the worker's pid with its base_url"
     try:
         _timed_normal(base_url)  # warm: kernels, caches

@@ -15,7 +15,7 @@ from collections import Counter
 
 from kvyard.common.models import DEMO_ALIASES, DEMO_SERVED_NAME
 from kvyard.common.wire import ENDPOINT_HEADER
-from kvyard.stack.launch import StackState
+from kvyard.stack.state import StackState
 from kvyard.stack.rundir import add_run_dir, kvyard_command, run_dir
 
 SYSTEM = (

@@ -14,7 +14,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvyard.stack.launch import StackState, stop_stack
+    from kvyard.stack.launch import stop_stack
+    from kvyard.stack.state import StackState
 
     rd = run_dir(args)
     state = StackState.load(rd)

@@ -172,6 +172,15 @@ def http_ok(url: str, timeout_s: float = 1.0) -> bool:
         return False
 
 
+def tcp_ok(port: int, host: str = "127.0.0.1", timeout_s: float = 0.5) -> bool:
+    """Something accepts connections on `host:port` (a readiness check or probe)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def log_tail(path: str | Path, lines: int = 20) -> str:
     try:
         text = Path(path).read_text(errors="replace")

@@ -102,7 +102,7 @@ def endpoints(state) -> list[str]:
 
 
 def _sync_endpoints(state, pool: Pool) -> None:
-    from kvyard.stack.launch import write_endpoints
+    from kvyard.stack.endpoints_file import write_endpoints
 
     state.endpoints = endpoints(state)
     write_endpoints(Path(state.run_dir) / "endpoints.yaml", state.endpoints, pool.role)

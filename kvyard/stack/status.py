@@ -245,7 +245,8 @@ def fmt_autoscaler(a: dict | None) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     from kvyard.stack import procs
-    from kvyard.stack.launch import StackState, parse_endpoints
+    from kvyard.stack.endpoints_file import parse_endpoints
+    from kvyard.stack.state import StackState
 
     rd = run_dir(args)
     state = StackState.load(rd)

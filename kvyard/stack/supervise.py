@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvyard.stack import procs, resize
-from kvyard.stack.launch import StackState
+from kvyard.stack.state import StackState
 from kvyard.stack.procs import Proc
 
 POLL_S = 0.2

@@ -19,7 +19,7 @@ import signal
 import sys
 
 from kvyard.kvstore.redis_conf import DEFAULT_MAX_MEMORY_BYTES
-from kvyard.stack.launch import POOL_TIERS
+from kvyard.stack.spec import POOL_TIERS
 from kvyard.stack.rundir import add_run_dir, kvyard_command, run_dir
 from kvyard.workers.server.cli import parse_size
 
@@ -130,7 +130,10 @@ def _become_supervisor(spec, w: int, log_path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvyard.stack.launch import StackSpec, StackState, redis_available, stack_alive, stop_stack
+    from kvyard.stack.commands import redis_available
+    from kvyard.stack.launch import stack_alive, stop_stack
+    from kvyard.stack.spec import StackSpec
+    from kvyard.stack.state import StackState
 
     rd = run_dir(args)
     old = StackState.load(rd)

@@ -42,7 +42,7 @@ def test_paired_rounds_with_two_real_workers() -> None:
     per round, the ratio note is the median of the per-round ratios, the table
     row is one real round, and outputs are compared round by round."""
     from kvyard.bench import engine, engine_paired
-    from kvyard.bench.engine_servers import kvyard_worker
+    from kvyard.bench.servers import kvyard_worker
 
     levels, n_rounds = [1, 2], 3
     rounds = [engine.make_prompts(levels, 2, 16, 49152, seed)[0] for seed in (0, 1000, 2000)]
@@ -71,7 +71,8 @@ def test_agreement_pairs_hf_with_round_zero() -> None:
     """With paired rounds, HF ran round 0's prompts: its outputs are compared with
     kvyard's round 0, not with kvyard's median round (other prompts)."""
     from kvyard.bench import engine
-    from kvyard.bench.engine_client import LoadResult, RequestResult
+    from kvyard.bench.client import RequestResult
+    from kvyard.bench.engine_client import LoadResult
 
     def res(texts, tok_s):
         rs = [RequestResult(0.1, 0.01, 4, 1.0, index=i, text=t) for i, t in enumerate(texts)]

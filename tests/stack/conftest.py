@@ -15,7 +15,9 @@ from urllib.parse import urlsplit
 import pytest
 
 from kvyard.stack import procs
-from kvyard.stack.launch import StackSpec, StackState, start_stack, stop_stack
+from kvyard.stack.launch import start_stack, stop_stack
+from kvyard.stack.spec import StackSpec
+from kvyard.stack.state import StackState
 
 
 @dataclass(slots=True)

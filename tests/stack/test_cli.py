@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvyard.stack import procs
-from kvyard.stack.launch import StackState
+from kvyard.stack.state import StackState
 
 
 def kvyard(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

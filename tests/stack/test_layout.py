@@ -10,8 +10,9 @@ from pathlib import Path
 import redis as redis_py
 
 from kvyard.kvstore.redis_conf import DEFAULT_MAX_MEMORY_BYTES
-from kvyard.stack import launch
-from kvyard.stack.launch import StackSpec
+from kvyard.stack import commands
+from kvyard.stack.spec import REDIS_PASSWORD_ENV, StackSpec
+from kvyard.stack.state import STATE_FILE
 
 
 def _workers(state):
@@ -46,11 +47,11 @@ def test_redis_layout_has_no_ssd_and_a_capped_authenticated_redis(up, h, wait_un
     run = Path(state.run_dir)
     password = (run / "redis.password").read_text().strip()
     assert (run / "redis.password").stat().st_mode & 0o077 == 0
-    assert password not in (run / launch.STATE_FILE).read_text()
+    assert password not in (run / STATE_FILE).read_text()
     for w in _workers(state):
         assert "--kv-redis-url" in w.cmd and "--kv-ssd-dir" not in w.cmd
         assert not any(password in a for a in w.cmd)
-        assert w.env_files == {launch.REDIS_PASSWORD_ENV: str(run / "redis.password")}
+        assert w.env_files == {REDIS_PASSWORD_ENV: str(run / "redis.password")}
     client = redis_py.Redis(port=rproc.ports["redis"], password=password, socket_timeout=5)
     try:
         assert client.config_get("maxmemory") == {"maxmemory": str(DEFAULT_MAX_MEMORY_BYTES)}
@@ -66,13 +67,13 @@ def test_redis_layout_has_no_ssd_and_a_capped_authenticated_redis(up, h, wait_un
 
 def test_layout_flags_without_starting_anything(tmp_path: Path) -> None:
     spec = StackSpec(run_dir=tmp_path, kv_pool_tier="redis", kv_redis_max_memory=64 << 20)
-    args, env_files, services = launch.kv_layout(spec, tmp_path, set())
+    args, env_files, services = commands.kv_layout(spec, tmp_path, set())
     assert [s.name for s in services] == ["redis"] and "--kv-ssd-dir" not in args
     conf = (tmp_path / "redis.conf").read_text().splitlines()
     assert f"maxmemory {64 << 20}" in conf and "maxmemory-policy allkeys-lru" in conf
     assert (tmp_path / "redis.conf").stat().st_mode & 0o077 == 0
-    assert set(env_files) == {launch.REDIS_PASSWORD_ENV}
-    none = launch.kv_layout(StackSpec(run_dir=tmp_path, kv_pool_tier="none"), tmp_path, set())
+    assert set(env_files) == {REDIS_PASSWORD_ENV}
+    none = commands.kv_layout(StackSpec(run_dir=tmp_path, kv_pool_tier="none"), tmp_path, set())
     assert none == (["--kv-dram-gb", "1.0"], {}, [])
-    off = launch.kv_layout(StackSpec(run_dir=tmp_path, kv_tiers=False), tmp_path, set())
+    off = commands.kv_layout(StackSpec(run_dir=tmp_path, kv_tiers=False), tmp_path, set())
     assert off == ([], {}, [])

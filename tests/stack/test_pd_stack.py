@@ -18,7 +18,9 @@ import yaml
 from kvyard.common import wire
 from kvyard.common.models import DEMO_SERVED_NAME, ModelNotFound, demo_gguf_path
 from kvyard.stack import procs
-from kvyard.stack.launch import StackSpec, StackState, start_stack, stop_stack
+from kvyard.stack.launch import start_stack, stop_stack
+from kvyard.stack.spec import StackSpec
+from kvyard.stack.state import StackState
 
 SYSTEM = ("You are a helpful assistant for travellers. You answer questions about cities, "
           "rivers and mountains with care, in one or two sentences. ") * 12

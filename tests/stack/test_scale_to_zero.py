@@ -13,7 +13,8 @@ import pytest
 
 from kvyard.stack import autoscale, procs
 from kvyard.stack.autoscale import Scaler, Target
-from kvyard.stack.launch import StackState, start_stack, stop_stack
+from kvyard.stack.launch import start_stack, stop_stack
+from kvyard.stack.state import StackState
 
 
 def workers(rd: Path) -> list:
@@ -120,7 +121,7 @@ def test_up_refuses_scale_to_zero_with_pd(h, tmp_path) -> None:
 def real_zero_stack(tmp_path_factory: pytest.TempPathFactory):
     """One demo-model worker that scales to zero, behind the EPP and Envoy."""
     from kvyard.common.models import ModelNotFound, demo_gguf_path
-    from kvyard.stack.launch import StackSpec
+    from kvyard.stack.spec import StackSpec
 
     try:
         demo_gguf_path()

@@ -14,7 +14,7 @@ from pathlib import Path
 import redis as redis_py
 
 from kvyard.stack import procs, supervise
-from kvyard.stack.launch import StackState
+from kvyard.stack.state import StackState
 from kvyard.stack.supervise import Backoff, Supervisor
 
 

@@ -9,7 +9,7 @@ import uuid
 
 import aiohttp
 
-from kvyard.stack import launch, procs
+from kvyard.stack import commands, procs
 
 LONG_SYSTEM = ("You are a careful assistant for the city library. " * 120)
 
@@ -60,7 +60,7 @@ def test_forged_destination_is_ignored(stack, h, tmp_path, wait_until) -> None:
     # A live decoy outside the pool: if Envoy honoured the client's header, it would answer.
     port = procs.free_port()
     decoy = f"127.0.0.1:{port}"
-    p = procs.spawn("decoy", launch.py_module("kvyard.stack.standin", "--port", str(port)),
+    p = procs.spawn("decoy", commands.py_module("kvyard.stack.standin", "--port", str(port)),
                     tmp_path / "decoy.log")
     try:
         wait_until(lambda: procs.http_ok(f"http://{decoy}/health"), timeout=30, what="decoy")

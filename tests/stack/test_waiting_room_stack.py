@@ -8,7 +8,7 @@ import socket
 
 from kvyard.common.wire import DROPPED_REASON_HEADER, QUEUE_TTL_HEADER
 from kvyard.stack import autoscale, procs
-from kvyard.stack.launch import StackState
+from kvyard.stack.state import StackState
 
 
 def _at_zero(rd) -> bool:

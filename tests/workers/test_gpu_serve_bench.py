@@ -8,7 +8,8 @@ import argparse
 import pytest
 import torch
 
-from kvyard.bench.gpu_serve import _pct, serve
+from kvyard.bench.gpu_serve import serve
+from kvyard.bench.report import percentile
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +26,8 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_percentile() -> None:
-    assert _pct([3.0, 1.0, 2.0], 50) == 2.0 and _pct(list(range(101)), 99) == 99
-    assert _pct([5.0], 99) == 5.0
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile(list(range(101)), 99) == 99
+    assert percentile([5.0], 99) == 5.0
 
 
 def test_serve_levels_against_a_real_worker(tiny_dir) -> None:

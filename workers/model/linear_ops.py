@@ -1,7 +1,7 @@
 """How a decoder layer's weights are laid out and multiplied: one strategy per format.
 
 `llama.py` writes the layer once over `LinearOps`; the loader picks the strategy
-for the device and the kernels that exist there (`select_ops`), and the
+for the device and the kernels that exist there (`ops.select_ops`), and the
 strategy's `pack` lays the weights out for its kernels. A layer asks for five
 things: a norm, the qkv projection, RoPE, "project and add to the residual,
 then norm" after attention, and the MLP with its residual add and the next
@@ -9,7 +9,7 @@ layer's norm. Strategies fuse across those seams where their kernels can
 (gemm.c and oneDNN put adds and SiLU in GEMM epilogues, CUDA puts the add in
 the norm), so the layer need not know which fusions exist.
 
-CPU strategies, in the order `select_ops` prefers them:
+CPU strategies, in the order `ops.select_ops` prefers them:
   GemmOps     workers/cpu_ops/gemm.c on tiled weights (AVX-512; bf16 also AVX512-BF16)
   OneDNNOps   oneDNN-packed weights; in bf16 with SiLU, gate*up and adds in epilogues
   TorchOps    F.linear on dense weights, HF's op order (also the base of the others)
@@ -232,17 +232,3 @@ class GemmOps(TorchOps):
         act = g.gemm(h, lw.gate, None, None, cpu_ops.EPI_SILU)
         return g.gemm(g.gemm(h, lw.up, None, act, cpu_ops.EPI_MUL), lw.down, None, x, cpu_ops.EPI_ADD)
 
-
-def select_ops(cfg, dtype: torch.dtype, device: torch.device, cpu_kernels: bool = True,
-               fuse_epilogues: bool = True) -> TorchOps:
-    """The strategy for `device` and the kernels that build here (see the module doc)."""
-    if device.type == "cuda":
-        from .cuda_ops import CudaOps
-
-        return CudaOps(cfg)
-    cpu = cpu_ops.load() if cpu_kernels else None
-    if cpu is not None and cpu.has_gemm(dtype):
-        return GemmOps(cfg, cpu)
-    if torch.backends.mkldnn.is_available():
-        return OneDNNOps(cfg, cpu, fuse=fuse_epilogues and dtype == torch.bfloat16)
-    return TorchOps(cfg, cpu)

@@ -18,7 +18,8 @@ from torch import nn
 
 from ..attention import AttentionBackend, AttentionMetadata
 from .config import ModelConfig
-from .linear_ops import GemmOps, Int4Ops, Int4Weight, TorchOps, select_ops
+from .linear_ops import GemmOps, Int4Ops, Int4Weight, TorchOps
+from .ops import select_ops
 
 __all__ = ["Int4Weight", "LayerWeights", "LlamaForCausalLM"]
 

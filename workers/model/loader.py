@@ -20,7 +20,8 @@ from ..attention.torch_cpu import TorchCPUBackend
 from .config import ModelConfig, config_from_gguf, config_from_hf
 from .. import cpu_ops
 from .gguf_file import GGUFFile, int4_parts, quant_parts
-from .linear_ops import GemmOps, select_ops
+from .linear_ops import GemmOps
+from .ops import select_ops
 from .llama import Int4Weight, LayerWeights, LlamaForCausalLM
 from .rope import rope_table
 from . import weight_cache

@@ -8,7 +8,7 @@ aiohttp client's CPU. `kvyard bench epp` runs it in its own process, so the
 client never shares an interpreter with what it measures, and gives both
 paths the same generator, concurrency and duration.
 
-Run: `python -m kvyard.stack.loadgen --url http://127.0.0.1:8080 --duration 5`
+Run: `python -m kvyard.bench.loadgen --url http://127.0.0.1:8080 --duration 5`
 (prints one JSON object).
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
 
+from kvyard.bench.report import percentile
 from kvyard.common.models import DEMO_SERVED_NAME
 
 
@@ -115,9 +116,8 @@ async def run_load(url: str, concurrency: int, duration_s: float, warmup_s: floa
     res.seconds = max(1e-9, time.monotonic() - measure_from)
     res.rps = res.requests / res.seconds
     if lat:
-        lat.sort()
-        res.p50_ms = 1000 * lat[len(lat) // 2]
-        res.p99_ms = 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))]
+        res.p50_ms = 1000 * percentile(lat, 50)
+        res.p99_ms = 1000 * percentile(lat, 99)
     return res
 
 

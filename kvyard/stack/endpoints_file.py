@@ -1,0 +1,25 @@
+"""The EPP's endpoints file, as the local stack writes it, and its /debug/endpoints
+rows, as the stack reads them back."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_endpoints(path: Path, addresses: list[str], role: str | list[str] = "both") -> Path:
+    """The EPP's endpoints file (`role`: one for all, or one per address); the EPP
+    reloads it on change. Written atomically."""
+    import yaml
+
+    roles = [role] * len(addresses) if isinstance(role, str) else list(role)
+    if len(roles) != len(addresses):
+        raise ValueError(f"{len(addresses)} addresses but {len(roles)} roles")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump([{"address": a, "role": r} for a, r in zip(addresses, roles)]))
+    tmp.replace(path)
+    return path
+
+
+def parse_endpoints(doc: object) -> list[dict]:
+    """The EPP's /debug/endpoints rows, whether it answers a list or {"endpoints": [...]}."""
+    rows = doc.get("endpoints", []) if isinstance(doc, dict) else doc
+    return [r for r in rows or [] if isinstance(r, dict)]
