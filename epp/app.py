@@ -19,20 +19,20 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from kvyard.common import pd_auth, wire
 
-from .demand import Demand
-from .discovery_file import FileDiscovery
-from .discovery_k8s import K8sDiscovery
-from .endpoints import EndpointPool, EndpointSpec
-from .flow_config import FlowConfig, duration_s, parse_flow_config
-from .flow_control import FlowController
-from .flow_metrics import FlowMetrics
+from .flow.config import FlowConfig, duration_s, parse_flow_config
+from .flow.controller import FlowController
+from .flow.demand import Demand
+from .flow.metrics import FlowMetrics
 from .health import SERVER_OPTIONS, HealthServer, bind
 from .observability import EppMetrics, debug_app
+from .pool.discovery_file import FileDiscovery
+from .pool.discovery_k8s import K8sDiscovery
+from .pool.endpoints import EndpointPool, EndpointSpec
+from .pool.scraper import Scraper
 from .prompt import PromptHasher
 from .router import Finisher, Router
-from .scaler import ScalerServer
-from .scheduler import build_scheduler, load_config, with_fallbacks
-from .scraper import Scraper
+from .scaler.server import ScalerServer
+from .scheduling.scheduler import build_scheduler, load_config, with_fallbacks
 from .server import ExtProcServicer
 from .xds import EdsServicer
 

@@ -13,10 +13,10 @@ import random
 import time
 from dataclasses import dataclass
 
-from .endpoints import EndpointPool, EndpointSpec
+from .pool.endpoints import EndpointPool, EndpointSpec
 from .prompt import PromptHasher
 from .router import Router
-from .scheduler import build_scheduler
+from .scheduling.scheduler import build_scheduler
 
 _HEADERS = {":method": "POST", ":path": "/v1/chat/completions"}
 

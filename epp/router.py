@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 
 from kvyard.common.wire import DROPPED_REASON_HEADER
 
-from .endpoints import Endpoint, EndpointPool
-from .plugins import SchedRequest
+from .pool.endpoints import Endpoint, EndpointPool
 from .prompt import LazyPrompt, PromptHasher
 from .request import RequestError, parse_request, priority_of
 from .saturation import pool_saturation
-from .scheduler import Decision, Scheduler
+from .scheduling.plugins import SchedRequest
+from .scheduling.scheduler import Decision, Scheduler
 
 _EMPTY = LazyPrompt.of_hashes([])
 

@@ -43,11 +43,11 @@ from kvyard.common import pd_auth
 from kvyard.common.wire import MAX_HOLD_S
 
 from . import responses
-from .flow_control import FlowController
+from .flow.controller import FlowController
 from .observability import EppMetrics
 from .request import RequestError
 from .router import Finisher, Router
-from .scheduler import Decision
+from .scheduling.scheduler import Decision
 
 log = logging.getLogger("kvyard.epp")
 HOLD_MARGIN_S = 5.0  # Envoy waits this much past a held request's TTL for our answer

@@ -17,11 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from ..pool.endpoints import Endpoint
+from ..prompt import LazyPrompt
 from .cycle import PREFIX_MATCHES, CycleState
-from .endpoints import Endpoint
 from .plugin_config import NoParams, param
 from .prefix_index import PrefixIndex
-from .prompt import LazyPrompt
 
 
 @dataclass(slots=True)

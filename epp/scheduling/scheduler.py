@@ -29,14 +29,14 @@ from typing import Any, Callable, Iterator
 
 import yaml
 
+from ..pool.endpoints import Endpoint
+from ..prompt import LazyPrompt
 from .cycle import PREFIX_MATCHES
-from .endpoints import Endpoint
 from .plugin_config import ConfigError, parse_params
 from .plugins import FILTERS, SCORERS, Filter, PluginType, SchedRequest, Scorer
 from .profile import (
     PICKERS, PROFILE_HANDLERS, ProfileHandler, SchedulingProfile, SchedulingResult,
 )
-from .prompt import LazyPrompt
 
 DEFAULT_PROFILE: dict[str, Any] = {
     "filters": ["healthy", "prefer-fresh", "role"],

@@ -41,15 +41,15 @@ from typing import Callable
 
 from kvyard.common.wire import DROPPED_REASON_HEADER, FAIRNESS_HEADER, QUEUE_TTL_HEADER
 
-from .cycle import PREFILL_MISSED
+from ..pool.endpoints import Endpoint, EndpointPool
+from ..request import RequestError
+from ..saturation import pod_saturation, pool_saturation
+from ..scheduling.cycle import PREFILL_MISSED
+from ..scheduling.plugins import SchedRequest
+from ..scheduling.scheduler import Decision, Scheduler
+from .config import FlowConfig
 from .demand import Demand
-from .endpoints import Endpoint, EndpointPool
-from .flow_config import FlowConfig
-from .flow_metrics import FlowMetrics
-from .plugins import SchedRequest
-from .request import RequestError
-from .saturation import pod_saturation, pool_saturation
-from .scheduler import Decision, Scheduler
+from .metrics import FlowMetrics
 
 WAITING_ROOM, SATURATED = "waiting_room", "saturated"
 ROLE = "decode"  # what every held request waits for (demand.py): a serving endpoint

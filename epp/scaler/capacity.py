@@ -32,8 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .endpoints import Endpoint
-from .metrics_parse import WorkerMetrics
+from ..pool.endpoints import Endpoint
+from ..pool.metrics_parse import WorkerMetrics
 
 _EWMA = 0.3  # weight of a new window: a few windows to settle, one outlier does not dominate
 _FORGET = 0.97  # per-window forgetting of the TPOT fit: about 30 windows of memory

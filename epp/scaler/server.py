@@ -43,13 +43,13 @@ import grpc
 from kvyard.common import keda
 from kvyard.common.wire import ROLES
 
+from ..flow.demand import Demand
+from ..health import SERVER_OPTIONS, bind
+from ..pool.endpoints import Endpoint, EndpointPool
+from ..pool.metrics_parse import WorkerMetrics
 from .capacity import Capacity, Fallback
-from .demand import Demand
-from .endpoints import Endpoint, EndpointPool
-from .health import SERVER_OPTIONS, bind
-from .metrics_parse import WorkerMetrics
-from .scaler_meta import WAKES, MetadataError, ScaledObjectParams, ScalerDefaults, parse_metadata
-from .scaler_metric import Reading, read
+from .meta import WAKES, MetadataError, ScaledObjectParams, ScalerDefaults, parse_metadata
+from .metric import Reading, read
 
 log = logging.getLogger("kvyard.epp.scaler")
 pb2, pb2_grpc = keda.pb2, keda.pb2_grpc

@@ -12,8 +12,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ..pool.endpoints import Endpoint
 from .cycle import PREFILL_MISSED, PREFIX_MATCHES
-from .endpoints import Endpoint
 from .plugin_config import param
 from .plugins import Filter, PluginType, SchedRequest, Scorer
 
