@@ -2,7 +2,7 @@
 
 Two parts, one run:
 
-1. Decision latency: the EPP's own `bench_api.decision_latency` (in-process:
+1. Decision latency: `kvyard.bench.epp_api.decision_latency` (in-process:
    parse, tokenize, hash, score, pick) for 8/64/256 endpoints x 1k/8k/50k
    token prompts. Targets: p99 <= 2 ms at 64 endpoints with 8k prompts; a 50k
    prompt adds <= 25 ms over a 1k one.
@@ -47,9 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def decision_rows(rep: Report, endpoints: list[int], prompts: list[int], iterations: int) -> bool:
     """False (with a note saying why) when the EPP's bench API is unavailable."""
     try:
-        from kvyard.epp.bench_api import decision_latency
+        from kvyard.bench.epp_api import decision_latency
     except ImportError as e:
-        rep.notes.append(f"part 1 FAILED: kvyard.epp.bench_api.decision_latency is missing ({e})")
+        rep.notes.append(f"part 1 FAILED: kvyard.bench.epp_api.decision_latency is missing ({e})")
         return False
     p99: dict[tuple[int, int], float] = {}
     for n in endpoints:

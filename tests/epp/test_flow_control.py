@@ -8,9 +8,9 @@ import json
 import pytest
 
 from kvyard.common.wire import DESTINATION_HEADER, DROPPED_REASON_HEADER, QUEUE_TTL_HEADER
-from kvyard.epp.pool.endpoints import EndpointSpec
 from kvyard.epp.flow.config import parse_flow_config
 from kvyard.epp.flow.controller import FlowController
+from kvyard.epp.pool.endpoints import EndpointSpec
 from kvyard.epp.scheduling.plugin_config import ConfigError
 
 CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello"}]}).encode()
@@ -190,7 +190,7 @@ def test_example_config_documents_the_flow_control_defaults():
 
     import kvyard.epp
     from kvyard.epp.flow.config import FlowConfig
-    from kvyard.epp.scheduling.scheduler import load_config
+    from kvyard.epp.scheduling.config import load_config
     raw = load_config(Path(kvyard.epp.__file__).parent / "scheduler.example.yaml")
     assert parse_flow_config(raw["flowControl"]) == FlowConfig()
 

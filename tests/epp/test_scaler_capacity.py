@@ -14,8 +14,8 @@ from aiohttp import web
 from kvyard.common import keda
 from kvyard.epp.flow.demand import Demand
 from kvyard.epp.pool.endpoints import EndpointPool, EndpointSpec
-from kvyard.epp.scaler.server import ScalerConfig, ScalerServer
 from kvyard.epp.pool.scraper import Scraper
+from kvyard.epp.scaler.server import ScalerConfig, ScalerServer
 from kvyard.workers.engine.api import EngineStats
 from kvyard.workers.server.metrics import ServerMetrics
 

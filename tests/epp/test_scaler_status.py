@@ -8,8 +8,8 @@ import sys
 from aiohttp import web
 
 from kvyard.epp.flow.demand import Demand
-from kvyard.epp.pool.endpoints import EndpointPool
 from kvyard.epp.observability import EppMetrics, debug_app
+from kvyard.epp.pool.endpoints import EndpointPool
 from kvyard.epp.scaler.server import ScalerServer
 from kvyard.stack import status
 from kvyard.stack.launch import StackState

@@ -6,12 +6,12 @@ import time
 
 import pytest
 
-from kvyard.epp.scheduling.cycle import PREFIX_MATCHES
 from kvyard.epp.pool.endpoints import EndpointPool, EndpointSpec
-from kvyard.epp.scheduling.plugin_config import ConfigError
-from kvyard.epp.scheduling.plugins import SchedRequest
 from kvyard.epp.prompt import LazyPrompt
-from kvyard.epp.scheduling.scheduler import build_scheduler
+from kvyard.epp.scheduling.config import build_scheduler
+from kvyard.epp.scheduling.cycle import PREFIX_MATCHES
+from kvyard.epp.scheduling.plugin_config import ConfigError
+from kvyard.epp.scheduling.types import SchedRequest
 
 
 @pytest.mark.parametrize("cfg,path,text", [
@@ -113,7 +113,7 @@ def _pd_scheduler(**handler):
     from pathlib import Path
 
     import kvyard.epp
-    from kvyard.epp.scheduling.scheduler import load_config
+    from kvyard.epp.scheduling.config import load_config
     cfg = load_config(Path(kvyard.epp.__file__).parent / "scheduler.pd.example.yaml")
     cfg["profileHandler"] = {**cfg["profileHandler"], **handler}
     return build_scheduler(cfg, seed=1)
