@@ -64,12 +64,12 @@ class EppConfig:
     # any ORIGINAL_DST gateway understands; kvyard's gateway retries along the list).
     destination_fallbacks: int = 0
     pd_key_file: str | None = None  # the key that signs prefill targets (common/pd_auth.py)
-    # Flow control (flow_control.py); the TTLs override the config's flowControl section.
+    # Flow control (flow/controller.py); the TTLs override the config's flowControl section.
     flow_control: bool = True
     no_endpoint_ttl_s: float | None = None
     queue_ttl_s: float | None = None
     pool_name: str = "default"
-    # KEDA's external scaler (scaler.py); None: not served (`kvyard epp` defaults to 9004).
+    # KEDA's external scaler (scaler/server.py); None: not served (`kvyard epp` defaults to 9004).
     scaler_port: int | None = None
     seed: int | None = None
 

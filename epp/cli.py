@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: $KVYARD_PD_KEY_FILE; without one, P/D targets are unsigned "
                         "and kvyard workers refuse them)")
     g.add_argument("--seed", type=int, default=None, help="tie-break RNG seed")
-    g = p.add_argument_group("flow control (the config's flowControl section; flow_control.py)")
+    g = p.add_argument_group("flow control (the config's flowControl section; flow/controller.py)")
     g.add_argument("--pool-name", default="default",
                    help="this EPP's pool, as metrics and the KEDA scaler's `pool` name it")
     g.add_argument("--no-endpoint-ttl", type=float, default=None, metavar="SECONDS",

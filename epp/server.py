@@ -20,7 +20,7 @@ Order on the stream: request_headers arrives first and is held (unless it
 has end_of_stream, e.g. GET /v1/models, which is routed at once); when the
 body arrives we decide, then answer the headers message with the routing
 mutation and the body message with an empty "continue". A request flow
-control holds (`flow_control.py`) first gets an `override_message_timeout`
+control holds (`flow/controller.py`) first gets an `override_message_timeout`
 answer, which tells Envoy to wait past its per-message timeout (up to the
 gateway's max_message_timeout); a client that goes away meanwhile cancels
 this stream, and with it the request's place in the queue. Every failure,

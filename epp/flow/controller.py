@@ -1,7 +1,7 @@
 """Flow control: the admission (`admission.Admission`) that holds requests the pool
 cannot take yet, instead of dropping them.
 
-Two places a request can wait, both bounded (`flow_config.FlowConfig`):
+Two places a request can wait, both bounded (`config.FlowConfig`):
 
 * the **waiting room**: the pool has no ready endpoint (scaled to zero, all
   asleep, all down). The request is parked, the scaler is told at once
@@ -55,7 +55,7 @@ from .demand import Demand
 from .metrics import FlowMetrics
 
 WAITING_ROOM, SATURATED = "waiting_room", "saturated"
-ROLE = "decode"  # what every held request waits for (demand.py): a serving endpoint
+ROLE = "decode"  # what every held request waits for (`demand.py`): a serving endpoint
 PREFILL = "prefill"
 
 

@@ -1,6 +1,6 @@
 """Per-replica capacity, measured online from the endpoints' own counters.
 
-The KEDA scaler (`scaler.py`) divides demand by capacity, so capacity must come
+The KEDA scaler (`server.py`) divides demand by capacity, so capacity must come
 from what the workers actually do, not from a number someone typed once. Every
 good scrape is fed to `Capacity.observe`; per endpoint, scrapes are gathered
 into windows of at least `window_s` seconds (a 50 ms scrape sees too few

@@ -10,10 +10,10 @@ come from `kvyard.common.keda`.
 
 * `scalerMetadata`: `pool` (must be this EPP's `--pool-name`, else NOT_FOUND),
   `role` (`both|decode|prefill`), optional `targetValue`, `ttftMs`, `tpotMs`,
-  `kvTarget`; `scaler_meta.py` documents them. Bad metadata is INVALID_ARGUMENT.
+  `kvTarget`; `meta.py` documents them. Bad metadata is INVALID_ARGUMENT.
 * Metric (`GetMetricSpec` / `GetMetrics`): one per ScaledObject, named
   `kvyard-<pool>-<role>`, in replicas' worth of demand; the formula is in
-  `scaler_metric.py`, the capacity it divides by is measured in `capacity.py`.
+  `metric.py`, the capacity it divides by is measured in `capacity.py`.
   It exists, with value 0, for a pool with no pods.
 * `IsActive`: the role's endpoints have work, or requests wait for the role.
 * `StreamIsActive`: the current activity at once and every `stream_interval_s`,
