@@ -19,6 +19,7 @@ from kvyard.epp.director import Director
 from kvyard.epp.pool.endpoints import EndpointSpec
 from kvyard.epp.prompt import PromptHasher
 from kvyard.epp.request import parse_request
+from kvyard.epp.saturation import pod_saturation
 from kvyard.epp.scheduling.types import Decision
 
 _HEADERS = {":method": "POST", ":path": "/v1/chat/completions"}
@@ -70,12 +71,13 @@ def _corpus(rng: random.Random, hasher: PromptHasher) -> _Corpus:
     return c
 
 
-def build_director(num_endpoints: int, model: str = "demo", seed: int = 0) -> Director:
-    """The director `kvyard epp` runs (default config, flow control on), over
-    `num_endpoints` synthetic endpoints with fresh metrics."""
+def build_director(num_endpoints: int, model: str = "demo", seed: int = 0,
+                   flow_control: bool = True) -> Director:
+    """The director `kvyard epp` runs (default config; `flow_control=False`: as with
+    `--no-flow-control`), over `num_endpoints` synthetic endpoints with fresh metrics."""
     rng = random.Random(seed)
     # model "none": no served-model check (bodies name any model); the tokenizer is set below.
-    app = EppApp(EppConfig(model="none", seed=seed))
+    app = EppApp(EppConfig(model="none", seed=seed, flow_control=flow_control))
     pool = app.pool
     pool.set_source("bench", [EndpointSpec(f"10.0.{i // 250}.{i % 250 + 1}:8000")
                               for i in range(num_endpoints)])
@@ -83,6 +85,9 @@ def build_director(num_endpoints: int, model: str = "demo", seed: int = 0) -> Di
     for e in pool.all():
         e.waiting, e.running, e.kv_usage = rng.randint(0, 8), rng.randint(0, 32), rng.random() * .9
         e.last_ok = now + 3600  # stays fresh for the whole run
+    if pool.all() and all(pod_saturation(e, picks=False) >= 1.0 for e in pool.all()):
+        first = pool.all()[0]  # room on one endpoint at least: a saturated pool holds requests
+        first.waiting, first.kv_usage = 0, 0.5
     if model.lower() != "none":
         from kvyard.common.tokenizer import ChatTemplateError, load_tokenizer
         app.director.hasher.set_tokenizer(load_tokenizer(model), ChatTemplateError)
@@ -91,7 +96,8 @@ def build_director(num_endpoints: int, model: str = "demo", seed: int = 0) -> Di
 
 def latencies(num_endpoints: int, prompt_tokens: int, iterations: int, *,
               model: str = "demo", shared_fraction: float = 0.0, seed: int = 0,
-              warmup: int = 3, clock: str = "wall") -> tuple[list[float], list[float]]:
+              warmup: int = 3, clock: str = "wall",
+              flow_control: bool = True) -> tuple[list[float], list[float]]:
     """(decision seconds, deferred index-teaching seconds), one pair per iteration.
 
     The decision is what Envoy waits for; the deferred part (hashing the rest
@@ -104,7 +110,7 @@ def latencies(num_endpoints: int, prompt_tokens: int, iterations: int, *,
     oversubscribed machine wall time mostly measures the neighbours.
     """
     rng = random.Random(seed)
-    director = build_director(num_endpoints, model, seed)
+    director = build_director(num_endpoints, model, seed, flow_control)
     corpus = _corpus(rng, director.hasher)
     shared_tokens = int(prompt_tokens * shared_fraction)
     system = corpus.text(shared_tokens) if shared_tokens else ""
@@ -133,10 +139,12 @@ def latencies(num_endpoints: int, prompt_tokens: int, iterations: int, *,
 
 def decision_latency(num_endpoints: int, prompt_tokens: int, iterations: int, *,
                      model: str = "demo", shared_fraction: float = 0.0, seed: int = 0,
-                     warmup: int = 3, clock: str = "wall") -> list[float]:
+                     warmup: int = 3, clock: str = "wall",
+                     flow_control: bool = True) -> list[float]:
     """Seconds per routing decision (what Envoy waits for), one per iteration."""
     return latencies(num_endpoints, prompt_tokens, iterations, model=model,
-                     shared_fraction=shared_fraction, seed=seed, warmup=warmup, clock=clock)[0]
+                     shared_fraction=shared_fraction, seed=seed, warmup=warmup, clock=clock,
+                     flow_control=flow_control)[0]
 
 
 def prompt_tokens_of(director: Director, body: bytes) -> int:
