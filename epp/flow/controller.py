@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Mapping
@@ -53,51 +52,11 @@ from ..scheduling.types import Decision, SchedRequest
 from .config import FlowConfig
 from .demand import Demand
 from .metrics import FlowMetrics
+from .queues import BandQueue, Waiter
 
 WAITING_ROOM, SATURATED = "waiting_room", "saturated"
 ROLE = "decode"  # what every held request waits for (`demand.py`): a serving endpoint
 PREFILL = "prefill"
-
-
-@dataclass(slots=True, eq=False)
-class Waiter:
-    req: SchedRequest
-    flow: str
-    nbytes: int
-    stage: str
-    ttl_cap_s: float | None
-    enqueued: float
-    future: asyncio.Future
-    schedule: Schedule  # the director's scheduling step, run when the request is released
-    deadline: float = 0.0
-    timer: asyncio.TimerHandle | None = None
-
-
-@dataclass(slots=True)
-class _Band:
-    """One priority's saturation queue: fairness ids in round-robin order, FIFO each."""
-
-    flows: OrderedDict[str, deque[Waiter]] = field(default_factory=OrderedDict)
-
-    def push(self, w: Waiter) -> None:
-        self.flows.setdefault(w.flow, deque()).append(w)
-
-    def head(self) -> Waiter | None:
-        for q in self.flows.values():
-            return q[0]
-        return None
-
-    def remove(self, w: Waiter) -> None:
-        """Out of its flow; a flow whose head leaves goes to the back (round robin)."""
-        q = self.flows.get(w.flow)
-        if q is None or w not in q:
-            return
-        was_head = q[0] is w and next(iter(self.flows)) == w.flow
-        q.remove(w)
-        if not q:
-            del self.flows[w.flow]
-        elif was_head:
-            self.flows.move_to_end(w.flow)
 
 
 @dataclass(slots=True)
@@ -108,7 +67,7 @@ class FlowController:
     demand: Demand
     metrics: FlowMetrics
     room: list[Waiter] = field(default_factory=list)        # priority desc, then arrival
-    bands: dict[int, _Band] = field(default_factory=dict)
+    bands: dict[int, BandQueue] = field(default_factory=dict)
     count: int = 0
     nbytes: int = 0
     band_count: dict[int, int] = field(default_factory=dict)
@@ -234,7 +193,7 @@ class FlowController:
             self.demand.parked[ROLE] += 1
             self.demand.parked_bytes[ROLE] += w.nbytes
         else:
-            self.bands.setdefault(p, _Band()).push(w)
+            self.bands.setdefault(p, BandQueue()).push(w)
             self.demand.queued[ROLE] += 1
             self.demand.queued_bytes[ROLE] += w.nbytes
         self.metrics.held(p, stage, 1, w.nbytes)
