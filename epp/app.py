@@ -19,20 +19,22 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from kvyard.common import pd_auth, wire
 
-from .demand import Demand
-from .discovery_file import FileDiscovery
-from .discovery_k8s import K8sDiscovery
-from .endpoints import EndpointPool, EndpointSpec
-from .flow_config import FlowConfig, duration_s, parse_flow_config
-from .flow_control import FlowController
-from .flow_metrics import FlowMetrics
+from .admission import Admission, SheddingAdmission
+from .director import Director
+from .finisher import Finisher
+from .flow.config import FlowConfig, duration_s, parse_flow_config
+from .flow.controller import FlowController
+from .flow.demand import Demand
+from .flow.metrics import FlowMetrics
 from .health import SERVER_OPTIONS, HealthServer, bind
 from .observability import EppMetrics, debug_app
+from .pool.discovery_file import FileDiscovery
+from .pool.discovery_k8s import K8sDiscovery
+from .pool.endpoints import EndpointPool, EndpointSpec
+from .pool.scraper import Scraper
 from .prompt import PromptHasher
-from .router import Finisher, Router
-from .scaler import ScalerServer
-from .scheduler import build_scheduler, load_config, with_fallbacks
-from .scraper import Scraper
+from .scaler.server import ScalerServer
+from .scheduling.config import build_scheduler, load_config, with_fallbacks
 from .server import ExtProcServicer
 from .xds import EdsServicer
 
@@ -62,12 +64,12 @@ class EppConfig:
     # any ORIGINAL_DST gateway understands; kvyard's gateway retries along the list).
     destination_fallbacks: int = 0
     pd_key_file: str | None = None  # the key that signs prefill targets (common/pd_auth.py)
-    # Flow control (flow_control.py); the TTLs override the config's flowControl section.
+    # Flow control (flow/controller.py); the TTLs override the config's flowControl section.
     flow_control: bool = True
     no_endpoint_ttl_s: float | None = None
     queue_ttl_s: float | None = None
     pool_name: str = "default"
-    # KEDA's external scaler (scaler.py); None: not served (`kvyard epp` defaults to 9004).
+    # KEDA's external scaler (scaler/server.py); None: not served (`kvyard epp` defaults to 9004).
     scaler_port: int | None = None
     seed: int | None = None
 
@@ -99,7 +101,7 @@ class EppApp:
     cfg: EppConfig
     pool: EndpointPool = field(init=False)
     metrics: EppMetrics = field(init=False)
-    router: Router = field(init=False)
+    director: Director = field(init=False)
     finisher: Finisher = field(init=False)
     eds: EdsServicer = field(init=False)
     demand: Demand = field(default_factory=Demand)
@@ -107,6 +109,7 @@ class EppApp:
     scraper: Scraper | None = None
     scaler: ScalerServer | None = field(init=False)
     tokenizer_state: str = "none"  # none | loading | loaded | failed
+    servicer: ExtProcServicer | None = None  # ext_proc; calls `director`
     _grpc: grpc.aio.Server | None = None
     _health: HealthServer | None = None
     _web: web.AppRunner | None = None
@@ -124,18 +127,19 @@ class EppApp:
         sched = build_scheduler(sched_cfg, seed=c.seed)
         self.pool.on_remove(sched.forget)
         self.pool.on_remove(self.metrics.forget)
-        hasher = PromptHasher(block_size=sched.block_size)
-        self.router = Router(self.pool, sched, hasher, _served_names(c))
         self.finisher = Finisher(self.pool, sched)
         self.eds = EdsServicer(self.pool)
         self.pool.on_change(self.eds.notify)
         self.flow = None
+        admission: Admission = SheddingAdmission(self.pool, sched)
         if c.flow_control:
             fc = _flow_config(sched_cfg, c)
             fm = FlowMetrics(self.metrics.registry, c.pool_name,
                              [*sched.objectives.values(), *fc.bands])
-            self.flow = FlowController(fc, self.pool, sched, self.demand, fm)
+            admission = self.flow = FlowController(fc, self.pool, sched, self.demand, fm)
             self.pool.on_change(self._membership_changed)
+        self.director = Director(self.pool, sched, PromptHasher(block_size=sched.block_size),
+                                 admission, self.metrics, self.finisher, _served_names(c))
         self.scaler = None
         if c.scaler_port is not None:
             self.scaler = ScalerServer(self.pool, self.demand, c.pool_name)
@@ -153,9 +157,9 @@ class EppApp:
         return self.tokenizer_state in ("none", "loaded", "failed") and self.pool.ready()
 
     def _debug(self) -> dict:
-        h = self.router.hasher
+        h = self.director.hasher
         return {"tokenizer": self.tokenizer_state, "prefix_hash": h.mode,
-                "served_models": self.router.served_models,
+                "served_models": self.director.served_models,
                 "index_backlog": self.finisher.backlog, "index_skipped": self.finisher.skipped,
                 "flow": self.flow.snapshot() if self.flow is not None else None,
                 "scaler": self.scaler.snapshot() if self.scaler is not None else None}
@@ -163,9 +167,9 @@ class EppApp:
     async def start(self) -> None:
         c = self.cfg
         self._grpc = grpc.aio.server(options=SERVER_OPTIONS)
-        ep_grpc.add_ExternalProcessorServicer_to_server(
-            ExtProcServicer(self.router, self.metrics, self.finisher, c.max_body_bytes,
-                            pd_auth.load_key(c.pd_key_file), self.flow), self._grpc)
+        self.servicer = ExtProcServicer(self.director, c.max_body_bytes,
+                                        pd_auth.load_key(c.pd_key_file))
+        ep_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
         eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self.eds, self._grpc)
         self.ports["ext_proc"] = bind(self._grpc, c.host, c.ext_proc_port, "ext_proc")
         await self._grpc.start()
@@ -214,7 +218,7 @@ class EppApp:
                       self.cfg.model, e)
             self.tokenizer_state = "failed"
             return
-        self.router.hasher.set_tokenizer(tok, err)
+        self.director.hasher.set_tokenizer(tok, err)
         self.tokenizer_state = "loaded"
         log.info("tokenizer for %s loaded", self.cfg.model)
 

@@ -12,7 +12,7 @@ from kvyard.common import wire
 
 
 def _endpoint(value: str):
-    from .endpoints import parse_spec
+    from .pool.endpoints import parse_spec
     addr, _, role = value.partition("=")
     try:
         return parse_spec({"address": addr, "role": role or "both"})
@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: $KVYARD_PD_KEY_FILE; without one, P/D targets are unsigned "
                         "and kvyard workers refuse them)")
     g.add_argument("--seed", type=int, default=None, help="tie-break RNG seed")
-    g = p.add_argument_group("flow control (the config's flowControl section; flow_control.py)")
+    g = p.add_argument_group("flow control (the config's flowControl section; flow/controller.py)")
     g.add_argument("--pool-name", default="default",
                    help="this EPP's pool, as metrics and the KEDA scaler's `pool` name it")
     g.add_argument("--no-endpoint-ttl", type=float, default=None, metavar="SECONDS",
@@ -73,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     from .app import EppConfig
-    from .discovery_k8s import selector_string
+    from .pool.discovery_k8s import selector_string
     return EppConfig(
         host=args.host, ext_proc_port=args.ext_proc_port, health_port=args.health_port,
         metrics_port=args.metrics_port, endpoints=list(args.endpoint),
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from .plugin_config import ConfigError
+    from .scheduling.plugin_config import ConfigError
 
     try:
         app = EppApp(config_from_args(args))

@@ -41,7 +41,7 @@ from typing import Any, Protocol, Sequence
 
 from kvyard.common.hashing import NONE_HASH, block_hashes, seed_for
 
-from .request import ParsedRequest, RequestError
+from .request import ParsedRequest, Rejection
 
 # Before " x" or "\n" when the previous character is a letter: every BPE
 # pre-tokenizer we know (GPT-2, Llama 3, SmolLM) ends a piece there.
@@ -245,18 +245,18 @@ class PromptHasher:
                 return self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
             except Exception as e:  # noqa: BLE001 - only the tokenizer's own error is a 400
                 if self.template_error is not None and isinstance(e, self.template_error):
-                    raise RequestError(400, f"invalid messages: {e}", "bad_messages") from None
+                    raise Rejection(400, f"invalid messages: {e}", "bad_messages") from None
                 raise
         p: Any = req.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             p = p[0]  # batched prompt: route by the first
         if isinstance(p, list):
             if not all(isinstance(t, int) and 0 <= t < 2**32 for t in p):
-                raise RequestError(400, "'prompt' token ids must be non-negative integers",
+                raise Rejection(400, "'prompt' token ids must be non-negative integers",
                                    "bad_prompt")
             return array("I", p)
         if not isinstance(p, str):
-            raise RequestError(400, "'prompt' must be a string or token ids", "bad_prompt")
+            raise Rejection(400, "'prompt' must be a string or token ids", "bad_prompt")
         return p
 
     def cached(self, chunk: str) -> array | None:

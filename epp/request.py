@@ -1,10 +1,11 @@
-"""Turns an OpenAI request body into what scheduling needs, or a client error.
+"""Turns an OpenAI request body into what scheduling needs, or a `Rejection`.
 
 Only the fields routing depends on are checked (model, messages/prompt); the
 worker validates the rest. The body is parsed by the same code as the
-worker's (`kvyard.common.api`), so both refuse the same bodies. Errors carry
-the HTTP status and an OpenAI-style JSON body so that Envoy can return them
-to the client unchanged.
+worker's (`kvyard.common.api`), so both refuse the same bodies. A rejection
+carries the HTTP status and an OpenAI-style JSON body so that Envoy can return
+it to the client unchanged; every answer the EPP gives itself is built here
+(the admission ones below: shedding, the queue, the waiting room, shutdown).
 
 A request without `model` is routed as the pool's (first) served model, as
 vLLM serves it with its default model: gateway and worker agree.
@@ -15,13 +16,17 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from kvyard.common.api import CHAT_ROLES, BodyError, error_json, parse_json_object
+from kvyard.common.wire import DROPPED_REASON_HEADER
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 
 
 @dataclass(slots=True)
-class RequestError(Exception):
+class Rejection(Exception):
     """A request the EPP answers itself (status, OpenAI error body, reason label).
+
+    Raised where the problem is found (parsing, admission) and returned by
+    `Director.handle` as the request's outcome.
 
     `reason` labels the error metric and is the body's `code` unless `code` is given.
     """
@@ -47,8 +52,8 @@ class ParsedRequest:
     priority: int
 
 
-def _bad(message: str, reason: str, param: str | None = None) -> RequestError:
-    return RequestError(400, message, reason, param=param)
+def _bad(message: str, reason: str, param: str | None = None) -> Rejection:
+    return Rejection(400, message, reason, param=param)
 
 
 def priority_of(headers: dict[str, str], objectives: dict[str, int]) -> int:
@@ -71,7 +76,7 @@ def priority_of(headers: dict[str, str], objectives: dict[str, int]) -> int:
 def parse_request(body: bytes, path: str, headers: dict[str, str],
                   served_models: Iterable[str] | None,
                   objectives: dict[str, int] | None = None) -> ParsedRequest:
-    """Validates the body; raises RequestError (400/404)."""
+    """Validates the body; raises Rejection (400/404)."""
     try:
         obj = parse_json_object(body)
     except BodyError as e:
@@ -81,10 +86,10 @@ def parse_request(body: bytes, path: str, headers: dict[str, str],
     if model is None:
         model = served[0] if served else ""
     elif not isinstance(model, str) or not model:
-        raise RequestError(400, "'model' must be a non-empty string", "invalid_model",
+        raise Rejection(400, "'model' must be a non-empty string", "invalid_model",
                            param="model")
     elif served and model not in served:
-        raise RequestError(404, f"The model '{model}' does not exist", "model_not_found",
+        raise Rejection(404, f"The model '{model}' does not exist", "model_not_found",
                            param="model")
     route = path.split("?", 1)[0]
     messages = prompt = None
@@ -107,3 +112,52 @@ def parse_request(body: bytes, path: str, headers: dict[str, str],
         if not isinstance(prompt, (str, list)):
             raise _bad("'prompt' must be a string or a list", "invalid_prompt", "prompt")
     return ParsedRequest(model, messages, prompt, priority_of(headers, objectives or {}))
+
+
+def _dropped(status: int, message: str, reason: str, code: str,
+             retry_after: str | None) -> Rejection:
+    """Admission's refusals: `x-gateway-request-dropped-reason` names them, as llm-d's do."""
+    headers = ((DROPPED_REASON_HEADER, code),)
+    if retry_after is not None:
+        headers += (("retry-after", retry_after),)
+    return Rejection(status, message, reason, code=code, headers=headers)
+
+
+def shed() -> Rejection:
+    return _dropped(429, "the pool is saturated; sheddable request dropped", "shed",
+                    "rejected-saturated", None)
+
+
+def queue_full() -> Rejection:
+    return _dropped(429, "the EPP's request queue is full", "queue_full", "rejected-queue-full",
+                    "1")
+
+
+def ttl_expired() -> Rejection:
+    return _dropped(429, "the pool stayed saturated past this request's queue TTL",
+                    "ttl_expired", "rejected-ttl-expired", "1")
+
+
+def no_endpoint() -> Rejection:
+    return _dropped(503, "no ready endpoint for this request", "no_endpoint",
+                    "rejected-no-endpoints", "1")
+
+
+def no_endpoint_in_time() -> Rejection:
+    """The waiting room's TTL ran out: a cold start takes a while, so retry later."""
+    return _dropped(503, "no endpoint became ready in time for this request", "no_endpoint",
+                    "rejected-no-endpoints", "5")
+
+
+def shutting_down() -> Rejection:
+    return _dropped(503, "the endpoint picker is shutting down; retry", "shutting_down",
+                    "rejected-shutting-down", "1")
+
+
+def body_too_large(limit: int) -> Rejection:
+    return Rejection(413, f"request body exceeds {limit} bytes", "body_too_large",
+                     code="request_too_large")
+
+
+def internal() -> Rejection:
+    return Rejection(500, "internal error in the endpoint picker", "internal")

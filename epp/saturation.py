@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .endpoints import Endpoint
+from .pool.endpoints import Endpoint
 
 QUEUE_LIMIT = 5.0
 KV_LIMIT = 0.8

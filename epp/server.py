@@ -1,5 +1,8 @@
 """The ext_proc stream handler: one bidirectional stream per HTTP request.
 
+Only the protocol lives here (stream order, Envoy's messages, timeouts); what
+happens to the request is the director's (`director.py`).
+
 Body handling (pinned with the gateway's Envoy config, kvyard/gateway/config.py):
 request headers SEND; request body STREAMED with
 `send_body_without_waiting_for_header_response`, behind Envoy's buffer
@@ -17,7 +20,7 @@ Order on the stream: request_headers arrives first and is held (unless it
 has end_of_stream, e.g. GET /v1/models, which is routed at once); when the
 body arrives we decide, then answer the headers message with the routing
 mutation and the body message with an empty "continue". A request flow
-control holds (`flow_control.py`) first gets an `override_message_timeout`
+control holds (`flow/controller.py`) first gets an `override_message_timeout`
 answer, which tells Envoy to wait past its per-message timeout (up to the
 gateway's max_message_timeout); a client that goes away meanwhile cancels
 this stream, and with it the request's place in the queue. Every failure,
@@ -30,12 +33,10 @@ routing decision made on half a request.
 from __future__ import annotations
 
 import logging
-
-import grpc
-import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
@@ -43,11 +44,10 @@ from kvyard.common import pd_auth
 from kvyard.common.wire import MAX_HOLD_S
 
 from . import responses
-from .flow_control import FlowController
-from .observability import EppMetrics
-from .request import RequestError
-from .router import Finisher, Router
-from .scheduler import Decision
+from .admission import Held
+from .director import Director
+from .request import Rejection, body_too_large, internal
+from .scheduling.types import Decision
 
 log = logging.getLogger("kvyard.epp")
 HOLD_MARGIN_S = 5.0  # Envoy waits this much past a held request's TTL for our answer
@@ -62,12 +62,9 @@ def _headers(msg: ep.HttpHeaders) -> dict[str, str]:
 
 @dataclass(slots=True)
 class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
-    router: Router
-    metrics: EppMetrics
-    finisher: Finisher
+    director: Director
     max_body_bytes: int = 4 * 1024 * 1024
     pd_key: bytes | None = None  # signs x-prefiller-host-port (kvyard.common.pd_auth)
-    flow: FlowController | None = None  # None: nothing is held (429/503 at once)
 
     def _routing(self, d: Decision, has_body: bool) -> list[ep.ProcessingResponse]:
         pre = d.prefill.address if d.prefill is not None else None
@@ -77,52 +74,32 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             out.append(responses.body_continue())
         return out
 
-    def _refuse(self, e: RequestError) -> ep.ProcessingResponse:
-        self.metrics.error(e.reason)
-        return responses.immediate(e.status, e.body(), e.headers, e.reason)
-
-    def _decide(self, headers: dict[str, str],
-                body: bytes | None) -> tuple[list[ep.ProcessingResponse], Decision | None]:
-        """Headers answer (routing or immediate) and, for a body, its continue; never holds."""
-        t0 = time.perf_counter()
-        try:
-            d = self.router.route(headers, body)
-        except RequestError as e:
-            return [self._refuse(e)], None
-        self.metrics.decision(time.perf_counter() - t0, d)
-        return self._routing(d, body is not None), d
+    def _error(self, e: Rejection) -> ep.ProcessingResponse:
+        """One the server finds itself (the director counts its own rejections)."""
+        self.director.metrics.error(e.reason)
+        return _refusal(e)
 
     async def _answer(self, headers: dict[str, str] | None,
-                      chunks: list[bytes]) -> AsyncIterator[ep.ProcessingResponse]:
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        headers = headers or {}
-        await self.finisher.settle()
-        if self.flow is None:
-            answers, decision = self._decide(headers, body)
-        else:
-            t0 = time.perf_counter()
-            try:
-                req = self.router.prepare(headers, body)
-                d = self.flow.try_now(req)
-                if isinstance(d, str):  # held: tell Envoy to wait, then wait our turn
-                    w = self.flow.enqueue(req, d, len(body), headers)
-                    yield responses.hold(min(self.flow.remaining_s(w) + HOLD_MARGIN_S,
-                                             MAX_HOLD_S))
-                    t0 = time.perf_counter()
-                    d = await self.flow.wait(w)
-            except RequestError as e:
-                yield self._refuse(e)
-                return
-            self.metrics.decision(time.perf_counter() - t0, d)
-            answers, decision = self._routing(d, True), d
-        if decision is not None:
+                      body: bytes | None) -> AsyncIterator[ep.ProcessingResponse]:
+        """The answer to the request's headers (routing or immediate) and, for a body,
+        its continue; a held request first gets Envoy's hold (`override_message_timeout`)."""
+        if body is not None:
+            await self.director.settle()
+        out = self.director.handle(headers or {}, body)
+        if type(out) is Held:
+            yield responses.hold(min(out.remaining_s + HOLD_MARGIN_S, MAX_HOLD_S))
+            out = await self.director.wait(out)
+        if type(out) is not Decision:
+            yield _refusal(out)
+            return
+        if body is not None:
             # Registered before Envoy gets the answer (the hashing itself runs
             # in the finisher's thread): code after the last `yield` only runs
             # when gRPC resumes this generator, and under load the client's
             # next request could be decided first, before `settle` knew there
             # was teaching to wait for — which broke prefix stickiness.
-            self.finisher.submit(decision)
-        for r in answers:
+            self.director.finish(out)
+        for r in self._routing(out, body is not None):
             yield r
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
@@ -135,7 +112,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             kind = msg.WhichOneof("request")
             if (kind == "request_headers" and headers is not None) or (
                     kind in ("request_body", "request_trailers") and headers is None):
-                self.metrics.error("protocol")
+                self.director.metrics.error("protocol")
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"ext_proc: {kind} out of order (request headers come "
                                     "first, once)")
@@ -144,25 +121,22 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                     headers = _headers(msg.request_headers)
                     if msg.request_headers.end_of_stream:
                         decided = True
-                        for r in self._decide(headers, None)[0]:
+                        async for r in self._answer(headers, None):
                             yield r
                 elif kind == "request_body":
                     size += len(msg.request_body.body)
                     if size > self.max_body_bytes:
-                        self.metrics.error("body_too_large")
-                        err = RequestError(413, f"request body exceeds {self.max_body_bytes} bytes",
-                                           "body_too_large", code="request_too_large")
-                        yield responses.immediate(413, err.body(), details=err.reason)
+                        yield self._error(body_too_large(self.max_body_bytes))
                         return
                     chunks.append(msg.request_body.body)
                     if msg.request_body.end_of_stream:
                         decided = True
-                        async for r in self._answer(headers, chunks):
+                        async for r in self._answer(headers, _joined(chunks)):
                             yield r
                 elif kind == "request_trailers":
                     if not decided:  # trailers, not the body, ended the request
                         decided = True
-                        async for r in self._answer(headers, chunks):
+                        async for r in self._answer(headers, _joined(chunks)):
                             yield r
                     yield responses.trailers_continue()
                 elif kind == "response_headers":
@@ -173,7 +147,13 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                     yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
             except Exception:  # noqa: BLE001 - answer 500, keep serving
                 log.exception("ext_proc: internal error")
-                self.metrics.error("internal")
-                err = RequestError(500, "internal error in the endpoint picker", "internal")
-                yield responses.immediate(500, err.body(), details="internal")
+                yield self._error(internal())
                 return
+
+
+def _joined(chunks: list[bytes]) -> bytes:
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _refusal(e: Rejection) -> ep.ProcessingResponse:
+    return responses.immediate(e.status, e.body(), e.headers, e.reason)

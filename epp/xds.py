@@ -29,7 +29,7 @@ from google.protobuf import any_pb2
 
 from kvyard.common.wire import WORKERS_CLUSTER
 
-from .endpoints import EndpointPool
+from .pool.endpoints import EndpointPool
 
 log = logging.getLogger("kvyard.epp.xds")
 TYPE_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"

@@ -2,9 +2,9 @@
 
 Two parts, one run:
 
-1. Decision latency: the EPP's own `bench_api.decision_latency` (in-process:
-   parse, tokenize, hash, score, pick) for 8/64/256 endpoints x 1k/8k/50k
-   token prompts. Targets: p99 <= 2 ms at 64 endpoints with 8k prompts; a 50k
+1. Decision latency: `kvyard.bench.epp_api.decision_latency` (in-process:
+   `Director.handle` as `kvyard epp` runs it: parse, tokenize, hash,
+   admission, score, pick) for 8/64/256 endpoints x 1k/8k/50k token prompts. Targets: p99 <= 2 ms at 64 endpoints with 8k prompts; a 50k
    prompt adds <= 25 ms over a 1k one.
 2. Gateway throughput: requests/s through Envoy -> EPP (one process) -> a
    stand-in worker, against Envoy routing straight to the same stand-in. Both
@@ -40,21 +40,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--prompt-chars", type=int, default=2000, help="request size (part 2)")
     p.add_argument("--model", default="demo", help="the EPP's tokenizer (part 2)")
+    p.add_argument("--no-flow-control", action="store_true",
+                   help="part 1: time the director as `kvyard epp --no-flow-control` runs it "
+                        "(saturation shedding as its only admission)")
     p.add_argument("--skip-decision", action="store_true")
     p.add_argument("--skip-gateway", action="store_true")
 
 
-def decision_rows(rep: Report, endpoints: list[int], prompts: list[int], iterations: int) -> bool:
+def decision_rows(rep: Report, endpoints: list[int], prompts: list[int], iterations: int,
+                  flow_control: bool = True) -> bool:
     """False (with a note saying why) when the EPP's bench API is unavailable."""
     try:
-        from kvyard.epp.bench_api import decision_latency
+        from kvyard.bench.epp_api import decision_latency
     except ImportError as e:
-        rep.notes.append(f"part 1 FAILED: kvyard.epp.bench_api.decision_latency is missing ({e})")
+        rep.notes.append(f"part 1 FAILED: kvyard.bench.epp_api.decision_latency is missing ({e})")
         return False
     p99: dict[tuple[int, int], float] = {}
     for n in endpoints:
         for t in prompts:
-            lat = decision_latency(n, t, max(1, iterations if t < 20000 else iterations // 4))
+            lat = decision_latency(n, t, max(1, iterations if t < 20000 else iterations // 4),
+                                   flow_control=flow_control)
             ms = [1000 * x for x in lat]
             p99[(n, t)] = percentile(ms, 99)
             rep.add(part="decision", endpoints=n, prompt_tokens=t, p50_ms=percentile(ms, 50),
@@ -168,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
                      "envoy_concurrency": 1})
     ok = True
     if not args.skip_decision:
-        ok = decision_rows(rep, args.endpoints, args.prompt_tokens, args.iterations)
+        ok = decision_rows(rep, args.endpoints, args.prompt_tokens, args.iterations,
+                           not args.no_flow_control)
     if not args.skip_gateway:
         gateway_rows(rep, args)
     rep.emit(args.json)

@@ -15,7 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from kvyard.epp.app import EppApp, EppConfig
-from kvyard.epp.endpoints import EndpointSpec
+from kvyard.epp.pool.endpoints import EndpointSpec
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """The benchmark entry point returns real, positive timings of the full decision."""
 from __future__ import annotations
 
-from kvyard.epp.bench_api import latencies
+from kvyard.bench.epp_api import latencies
 
 
 def test_decision_latency_runs_over_a_synthetic_pool():

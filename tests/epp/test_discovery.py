@@ -6,9 +6,9 @@ from datetime import datetime, timezone
 import pytest
 from kubernetes.client import V1ObjectMeta, V1Pod, V1PodCondition, V1PodStatus
 
-from kvyard.epp.discovery_file import FileDiscovery
-from kvyard.epp.discovery_k8s import pod_endpoint, selector_string
-from kvyard.epp.endpoints import EndpointPool, EndpointSpec, parse_spec
+from kvyard.epp.pool.discovery_file import FileDiscovery
+from kvyard.epp.pool.discovery_k8s import pod_endpoint, selector_string
+from kvyard.epp.pool.endpoints import EndpointPool, EndpointSpec, parse_spec
 
 
 async def test_file_reload_adds_and_removes_endpoints(epp, xp, tmp_path):

@@ -117,11 +117,11 @@ async def test_internal_error_is_500_and_next_request_is_served(fake_vllm, epp, 
         def score(self, req, eps):
             raise RuntimeError("bug")
 
-    app.router.scheduler.scorers.append((Boom(), 1.0))
+    app.director.scheduler.scorers.append((Boom(), 1.0))
     resps = await xp.exchange(app.ports["ext_proc"],
                               [xp.headers_msg(xp.chat_headers()), xp.body_msg(CHAT)])
     assert _immediate(resps)[0] == 500
-    app.router.scheduler.scorers.pop()
+    app.director.scheduler.scorers.pop()
     resps = await xp.exchange(app.ports["ext_proc"],
                               [xp.headers_msg(xp.chat_headers()), xp.body_msg(CHAT)])
     assert xp.set_headers(resps[0])[DESTINATION_HEADER] == w.address

@@ -8,10 +8,10 @@ import json
 import pytest
 
 from kvyard.common.wire import DESTINATION_HEADER, DROPPED_REASON_HEADER, QUEUE_TTL_HEADER
-from kvyard.epp.endpoints import EndpointSpec
-from kvyard.epp.flow_config import parse_flow_config
-from kvyard.epp.flow_control import FlowController
-from kvyard.epp.plugin_config import ConfigError
+from kvyard.epp.flow.config import parse_flow_config
+from kvyard.epp.flow.controller import FlowController
+from kvyard.epp.pool.endpoints import EndpointSpec
+from kvyard.epp.scheduling.plugin_config import ConfigError
 
 CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello"}]}).encode()
 
@@ -189,8 +189,8 @@ def test_example_config_documents_the_flow_control_defaults():
     from pathlib import Path
 
     import kvyard.epp
-    from kvyard.epp.flow_config import FlowConfig
-    from kvyard.epp.scheduler import load_config
+    from kvyard.epp.flow.config import FlowConfig
+    from kvyard.epp.scheduling.config import load_config
     raw = load_config(Path(kvyard.epp.__file__).parent / "scheduler.example.yaml")
     assert parse_flow_config(raw["flowControl"]) == FlowConfig()
 

@@ -7,8 +7,8 @@ import json
 
 from aiohttp import web
 
-from kvyard.epp.discovery_k8s import K8sDiscovery
-from kvyard.epp.endpoints import EndpointPool
+from kvyard.epp.pool.discovery_k8s import K8sDiscovery
+from kvyard.epp.pool.endpoints import EndpointPool
 
 
 def _pod(name: str, ip: str, ready: bool, role: str | None = None) -> dict:

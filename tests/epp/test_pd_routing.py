@@ -7,7 +7,7 @@ from pathlib import Path
 
 import kvyard.epp
 from kvyard.common.wire import DESTINATION_HEADER, PREFILLER_HEADER
-from kvyard.epp.endpoints import EndpointSpec
+from kvyard.epp.pool.endpoints import EndpointSpec
 
 PD = str(Path(kvyard.epp.__file__).parent / "scheduler.pd.example.yaml")
 

@@ -8,7 +8,7 @@ import pytest
 
 from kvyard.common.hashing import block_hashes, seed_for
 from kvyard.epp.prompt import PromptHasher, split_chunks
-from kvyard.epp.request import RequestError, parse_request
+from kvyard.epp.request import Rejection, parse_request
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_completions_prompt_forms_and_bad_input():
     text = parse_request(b'{"model": "m", "prompt": ["abcd" , "x"]}', "/v1/completions", {}, None)
     assert h.hashes(text)[1] == 1  # byte-quad pseudo tokens of "abcd"
     bad = parse_request(b'{"model": "m", "prompt": [1, -2]}', "/v1/completions", {}, None)
-    with pytest.raises(RequestError) as e:
+    with pytest.raises(Rejection) as e:
         h.hashes(bad)
     assert e.value.status == 400
 
@@ -79,7 +79,7 @@ def test_bad_chat_messages_are_400(tok):
     from kvyard.common.tokenizer import ChatTemplateError
     h = PromptHasher()
     h.set_tokenizer(tok, ChatTemplateError)
-    with pytest.raises(RequestError) as e:  # refused before any templating
+    with pytest.raises(Rejection) as e:  # refused before any templating
         parse_request(b'{"model": "m", "messages": [{"content": "no role"}]}',
                       "/v1/chat/completions", {}, None)
     assert e.value.status == 400 and e.value.param == "messages[0].role"
@@ -87,7 +87,7 @@ def test_bad_chat_messages_are_400(tok):
                         "/v1/chat/completions", {}, None)
     try:
         h.hashes(req)
-    except RequestError as e:
+    except Rejection as e:
         assert e.status == 400
     else:  # the template tolerated it: then it must at least have hashed something
         assert h.hashes(req)[1] > 0
@@ -124,7 +124,7 @@ async def test_deferred_hashing_teaches_the_index_through_the_server(fake_vllm, 
     ws = [await fake_vllm() for _ in range(3)]
     app = await epp(ws, model="demo", served_model_names=[], seed=5)
     await xp.wait_for(app.is_ready, timeout=30, what="tokenizer and endpoints")
-    assert app.router.hasher.mode == "tokens"
+    assert app.director.hasher.mode == "tokens"
     doc = _text(random.Random(4), 4000)
 
     async def send(question: str) -> str:
@@ -135,7 +135,7 @@ async def test_deferred_hashing_teaches_the_index_through_the_server(fake_vllm, 
         return xp.set_headers(r[0])["x-gateway-destination-endpoint"]
 
     first = await send(" first?")
-    ps = app.router.scheduler.prefix_scorer
+    ps = app.director.scheduler.prefix_scorer
     await xp.wait_for(lambda: app.finisher.backlog == 0 and ps.index.size(first) > 50,
                       what="index taught")
     for q in (" second?", " third?"):

@@ -8,9 +8,9 @@ import grpc
 import pytest
 
 from kvyard.common import keda
-from kvyard.epp.demand import Demand
-from kvyard.epp.endpoints import EndpointPool, EndpointSpec
-from kvyard.epp.scaler import ScalerConfig, ScalerServer
+from kvyard.epp.flow.demand import Demand
+from kvyard.epp.pool.endpoints import EndpointPool, EndpointSpec
+from kvyard.epp.scaler.server import ScalerConfig, ScalerServer
 
 pb2 = keda.pb2
 POOL = "llama"

@@ -12,10 +12,10 @@ import pytest
 from aiohttp import web
 
 from kvyard.common import keda
-from kvyard.epp.demand import Demand
-from kvyard.epp.endpoints import EndpointPool, EndpointSpec
-from kvyard.epp.scaler import ScalerConfig, ScalerServer
-from kvyard.epp.scraper import Scraper
+from kvyard.epp.flow.demand import Demand
+from kvyard.epp.pool.endpoints import EndpointPool, EndpointSpec
+from kvyard.epp.pool.scraper import Scraper
+from kvyard.epp.scaler.server import ScalerConfig, ScalerServer
 from kvyard.workers.engine.api import EngineStats
 from kvyard.workers.server.metrics import ServerMetrics
 
@@ -143,7 +143,7 @@ async def test_capacity_is_measured_from_scrapes_and_drives_the_metric(free_port
 
 
 def test_parser_reads_the_counters_summed_and_none_when_absent():
-    from kvyard.epp.metrics_parse import parse_vllm_metrics
+    from kvyard.epp.pool.metrics_parse import parse_vllm_metrics
 
     m = parse_vllm_metrics(
         'vllm:prompt_tokens_total{engine="0"} 100\nvllm:prompt_tokens_total{engine="1"} 20\n'
@@ -158,7 +158,7 @@ def test_parser_reads_the_counters_summed_and_none_when_absent():
 
 def _feed(cap, ep, windows, batch, tpot, t0=0.0, prompt_rate=0.0, waiting=0.0):
     """Scrapes every 0.05 s of an engine at `batch` sequences and per-sequence `tpot`."""
-    from kvyard.epp.metrics_parse import WorkerMetrics
+    from kvyard.epp.pool.metrics_parse import WorkerMetrics
 
     t, gen, prompt = t0, 0.0, 0.0
     for _ in range(int(windows * cap.window_s / 0.05) + 1):
@@ -171,8 +171,8 @@ def _feed(cap, ep, windows, batch, tpot, t0=0.0, prompt_rate=0.0, waiting=0.0):
 
 
 def test_tpot_fit_edge_cases():
-    from kvyard.epp.capacity import Capacity
-    from kvyard.epp.endpoints import Endpoint
+    from kvyard.epp.scaler.capacity import Capacity
+    from kvyard.epp.pool.endpoints import Endpoint
 
     fb_cap = Capacity()
     assert fb_cap.role("decode").decode_sequences(0.05, fb_cap.fallback) == 16  # 0.05*8/0.025
@@ -194,9 +194,9 @@ def test_tpot_fit_edge_cases():
 
 
 def test_counter_reset_restarts_the_window():
-    from kvyard.epp.capacity import Capacity
-    from kvyard.epp.endpoints import Endpoint
-    from kvyard.epp.metrics_parse import WorkerMetrics
+    from kvyard.epp.scaler.capacity import Capacity
+    from kvyard.epp.pool.endpoints import Endpoint
+    from kvyard.epp.pool.metrics_parse import WorkerMetrics
 
     cap, ep = Capacity(window_s=1.0), Endpoint("a:1", "both")
     cap.observe(ep, WorkerMetrics(running=1, prompt_tokens=1e6, generation_tokens=1e6), 0.0)

@@ -12,7 +12,7 @@ import grpc
 
 from kvyard.common import keda
 from kvyard.common.wire import DESTINATION_HEADER
-from kvyard.epp.endpoints import EndpointSpec
+from kvyard.epp.pool.endpoints import EndpointSpec
 
 pb2 = keda.pb2
 CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "wake up"}]}).encode()

@@ -7,10 +7,10 @@ import sys
 
 from aiohttp import web
 
-from kvyard.epp.demand import Demand
-from kvyard.epp.endpoints import EndpointPool
+from kvyard.epp.flow.demand import Demand
 from kvyard.epp.observability import EppMetrics, debug_app
-from kvyard.epp.scaler import ScalerServer
+from kvyard.epp.pool.endpoints import EndpointPool
+from kvyard.epp.scaler.server import ScalerServer
 from kvyard.stack import status
 from kvyard.stack.launch import StackState
 

@@ -7,12 +7,13 @@ from collections import Counter
 import pytest
 
 from kvyard.common.hashing import block_hashes
-from kvyard.epp.endpoints import EndpointPool, EndpointSpec
-from kvyard.epp.plugins import QueueScorer, SchedRequest
-from kvyard.epp.prefix_index import PrefixIndex
+from kvyard.epp.pool.endpoints import EndpointPool, EndpointSpec
 from kvyard.epp.prompt import LazyPrompt
 from kvyard.epp.saturation import pool_saturation
-from kvyard.epp.scheduler import build_scheduler
+from kvyard.epp.scheduling.config import build_scheduler
+from kvyard.epp.scheduling.prefix_index import PrefixIndex
+from kvyard.epp.scheduling.scorers.queue import QueueScorer
+from kvyard.epp.scheduling.types import SchedRequest
 
 
 def _pool(n: int, **metrics) -> EndpointPool:
@@ -140,7 +141,7 @@ def test_example_config_is_the_default_pipeline():
     from pathlib import Path
 
     import kvyard.epp
-    from kvyard.epp.scheduler import load_config
+    from kvyard.epp.scheduling.config import load_config
     path = Path(kvyard.epp.__file__).parent / "scheduler.example.yaml"
     s = build_scheduler(load_config(path))
     assert [f.name for f in s.filters] == ["healthy", "prefer-fresh", "role"]

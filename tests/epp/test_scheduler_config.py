@@ -6,12 +6,12 @@ import time
 
 import pytest
 
-from kvyard.epp.cycle import PREFIX_MATCHES
-from kvyard.epp.endpoints import EndpointPool, EndpointSpec
-from kvyard.epp.plugin_config import ConfigError
-from kvyard.epp.plugins import SchedRequest
+from kvyard.epp.pool.endpoints import EndpointPool, EndpointSpec
 from kvyard.epp.prompt import LazyPrompt
-from kvyard.epp.scheduler import build_scheduler
+from kvyard.epp.scheduling.config import build_scheduler
+from kvyard.epp.scheduling.cycle import PREFIX_MATCHES
+from kvyard.epp.scheduling.plugin_config import ConfigError
+from kvyard.epp.scheduling.types import SchedRequest
 
 
 @pytest.mark.parametrize("cfg,path,text", [
@@ -71,7 +71,7 @@ def test_prefix_matches_reach_the_decision_through_the_cycle_state():
     s = build_scheduler(seed=1)
     pool = _pool(2)
     a = pool.all()[0]
-    s.learn(a.address, [11, 12, 13])  # post-response teaching, found by hook name
+    s.learn(a.address, [11, 12, 13])  # post-response teaching (a PostResponse hook)
     req = SchedRequest("m", LazyPrompt.of_hashes([11, 12, 13, 14]), now=time.monotonic())
     d = s.schedule(req, pool.all())
     assert d.endpoint is a and d.matched_blocks == 3
@@ -79,11 +79,11 @@ def test_prefix_matches_reach_the_decision_through_the_cycle_state():
     assert a.prefix_hits == 1 and a.pending == 1
 
 
-def test_hooks_are_found_by_name_on_any_plugin():
+def test_hooks_are_found_by_type_on_any_plugin():
     s = build_scheduler({"scorers": [{"type": "queue", "weight": 1}]}, seed=1)
     seen = []
 
-    class Teacher:  # a third-party scorer with post-response hooks
+    class Teacher:  # a third-party scorer implementing PostResponse and PoolListener
         name = "teacher"
 
         def score(self, req, eps):
@@ -113,7 +113,7 @@ def _pd_scheduler(**handler):
     from pathlib import Path
 
     import kvyard.epp
-    from kvyard.epp.scheduler import load_config
+    from kvyard.epp.scheduling.config import load_config
     cfg = load_config(Path(kvyard.epp.__file__).parent / "scheduler.pd.example.yaml")
     cfg["profileHandler"] = {**cfg["profileHandler"], **handler}
     return build_scheduler(cfg, seed=1)

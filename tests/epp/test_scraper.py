@@ -8,7 +8,7 @@ import time
 from aiohttp import web
 
 from kvyard.common.wire import DESTINATION_HEADER
-from kvyard.epp.metrics_parse import parse_vllm_metrics
+from kvyard.epp.pool.metrics_parse import parse_vllm_metrics
 
 CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
 
@@ -81,7 +81,7 @@ async def test_hung_endpoint_dropped_after_repeated_timeouts(fake_vllm, epp, xp,
     await web.TCPSite(runner, "127.0.0.1", port).start()
     try:
         w = await fake_vllm()
-        from kvyard.epp.endpoints import EndpointSpec
+        from kvyard.epp.pool.endpoints import EndpointSpec
         app = await epp([EndpointSpec(f"127.0.0.1:{port}"), EndpointSpec(w.address)])
         took = await xp.wait_for(lambda: app.pool.get(f"127.0.0.1:{port}").down, timeout=5.0,
                                  what="hung endpoint down")
@@ -94,7 +94,7 @@ async def test_hung_endpoint_dropped_after_repeated_timeouts(fake_vllm, epp, xp,
 
 
 def test_parser_reads_the_pending_prompt_tokens_gauge():
-    from kvyard.epp.metrics_parse import parse_vllm_metrics
+    from kvyard.epp.pool.metrics_parse import parse_vllm_metrics
     text = ('vllm:num_requests_waiting{model_name="m"} 2\n'
             '# HELP kvyard:prompt_tokens_pending Prompt tokens not computed yet.\n'
             'kvyard:prompt_tokens_pending{model_name="m"} 1536.0\n')

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from kvyard.common.wire import DESTINATION_HEADER, M_SLEEPING
-from kvyard.epp.metrics_parse import parse_vllm_metrics
+from kvyard.epp.pool.metrics_parse import parse_vllm_metrics
 
 CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
 

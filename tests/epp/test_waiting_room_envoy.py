@@ -7,7 +7,7 @@ import asyncio
 
 import aiohttp
 
-from kvyard.epp.endpoints import EndpointSpec
+from kvyard.epp.pool.endpoints import EndpointSpec
 
 from .test_envoy_e2e import _envoy_ready, _openai_error, envoy  # noqa: F401 (fixture)
 

@@ -7,7 +7,7 @@ import asyncio
 import grpc
 
 from kvyard.common.wire import WORKERS_CLUSTER
-from kvyard.epp.endpoints import EndpointSpec
+from kvyard.epp.pool.endpoints import EndpointSpec
 
 
 def _addresses(resp) -> list[str]:

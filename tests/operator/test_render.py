@@ -154,7 +154,7 @@ def test_epp_args_config_and_rbac() -> None:
     mount = next(m for m in c["volumeMounts"] if m["name"] == "config")
     (key,) = cm["data"]
     assert a.config == f"{mount['mountPath']}/{key}"
-    from kvyard.epp.scheduler import build_scheduler
+    from kvyard.epp.scheduling.config import build_scheduler
     build_scheduler(yaml.safe_load(cm["data"][key]))
     role = by_kind(children, "Role")["demo-epp"]
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"],
@@ -172,7 +172,7 @@ def test_pd_renders_the_split_scheduler_and_the_shared_key() -> None:
     cm = yaml.safe_load(by_kind(children, "ConfigMap")["demo-epp"]["data"]["scheduler.yaml"])
     assert cm["profileHandler"]["type"] == "disagg-profile-handler"
     assert cm["profileHandler"]["nonCachedTokens"] == 128
-    from kvyard.epp.scheduler import build_scheduler
+    from kvyard.epp.scheduling.config import build_scheduler
     build_scheduler(cm)
     for name, role in (("demo-prefill", "prefill"), ("demo-decode", "decode")):
         c = container(deps[name])

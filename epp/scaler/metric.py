@@ -34,10 +34,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..flow.demand import Demand
+from ..pool.endpoints import EndpointPool
 from .capacity import Capacity
-from .demand import Demand
-from .endpoints import EndpointPool
-from .scaler_meta import ScaledObjectParams
+from .meta import ScaledObjectParams
 
 
 @dataclass(slots=True)

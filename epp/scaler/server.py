@@ -10,10 +10,10 @@ come from `kvyard.common.keda`.
 
 * `scalerMetadata`: `pool` (must be this EPP's `--pool-name`, else NOT_FOUND),
   `role` (`both|decode|prefill`), optional `targetValue`, `ttftMs`, `tpotMs`,
-  `kvTarget`; `scaler_meta.py` documents them. Bad metadata is INVALID_ARGUMENT.
+  `kvTarget`; `meta.py` documents them. Bad metadata is INVALID_ARGUMENT.
 * Metric (`GetMetricSpec` / `GetMetrics`): one per ScaledObject, named
   `kvyard-<pool>-<role>`, in replicas' worth of demand; the formula is in
-  `scaler_metric.py`, the capacity it divides by is measured in `capacity.py`.
+  `metric.py`, the capacity it divides by is measured in `capacity.py`.
   It exists, with value 0, for a pool with no pods.
 * `IsActive`: the role's endpoints have work, or requests wait for the role.
 * `StreamIsActive`: the current activity at once and every `stream_interval_s`,
@@ -43,13 +43,13 @@ import grpc
 from kvyard.common import keda
 from kvyard.common.wire import ROLES
 
+from ..flow.demand import Demand
+from ..health import SERVER_OPTIONS, bind
+from ..pool.endpoints import Endpoint, EndpointPool
+from ..pool.metrics_parse import WorkerMetrics
 from .capacity import Capacity, Fallback
-from .demand import Demand
-from .endpoints import Endpoint, EndpointPool
-from .health import SERVER_OPTIONS, bind
-from .metrics_parse import WorkerMetrics
-from .scaler_meta import WAKES, MetadataError, ScaledObjectParams, ScalerDefaults, parse_metadata
-from .scaler_metric import Reading, read
+from .meta import WAKES, MetadataError, ScaledObjectParams, ScalerDefaults, parse_metadata
+from .metric import Reading, read
 
 log = logging.getLogger("kvyard.epp.scaler")
 pb2, pb2_grpc = keda.pb2, keda.pb2_grpc

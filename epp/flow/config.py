@@ -26,7 +26,7 @@ from typing import Any
 
 from kvyard.common.wire import MAX_HOLD_S
 
-from .plugin_config import ConfigError
+from ..scheduling.plugin_config import ConfigError
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}

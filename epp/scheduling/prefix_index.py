@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from .prompt import LazyPrompt
+from ..prompt import LazyPrompt
 
 
 @dataclass(slots=True)

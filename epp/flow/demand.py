@@ -1,8 +1,8 @@
 """Demand the EPP holds back: what flow control writes and the KEDA scaler reads.
 
-Flow control (`flow_control.py`) counts the requests it holds, by the role of
+Flow control (`controller.py`) counts the requests it holds, by the role of
 endpoint they wait for, and calls `notify(role)` when a request reaches a role
-with no ready endpoint (the waiting room). The scaler (`scaler.py`) reads the
+with no ready endpoint (the waiting room). The scaler (`scaler/server.py`) reads the
 counts for its metrics and subscribes to the notifications for
 `StreamIsActive`, so a wake-up starts the moment the request arrives instead of
 at KEDA's next poll. Roles here are the roles a request waits for:

@@ -1,6 +1,6 @@
 """Per-replica capacity, measured online from the endpoints' own counters.
 
-The KEDA scaler (`scaler.py`) divides demand by capacity, so capacity must come
+The KEDA scaler (`server.py`) divides demand by capacity, so capacity must come
 from what the workers actually do, not from a number someone typed once. Every
 good scrape is fed to `Capacity.observe`; per endpoint, scrapes are gathered
 into windows of at least `window_s` seconds (a 50 ms scrape sees too few
@@ -32,8 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .endpoints import Endpoint
-from .metrics_parse import WorkerMetrics
+from ..pool.endpoints import Endpoint
+from ..pool.metrics_parse import WorkerMetrics
 
 _EWMA = 0.3  # weight of a new window: a few windows to settle, one outlier does not dominate
 _FORGET = 0.97  # per-window forgetting of the TPOT fit: about 30 windows of memory

@@ -1,6 +1,7 @@
-"""Flow control: the EPP holds requests the pool cannot take yet, instead of dropping them.
+"""Flow control: the admission (`admission.Admission`) that holds requests the pool
+cannot take yet, instead of dropping them.
 
-Two places a request can wait, both bounded (`flow_config.FlowConfig`):
+Two places a request can wait, both bounded (`config.FlowConfig`):
 
 * the **waiting room**: the pool has no ready endpoint (scaled to zero, all
   asleep, all down). The request is parked, the scaler is told at once
@@ -35,65 +36,27 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Callable
+from functools import partial
+from typing import Callable, Mapping
 
-from kvyard.common.wire import DROPPED_REASON_HEADER, FAIRNESS_HEADER, QUEUE_TTL_HEADER
+from kvyard.common.wire import FAIRNESS_HEADER, QUEUE_TTL_HEADER
 
-from .cycle import PREFILL_MISSED
+from ..admission import Held, Schedule, SheddingAdmission
+from ..pool.endpoints import Endpoint, EndpointPool
+from ..request import no_endpoint_in_time, queue_full, shed, shutting_down, ttl_expired
+from ..saturation import pod_saturation, pool_saturation
+from ..scheduling.cycle import PREFILL_MISSED
+from ..scheduling.scheduler import Scheduler
+from ..scheduling.types import Decision, SchedRequest
+from .config import FlowConfig
 from .demand import Demand
-from .endpoints import Endpoint, EndpointPool
-from .flow_config import FlowConfig
-from .flow_metrics import FlowMetrics
-from .plugins import SchedRequest
-from .request import RequestError
-from .saturation import pod_saturation, pool_saturation
-from .scheduler import Decision, Scheduler
+from .metrics import FlowMetrics
+from .queues import BandQueue, Waiter
 
 WAITING_ROOM, SATURATED = "waiting_room", "saturated"
-ROLE = "decode"  # what every held request waits for (demand.py): a serving endpoint
+ROLE = "decode"  # what every held request waits for (`demand.py`): a serving endpoint
 PREFILL = "prefill"
-
-
-@dataclass(slots=True, eq=False)
-class Waiter:
-    req: SchedRequest
-    flow: str
-    nbytes: int
-    stage: str
-    ttl_cap_s: float | None
-    enqueued: float
-    future: asyncio.Future
-    deadline: float = 0.0
-    timer: asyncio.TimerHandle | None = None
-
-
-@dataclass(slots=True)
-class _Band:
-    """One priority's saturation queue: fairness ids in round-robin order, FIFO each."""
-
-    flows: OrderedDict[str, deque[Waiter]] = field(default_factory=OrderedDict)
-
-    def push(self, w: Waiter) -> None:
-        self.flows.setdefault(w.flow, deque()).append(w)
-
-    def head(self) -> Waiter | None:
-        for q in self.flows.values():
-            return q[0]
-        return None
-
-    def remove(self, w: Waiter) -> None:
-        """Out of its flow; a flow whose head leaves goes to the back (round robin)."""
-        q = self.flows.get(w.flow)
-        if q is None or w not in q:
-            return
-        was_head = q[0] is w and next(iter(self.flows)) == w.flow
-        q.remove(w)
-        if not q:
-            del self.flows[w.flow]
-        elif was_head:
-            self.flows.move_to_end(w.flow)
 
 
 @dataclass(slots=True)
@@ -104,55 +67,63 @@ class FlowController:
     demand: Demand
     metrics: FlowMetrics
     room: list[Waiter] = field(default_factory=list)        # priority desc, then arrival
-    bands: dict[int, _Band] = field(default_factory=dict)
+    bands: dict[int, BandQueue] = field(default_factory=dict)
     count: int = 0
     nbytes: int = 0
     band_count: dict[int, int] = field(default_factory=dict)
     band_bytes: dict[int, int] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic
     closed: bool = False
+    # Requests without a body (GET /v1/models) are never held: metadata calls should not
+    # wake a GPU pool. They get plain shedding, as with flow control off.
+    bodyless: SheddingAdmission = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.bodyless = SheddingAdmission(self.pool, self.scheduler)
 
     # ---- arrival --------------------------------------------------------------
-    def try_now(self, req: SchedRequest) -> Decision | str:
-        """A decision if the request can go now; else the stage it must wait in."""
+    def admit(self, req: SchedRequest, headers: Mapping[str, str], nbytes: int | None,
+              schedule: Schedule) -> Decision | Held:
+        """A decision if the request can go now, else its place in a queue (Held)."""
+        if nbytes is None:
+            return self.bodyless.admit(req, headers, None, schedule)
         if self.room:
             self.release()  # an endpoint may be ready since the last release
         ready = self.ready_candidates(req)
-        if not ready:
-            return WAITING_ROOM
-        if req.priority < 0 and pool_saturation(ready) >= 1.0:
-            self.metrics.outcome("shed")
-            raise RequestError(429, "the pool is saturated; sheddable request dropped",
-                               "shed", code="rejected-saturated",
-                               headers=((DROPPED_REASON_HEADER, "rejected-saturated"),))
-        if (self.cfg.queue_when_saturated and _full(ready)) or self.bands:
-            return SATURATED  # nobody overtakes the requests already queued
-        d = self._schedule(req)
-        return d if d is not None else WAITING_ROOM
+        stage = WAITING_ROOM
+        if ready:
+            if req.priority < 0 and pool_saturation(ready) >= 1.0:
+                self.metrics.outcome("shed")
+                raise shed()
+            if (self.cfg.queue_when_saturated and _full(ready)) or self.bands:
+                stage = SATURATED  # nobody overtakes the requests already queued
+            else:
+                d = self._schedule(req, schedule)
+                if d is not None:
+                    return d
+        w = self.enqueue(req, stage, nbytes, headers, schedule)
+        return Held(self.remaining_s(w), partial(self.wait, w))
 
-    def _schedule(self, req: SchedRequest) -> Decision | None:
-        d = self.scheduler.schedule(req, self.pool.all())
+    def _schedule(self, req: SchedRequest, schedule: Schedule) -> Decision | None:
+        d = schedule(req)
         if d is not None and req.cycle.read(PREFILL_MISSED):
             self.demand.notify(PREFILL)  # served decode-only; wake the prefill pool
         return d
 
-    def enqueue(self, req: SchedRequest, stage: str, nbytes: int,
-                headers: dict[str, str]) -> Waiter:
+    def enqueue(self, req: SchedRequest, stage: str, nbytes: int, headers: Mapping[str, str],
+                schedule: Schedule) -> Waiter:
         """Hold the request (429 if the queue is full); await `wait(w)` for its decision."""
         if self.closed:
-            raise _shutting_down()
+            raise shutting_down()
         band = self.cfg.band(req.priority)
         if (self.count >= self.cfg.max_requests or self.nbytes + nbytes > self.cfg.max_bytes
                 or self.band_count.get(req.priority, 0) >= band.max_requests
                 or self.band_bytes.get(req.priority, 0) + nbytes > band.max_bytes):
             self.metrics.outcome("queue_full")
-            raise RequestError(429, "the EPP's request queue is full", "queue_full",
-                               code="rejected-queue-full",
-                               headers=((DROPPED_REASON_HEADER, "rejected-queue-full"),
-                                        ("retry-after", "1")))
+            raise queue_full()
         w = Waiter(req, headers.get(FAIRNESS_HEADER, ""), nbytes, stage,
                    _ttl_cap(headers.get(QUEUE_TTL_HEADER)), self.clock(),
-                   asyncio.get_running_loop().create_future())
+                   asyncio.get_running_loop().create_future(), schedule)
         p = req.priority
         self.count += 1
         self.nbytes += nbytes
@@ -197,7 +168,7 @@ class FlowController:
                     return  # strict priority: lower bands wait behind this one
 
     def _dispatch(self, w: Waiter) -> bool:
-        d = self._schedule(w.req)
+        d = self._schedule(w.req, w.schedule)
         if d is None:
             return False
         self._drop(w, "dispatched")
@@ -222,7 +193,7 @@ class FlowController:
             self.demand.parked[ROLE] += 1
             self.demand.parked_bytes[ROLE] += w.nbytes
         else:
-            self.bands.setdefault(p, _Band()).push(w)
+            self.bands.setdefault(p, BandQueue()).push(w)
             self.demand.queued[ROLE] += 1
             self.demand.queued_bytes[ROLE] += w.nbytes
         self.metrics.held(p, stage, 1, w.nbytes)
@@ -280,16 +251,7 @@ class FlowController:
             return
         stage = w.stage
         self._drop(w, "expired")
-        if stage == WAITING_ROOM:
-            w.future.set_exception(RequestError(
-                503, "no endpoint became ready in time for this request", "no_endpoint",
-                code="rejected-no-endpoints",
-                headers=((DROPPED_REASON_HEADER, "rejected-no-endpoints"), ("retry-after", "5"))))
-        else:
-            w.future.set_exception(RequestError(
-                429, "the pool stayed saturated past this request's queue TTL", "ttl_expired",
-                code="rejected-ttl-expired",
-                headers=((DROPPED_REASON_HEADER, "rejected-ttl-expired"), ("retry-after", "1"))))
+        w.future.set_exception(no_endpoint_in_time() if stage == WAITING_ROOM else ttl_expired())
 
     def close(self) -> None:
         """Shutdown: every held request gets a clean 503 rather than a broken stream."""
@@ -299,7 +261,7 @@ class FlowController:
         for w in held:
             self._drop(w, "shutdown")
             if not w.future.done():
-                w.future.set_exception(_shutting_down())
+                w.future.set_exception(shutting_down())
 
     def snapshot(self) -> dict:
         return {"parked": len(self.room),
@@ -312,13 +274,6 @@ def _full(ready: list[Endpoint]) -> bool:
     """No endpoint has room: every one is saturated by its scraped queue or KV use. (The
     pool's mean, which sheds, would hold everything behind one deeply queued pod.)"""
     return min(pod_saturation(e, picks=False) for e in ready) >= 1.0
-
-
-def _shutting_down() -> RequestError:
-    return RequestError(503, "the endpoint picker is shutting down; retry", "shutting_down",
-                        code="rejected-shutting-down",
-                        headers=((DROPPED_REASON_HEADER, "rejected-shutting-down"),
-                                 ("retry-after", "1")))
 
 
 def _ttl_cap(raw: str | None) -> float | None:

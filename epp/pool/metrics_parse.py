@@ -7,7 +7,7 @@ do not use). Values from several label sets (e.g. several engines in one
 pod) are summed for queue/running and maxed for KV usage.
 
 Three counters feed the KEDA scaler's online capacity measurement
-(`capacity.py`): prompt tokens prefilled, tokens generated, requests finished
+(`scaler/capacity.py`): prompt tokens prefilled, tokens generated, requests finished
 (summed over label sets; None when the worker does not export them).
 """
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""The scheduling step of a request: the profile handler runs its profiles
-(filters → weighted scorers → picker), then the pre-request hooks; built from
-a small YAML config validated at load.
+"""A `Scheduler` from the scheduler YAML, validated at load.
 
     blockSize: 64                      # prompt block size for every prefix plugin
     profileHandler: {type: single-profile}
@@ -16,27 +14,24 @@ a small YAML config validated at load.
 
 With one profile, `filters`/`scorers`/`picker` may sit at the top level
 instead of under `profiles` (a profile named `default`). Names follow the
-reference EPP so configs read the same. Every plugin's parameters are typed
-and checked when the config loads (`plugin_config`): unknown plugins, unknown
-parameters and bad values are errors naming their config path.
+reference EPP so configs read the same. Plugins are looked up in
+`registry.py`; every plugin's parameters are typed and checked when the config
+loads (`plugin_config`): unknown plugins, unknown parameters and bad values
+are errors naming their config path.
 """
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import yaml
 
-from .cycle import PREFIX_MATCHES
-from .endpoints import Endpoint
+from .hooks import Scorer
 from .plugin_config import ConfigError, parse_params
-from .plugins import FILTERS, SCORERS, Filter, PluginType, SchedRequest, Scorer
-from .profile import (
-    PICKERS, PROFILE_HANDLERS, ProfileHandler, SchedulingProfile, SchedulingResult,
-)
-from .prompt import LazyPrompt
+from .profile import SchedulingProfile
+from .registry import FILTERS, PICKERS, PROFILE_HANDLERS, SCORERS, PluginType
+from .scheduler import Scheduler
 
 DEFAULT_PROFILE: dict[str, Any] = {
     "filters": ["healthy", "prefer-fresh", "role"],
@@ -48,107 +43,9 @@ DEFAULT_PROFILE: dict[str, Any] = {
     "picker": {"type": "max-score"},
 }
 DEFAULT_CONFIG: dict[str, Any] = {**DEFAULT_PROFILE, "blockSize": 64, "objectives": {}}
-# flowControl is the admission stage's (flow_config.py), checked by `parse_flow_config`.
+# flowControl is the admission stage's (flow/config.py), checked by `parse_flow_config`.
 _TOP_KEYS = ("blockSize", "objectives", "profileHandler", "profiles", "flowControl",
              *DEFAULT_PROFILE)
-
-
-@dataclass(slots=True)
-class Decision:
-    endpoint: Endpoint
-    score: float
-    matched_blocks: int
-    total_blocks: int  # estimated until the prompt is fully hashed
-    candidates: int
-    prompt: LazyPrompt | None = None
-    fallbacks: list[Endpoint] = field(default_factory=list)
-    result: SchedulingResult | None = None
-    prefill: Endpoint | None = None  # P/D: the pod that prefills (x-prefiller-host-port)
-
-    @property
-    def destination(self) -> str:
-        """`x-gateway-destination-endpoint`: the pick, then fallbacks, comma-separated."""
-        if not self.fallbacks:
-            return self.endpoint.address
-        return ",".join([self.endpoint.address, *(e.address for e in self.fallbacks)])
-
-
-def count_pick(req: SchedRequest, ep: Endpoint) -> None:
-    """Our own picks since the last scrape (the queue scorer adds them) and hit counts."""
-    ep.picks += 1
-    ep.pending += 1
-    if req.cycle.read(PREFIX_MATCHES, {}).get(ep.address, 0):
-        ep.prefix_hits += 1
-
-
-@dataclass(slots=True)
-class Scheduler:
-    profiles: dict[str, SchedulingProfile]
-    handler: ProfileHandler
-    block_size: int = 64
-    objectives: dict[str, int] = field(default_factory=dict)
-    rng: random.Random = field(default_factory=random.Random)
-
-    @property
-    def primary(self) -> SchedulingProfile:
-        return self.profiles[self.handler.primary(self.profiles)]
-
-    @property
-    def filters(self) -> list[Filter]:
-        return self.primary.filters
-
-    @property
-    def scorers(self) -> list[tuple[Scorer, float]]:
-        return self.primary.scorers
-
-    @property
-    def prefix_scorer(self) -> Any:
-        """The primary profile's prefix-cache scorer (for tests and debugging)."""
-        return next((s for s, _ in self.scorers if s.name == "prefix-cache"), None)
-
-    def _hooks(self, name: str) -> Iterator[Callable[..., None]]:
-        seen: set[int] = set()
-        for prof in self.profiles.values():
-            for p in prof.plugins():
-                hook = getattr(p, name, None)
-                if hook is not None and id(p) not in seen:
-                    seen.add(id(p))
-                    yield hook
-
-    def candidates(self, req: SchedRequest, eps: list[Endpoint]) -> list[Endpoint]:
-        """The primary profile's filtered pool (what saturation is measured on)."""
-        return self.primary.candidates(req, eps)
-
-    def schedule(self, req: SchedRequest, eps: list[Endpoint]) -> Decision | None:
-        """The handler's result as a Decision (None: no endpoint), pre-request hooks run."""
-        result = self.handler.run(req, self.profiles, eps, self.rng)
-        if result is None:
-            return None
-        for name, r in result.results.items():
-            picked = r.endpoints[0]
-            for p in self.profiles[name].plugins():
-                hook = getattr(p, "pre_request", None)
-                if hook is not None:
-                    hook(req, picked)
-            count_pick(req, picked)
-        main = result.results[result.primary]
-        ep = main.endpoints[0]
-        matched = req.cycle.read(PREFIX_MATCHES, {}).get(ep.address, 0)
-        total = max(req.prompt.estimated_blocks(), matched)
-        pre = next((r.endpoints[0] for n, r in result.results.items() if n != result.primary),
-                   None)
-        return Decision(ep, main.score, matched, total, main.candidates, req.prompt,
-                        main.endpoints[1:], result, pre)
-
-    def learn(self, address: str, hashes: list[int]) -> None:
-        """Post-response: the whole prompt of a request routed to `address`, once hashed."""
-        for hook in self._hooks("learn"):
-            hook(address, hashes)
-
-    def forget(self, address: str) -> None:
-        """An endpoint left the pool: drop what plugins believed about it."""
-        for hook in self._hooks("forget"):
-            hook(address)
 
 
 def _plugin(kind: str, table: dict[str, PluginType], raw: Any, path: str,
@@ -157,7 +54,7 @@ def _plugin(kind: str, table: dict[str, PluginType], raw: Any, path: str,
     if name not in table:
         raise ConfigError(path, f"unknown {kind} {name!r}; known: {sorted(table)}")
     t = table[name]
-    return t.factory(parse_params(t.params, raw if isinstance(raw, dict) else {}, path, ignore))
+    return t.build(parse_params(t.params, raw if isinstance(raw, dict) else {}, path, ignore))
 
 
 def _profile(name: str, raw: Any, path: str) -> SchedulingProfile:

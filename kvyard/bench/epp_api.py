@@ -1,10 +1,11 @@
-"""In-process decision-latency measurement, for `kvyard bench epp` and tests.
+"""In-process decision-latency measurement of the EPP, for `kvyard bench epp` and tests.
 
-Times exactly what the ext_proc server runs per request (`Router.route`:
-parse the JSON body, render the chat template, tokenize, hash blocks, filter,
-score every endpoint, pick, update the prefix index) over a synthetic pool
-with fresh, varied load metrics. No network and no gRPC: those are measured
-end to end by the gateway benchmark.
+Times exactly what the ext_proc server runs per request: `Director.handle` of
+a director wired by `EppApp`, as `kvyard epp` wires it (parse the JSON body,
+render the chat template, tokenize, hash blocks, admission, filter, score
+every endpoint, pick, pre-request hooks, metrics), over a synthetic pool with
+fresh, varied load metrics. No network and no gRPC: those are measured end to
+end by the gateway benchmark.
 """
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ import random
 import time
 from dataclasses import dataclass
 
-from .endpoints import EndpointPool, EndpointSpec
-from .prompt import PromptHasher
-from .router import Router
-from .scheduler import build_scheduler
+from kvyard.epp.app import EppApp, EppConfig
+from kvyard.epp.director import Director
+from kvyard.epp.pool.endpoints import EndpointSpec
+from kvyard.epp.prompt import PromptHasher
+from kvyard.epp.request import parse_request
+from kvyard.epp.saturation import pod_saturation
+from kvyard.epp.scheduling.types import Decision
 
 _HEADERS = {":method": "POST", ":path": "/v1/chat/completions"}
 
@@ -67,27 +71,33 @@ def _corpus(rng: random.Random, hasher: PromptHasher) -> _Corpus:
     return c
 
 
-def build_router(num_endpoints: int, model: str = "demo", seed: int = 0) -> Router:
-    """A router over `num_endpoints` synthetic endpoints with fresh metrics."""
+def build_director(num_endpoints: int, model: str = "demo", seed: int = 0,
+                   flow_control: bool = True) -> Director:
+    """The director `kvyard epp` runs (default config; `flow_control=False`: as with
+    `--no-flow-control`), over `num_endpoints` synthetic endpoints with fresh metrics."""
     rng = random.Random(seed)
-    pool = EndpointPool()
+    # model "none": no served-model check (bodies name any model); the tokenizer is set below.
+    app = EppApp(EppConfig(model="none", seed=seed, flow_control=flow_control))
+    pool = app.pool
     pool.set_source("bench", [EndpointSpec(f"10.0.{i // 250}.{i % 250 + 1}:8000")
                               for i in range(num_endpoints)])
     now = time.monotonic()
     for e in pool.all():
         e.waiting, e.running, e.kv_usage = rng.randint(0, 8), rng.randint(0, 32), rng.random() * .9
         e.last_ok = now + 3600  # stays fresh for the whole run
-    sched = build_scheduler(seed=seed)
-    hasher = PromptHasher(block_size=sched.block_size)
+    if pool.all() and all(pod_saturation(e, picks=False) >= 1.0 for e in pool.all()):
+        first = pool.all()[0]  # room on one endpoint at least: a saturated pool holds requests
+        first.waiting, first.kv_usage = 0, 0.5
     if model.lower() != "none":
         from kvyard.common.tokenizer import ChatTemplateError, load_tokenizer
-        hasher.set_tokenizer(load_tokenizer(model), ChatTemplateError)
-    return Router(pool, sched, hasher, [])
+        app.director.hasher.set_tokenizer(load_tokenizer(model), ChatTemplateError)
+    return app.director
 
 
 def latencies(num_endpoints: int, prompt_tokens: int, iterations: int, *,
               model: str = "demo", shared_fraction: float = 0.0, seed: int = 0,
-              warmup: int = 3, clock: str = "wall") -> tuple[list[float], list[float]]:
+              warmup: int = 3, clock: str = "wall",
+              flow_control: bool = True) -> tuple[list[float], list[float]]:
     """(decision seconds, deferred index-teaching seconds), one pair per iteration.
 
     The decision is what Envoy waits for; the deferred part (hashing the rest
@@ -100,8 +110,8 @@ def latencies(num_endpoints: int, prompt_tokens: int, iterations: int, *,
     oversubscribed machine wall time mostly measures the neighbours.
     """
     rng = random.Random(seed)
-    router = build_router(num_endpoints, model, seed)
-    corpus = _corpus(rng, router.hasher)
+    director = build_director(num_endpoints, model, seed, flow_control)
+    corpus = _corpus(rng, director.hasher)
     shared_tokens = int(prompt_tokens * shared_fraction)
     system = corpus.text(shared_tokens) if shared_tokens else ""
     bodies = []
@@ -114,10 +124,12 @@ def latencies(num_endpoints: int, prompt_tokens: int, iterations: int, *,
     perf = time.thread_time if clock == "cpu" else time.perf_counter
     for i, body in enumerate(bodies):
         t0 = perf()
-        d = router.route(_HEADERS, body)
+        d = director.handle(_HEADERS, body)
         t1 = perf()
-        if d.prompt is not None:
-            router.scheduler.learn(d.endpoint.address, d.prompt.finish())
+        if type(d) is not Decision:  # a synthetic pool never holds or refuses
+            raise RuntimeError(f"the bench's request was not routed: {d!r}")
+        if d.prompt is not None:  # what the server's Finisher does after the answer
+            director.scheduler.learn(d.endpoint.address, d.prompt.finish())
         t2 = perf()
         if i >= warmup:
             decide.append(t1 - t0)
@@ -127,13 +139,14 @@ def latencies(num_endpoints: int, prompt_tokens: int, iterations: int, *,
 
 def decision_latency(num_endpoints: int, prompt_tokens: int, iterations: int, *,
                      model: str = "demo", shared_fraction: float = 0.0, seed: int = 0,
-                     warmup: int = 3, clock: str = "wall") -> list[float]:
+                     warmup: int = 3, clock: str = "wall",
+                     flow_control: bool = True) -> list[float]:
     """Seconds per routing decision (what Envoy waits for), one per iteration."""
     return latencies(num_endpoints, prompt_tokens, iterations, model=model,
-                     shared_fraction=shared_fraction, seed=seed, warmup=warmup, clock=clock)[0]
+                     shared_fraction=shared_fraction, seed=seed, warmup=warmup, clock=clock,
+                     flow_control=flow_control)[0]
 
 
-def prompt_tokens_of(router: Router, body: bytes) -> int:
+def prompt_tokens_of(director: Director, body: bytes) -> int:
     """Token count of a body's prompt, to check the synthetic sizes."""
-    from .request import parse_request
-    return router.hasher.hashes(parse_request(body, "/v1/chat/completions", {}, None))[1]
+    return director.hasher.hashes(parse_request(body, "/v1/chat/completions", {}, None))[1]

@@ -12,7 +12,7 @@ well under a second without flapping on one slow scrape:
 * the first good scrape brings an endpoint back.
 
 `observers` see every good scrape's full parse (the KEDA scaler measures
-capacity from its counters, `capacity.py`).
+capacity from its counters, `scaler/capacity.py`).
 """
 from __future__ import annotations
 

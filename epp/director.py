@@ -1,0 +1,90 @@
+"""The director: one request's path through the EPP (GAIE/llm-d's director).
+
+    handle:  parse (+ hash, lazily) → Admission.admit → Scheduler.schedule
+             (profile handler, then the PreRequest hooks) → Decision
+    after the answer: Finisher (hash the rest of the prompt, PostResponse hooks)
+
+`handle` is synchronous and never waits: it returns the `Decision`, the
+`Rejection` the request ended with, or a `Held` when admission keeps the
+request (flow control's queues); `wait(held)` then gives its outcome. The
+ext_proc server (`server.py`) calls exactly this object, and so does
+`kvyard.bench.epp_api`, so the benchmark times what the server runs. Each
+request gets its own cycle state (`SchedRequest.cycle`), shared by the
+plugins that schedule it. Metrics: the decision's latency (until the
+Decision; for a held request, from the hold message to its
+release) and every rejection's reason.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from .admission import Admission, Held
+from .finisher import Finisher
+from .observability import EppMetrics
+from .pool.endpoints import EndpointPool
+from .prompt import LazyPrompt, PromptHasher
+from .request import Rejection, parse_request, priority_of
+from .scheduling.scheduler import Scheduler
+from .scheduling.types import Decision, SchedRequest
+
+_EMPTY = LazyPrompt.of_hashes([])
+
+
+@dataclass(slots=True)
+class Director:
+    pool: EndpointPool
+    scheduler: Scheduler
+    hasher: PromptHasher
+    admission: Admission
+    metrics: EppMetrics
+    finisher: Finisher
+    served_models: list[str] = field(default_factory=list)
+
+    def parse(self, headers: Mapping[str, str], body: bytes | None) -> SchedRequest:
+        """Parse and hash (lazily): the request as scheduling sees it; Rejection if bad."""
+        now = time.monotonic()
+        if body is None:  # no body (GET /v1/models …): any healthy endpoint
+            return SchedRequest("", _EMPTY, priority_of(headers, self.scheduler.objectives),
+                                now, self.pool.stale_after)
+        parsed = parse_request(body, headers.get(":path", "/"), headers, self.served_models,
+                               self.scheduler.objectives)
+        return SchedRequest(parsed.model, self.hasher.prompt(parsed), parsed.priority, now,
+                            self.pool.stale_after)
+
+    def schedule(self, req: SchedRequest) -> Decision | None:
+        """The scheduling step admission runs, now or when it releases the request."""
+        return self.scheduler.schedule(req, self.pool.all())
+
+    def handle(self, headers: Mapping[str, str], body: bytes | None) -> Decision | Held | Rejection:
+        t0 = time.perf_counter()
+        try:
+            req = self.parse(headers, body)
+            out = self.admission.admit(req, headers, None if body is None else len(body),
+                                       self.schedule)
+        except Rejection as r:
+            self.metrics.error(r.reason)
+            return r
+        if type(out) is Decision:
+            self.metrics.decision(time.perf_counter() - t0, out)
+        return out
+
+    async def wait(self, held: Held) -> Decision | Rejection:
+        """A held request's outcome, once admission releases or drops it."""
+        t0 = time.perf_counter()
+        try:
+            d = await held.wait()
+        except Rejection as r:
+            self.metrics.error(r.reason)
+            return r
+        self.metrics.decision(time.perf_counter() - t0, d)
+        return d
+
+    async def settle(self) -> None:
+        """Before deciding: let teaching still in flight land (`Finisher.settle`)."""
+        await self.finisher.settle()
+
+    def finish(self, d: Decision) -> None:
+        """After deciding, before Envoy has the answer: the post-response work is queued."""
+        self.finisher.submit(d)

@@ -1,0 +1,1 @@
+"""Scheduling: which endpoint serves an admitted request (profiles, plugins, their config)."""
