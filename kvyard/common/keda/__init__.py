@@ -1,6 +1,6 @@
 """KEDA's external scaler protocol: `pb2` (messages) and `pb2_grpc` (service stubs).
 
-The EPP serves `externalscaler.ExternalScaler` (epp/scaler.py) and the local
+The EPP serves `externalscaler.ExternalScaler` (epp/scaler/server.py) and the local
 autoscaler is a client of it, so the stubs live here, in the neutral module.
 They are generated from `externalscaler.proto` (KEDA's file, verbatim in shape)
 with grpcio-tools the first time this package is imported, into
