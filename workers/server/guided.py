@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvyard.common.api import BodyError, parse_json_object
-from kvyard.workers.engine.json_schema import SchemaError, compile_schema
-from kvyard.workers.engine.regex_mode import RegexError, compile_regex
+from kvyard.workers.engine.guided.schema import SchemaError, compile_schema
+from kvyard.workers.engine.guided.regex import RegexError, compile_regex
 
 from .errors import ApiError
 from .limits import MAX_GUIDED_CHOICE_CHARS, MAX_GUIDED_CHOICES, MAX_REGEX_CHARS
