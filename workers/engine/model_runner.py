@@ -22,6 +22,7 @@ from .prompt_logprobs import append_prompt_logprobs
 from .sampler import plain_greedy
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
+from .step_memory import keep_step_memory
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -153,6 +154,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.dtype = dtype
         self.device = torch.device(getattr(model, "device", "cpu"))
+        if self.device.type == "cpu":
+            keep_step_memory()  # a step's buffers reuse memory, not fresh mappings (step_memory.py)
         shape = (2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
         maps: list[mmap.mmap] = []
         self.kv_caches = [_zeroed(shape, dtype, self.device, maps)

@@ -43,7 +43,7 @@ class Sequence:
     output_text: str = ""                # detokenized output, stop strings trimmed
     num_emitted_chars: int = 0           # of output_text already streamed
     prompt_logprobs: list[Any] = field(default_factory=list)  # [None, TokenLogprob, ...] as computed
-    constraint: Any = None               # json_mode.JsonConstraint for JSON-mode requests
+    constraint: Any = None               # guided.constraint.TokenConstraint for guided requests
     stop_scan: Any = None                # stopping.StopScan: this sequence's stop-string automaton state
     hold_kv: bool = False                # P/D prefill: keep the prompt's blocks for a pull
     kv_hold: Any = None                  # ... its kv_holds.KVHold, growing as chunks compute
