@@ -257,7 +257,7 @@ class AsyncLLMEngine:
                 except Exception as e:  # noqa: BLE001 - every request must hear about it
                     log.exception("engine step failed")
                     err = EngineError(f"engine step failed: {type(e).__name__}: {e}")
-                    failed = list(eng.scheduler.requests)
+                    failed = eng.request_ids()
                     try:
                         eng.abort_all()
                     except Exception:  # noqa: BLE001

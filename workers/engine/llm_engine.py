@@ -156,8 +156,12 @@ class LLMEngine:
             self.handoff.fail(seq.kv_hold)
         return None if seq is None else output_of(seq, [], "")
 
+    def request_ids(self) -> list[str]:
+        """Every request in the engine (running, queued or parked)."""
+        return list(self.scheduler.requests)
+
     def abort_all(self) -> list[RequestOutput]:
-        out = [o for rid in list(self.scheduler.requests) if (o := self.abort_request(rid))]
+        out = [o for rid in self.request_ids() if (o := self.abort_request(rid))]
         self.handoff.drain()
         return out
 
