@@ -24,8 +24,8 @@ from .handoff import Handoff
 from .kv_loads import KVLoader
 from .model_runner import ModelRunner, kv_cache_bytes, num_blocks_for, resolve_device, resolve_dtype
 from .sampler import Sampler, make_generator
-from .scheduler import Scheduler, output_of
-from .sequence import Sequence
+from .scheduler import Scheduler
+from .sequence import Sequence, output_of
 
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs and OpenAI's top_logprobs limit

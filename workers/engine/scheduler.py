@@ -54,7 +54,7 @@ from typing import Any
 from .api import RequestOutput
 from .block_manager import BlockManager
 from .kv_loads import KVLoad, KVLoader
-from .sequence import Sequence, SeqStatus
+from .sequence import Sequence, SeqStatus, output_of
 from .stopping import append_token
 
 
@@ -72,21 +72,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.seqs
-
-
-def output_of(seq: Sequence, new_ids: list[int], delta: str,
-              logprobs: list | None = None) -> RequestOutput:
-    return RequestOutput(
-        request_id=seq.request_id,
-        new_token_ids=new_ids,
-        text_delta=delta,
-        finished=seq.is_finished,
-        finish_reason=seq.finish_reason,
-        num_prompt_tokens=seq.num_prompt_tokens,
-        num_output_tokens=seq.num_output_tokens,
-        num_cached_tokens=seq.num_cached_tokens,
-        logprobs=logprobs,
-    )
 
 
 class Scheduler:
