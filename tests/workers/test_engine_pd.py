@@ -96,6 +96,25 @@ def test_unmatched_or_missing_remote_blocks_prefill_locally(loaded, prompt):
     assert run(dec2, "b")[0] == want
 
 
+def test_a_failed_remote_load_leaves_nothing_pinned_or_cached_and_prefills(loaded, prompt):
+    """handoff.load_remote: blocks whose write failed leave the prefix cache, every pin
+    goes back, and the request queues anyway (it prefills itself)."""
+    ref = make(loaded)
+    ref.add_request("r", prompt, GREEDY)
+    want, _ = run(ref, "r")
+    dec = make(loaded)
+    dec.add_request("d", prompt, GREEDY, parked=True)
+    seq = dec.scheduler.parked["d"]
+    own = seq.update_block_hashes(16)
+    short = [np.zeros(3, dtype=np.uint8)] * 2   # payloads of the wrong size: the write fails
+    with pytest.raises(Exception):
+        dec.load_remote_kv("d", RemoteKV(own[:2], short))
+    assert "d" not in dec.scheduler.parked and seq.pinned_blocks == []
+    assert all(r == 0 for r in dec.block_manager.ref_cnt)
+    assert dec.block_manager.match_prefix(seq) == []         # nothing cached under its hashes
+    assert run(dec, "d")[0] == want
+
+
 def test_unpulled_hold_is_freed_after_its_ttl(loaded, prompt):
     pre = make(loaded, kv_hold_ttl_s=5.0)
     pre.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
