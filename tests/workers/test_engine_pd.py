@@ -75,8 +75,8 @@ def test_parked_request_decodes_from_remote_blocks_token_for_token(loaded, promp
     assert outs[-1].num_cached_tokens == got_blocks * 16   # admitted as prefix-cache hits
     assert all(r == 0 for r in dec.block_manager.ref_cnt)   # pins released with the request
 
-    pre.kv_holds.finish("p")
-    assert pre.reap_kv_holds() == len(held)
+    pre.handoff.holds.finish("p")
+    assert pre.handoff.reap() == len(held)
     assert all(pre.block_manager.ref_cnt[b] == 0 for b in held)
 
 
@@ -96,20 +96,39 @@ def test_unmatched_or_missing_remote_blocks_prefill_locally(loaded, prompt):
     assert run(dec2, "b")[0] == want
 
 
+def test_a_failed_remote_load_leaves_nothing_pinned_or_cached_and_prefills(loaded, prompt):
+    """handoff.load_remote: blocks whose write failed leave the prefix cache, every pin
+    goes back, and the request queues anyway (it prefills itself)."""
+    ref = make(loaded)
+    ref.add_request("r", prompt, GREEDY)
+    want, _ = run(ref, "r")
+    dec = make(loaded)
+    dec.add_request("d", prompt, GREEDY, parked=True)
+    seq = dec.scheduler.parked["d"]
+    own = seq.update_block_hashes(16)
+    short = [np.zeros(3, dtype=np.uint8)] * 2   # payloads of the wrong size: the write fails
+    with pytest.raises(Exception):
+        dec.load_remote_kv("d", RemoteKV(own[:2], short))
+    assert "d" not in dec.scheduler.parked and seq.pinned_blocks == []
+    assert all(r == 0 for r in dec.block_manager.ref_cnt)
+    assert dec.block_manager.match_prefix(seq) == []         # nothing cached under its hashes
+    assert run(dec, "d")[0] == want
+
+
 def test_unpulled_hold_is_freed_after_its_ttl(loaded, prompt):
     pre = make(loaded, kv_hold_ttl_s=5.0)
     pre.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
     hold = run(pre, "p")[1][-1].kv_hold
-    assert pre.reap_kv_holds() == 0
-    assert pre.kv_holds.reap(now=hold.deadline + 1) == [hold.block_ids]
-    assert pre.kv_holds.claim("p") is None
+    assert pre.handoff.reap() == 0
+    assert pre.handoff.holds.reap(now=hold.deadline + 1) == [hold.block_ids]
+    assert pre.handoff.holds.claim("p") is None
     # a claimed hold survives its deadline until the transfer says it is done
     pre.add_request("q", prompt, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
     hold = run(pre, "q")[1][-1].kv_hold
-    assert pre.kv_holds.claim("q") is hold and pre.kv_holds.claim("q") is None
-    assert pre.kv_holds.reap(now=hold.deadline + 1) == []
-    pre.kv_holds.finish("q")
-    assert pre.kv_holds.reap() == [hold.block_ids]
+    assert pre.handoff.holds.claim("q") is hold and pre.handoff.holds.claim("q") is None
+    assert pre.handoff.holds.reap(now=hold.deadline + 1) == []
+    pre.handoff.holds.finish("q")
+    assert pre.handoff.holds.reap() == [hold.block_ids]
 
 
 def test_aborted_hold_request_and_parked_request_free_everything(loaded, prompt):
@@ -118,7 +137,7 @@ def test_aborted_hold_request_and_parked_request_free_everything(loaded, prompt)
     eng.add_request("d", prompt, GREEDY, parked=True)
     eng.abort_request("p")
     eng.abort_request("d")
-    assert not eng.has_unfinished_requests() and len(eng.kv_holds) == 0
+    assert not eng.has_unfinished_requests() and len(eng.handoff.holds) == 0
     assert all(r == 0 for r in eng.block_manager.ref_cnt)
 
 
@@ -172,14 +191,14 @@ def test_a_hold_grows_chunk_by_chunk_and_outlives_preemption_of_its_request(load
     seq = eng.scheduler.requests["p"]
     hold = seq.kv_hold
     assert hold.request_id == "ab" * 16 and hold.growing and hold.block_ids == []
-    assert eng.kv_holds.claim("ab" * 16) is hold
+    assert eng.handoff.holds.claim("ab" * 16) is hold
     sizes = []
     eng.step()
     eng.step()
     assert len(hold.block_ids) == 4 and hold.growing     # 64 tokens computed: 4 blocks
-    assert eng.kv_holds.wait(hold, 3, 0.0) == (4, True)
+    assert eng.handoff.holds.wait(hold, 3, 0.0) == (4, True)
     with pytest.raises(TimeoutError):
-        eng.kv_holds.wait(hold, 4, 0.01)                 # nothing new until the next step
+        eng.handoff.holds.wait(hold, 4, 0.01)                 # nothing new until the next step
     assert all(eng.block_manager.ref_cnt[b] == 2 for b in hold.block_ids)  # request + hold
     first = list(hold.block_ids)
     eng.scheduler._preempt(seq)                          # as when blocks run out
@@ -195,26 +214,26 @@ def test_a_hold_grows_chunk_by_chunk_and_outlives_preemption_of_its_request(load
     np.testing.assert_allclose(got.view(np.float32), want_bytes.view(np.float32), rtol=1e-4,
                                atol=1e-5)
     assert all(eng.block_manager.ref_cnt[b] == 1 for b in hold.block_ids)  # the hold's only
-    eng.kv_holds.finish(hold.request_id)
-    assert eng.reap_kv_holds() == len(hold.block_ids)
+    eng.handoff.holds.finish(hold.request_id)
+    assert eng.handoff.reap() == len(hold.block_ids)
     assert all(r == 0 for r in eng.block_manager.ref_cnt)
 
 
 def test_a_hold_whose_request_is_aborted_fails_its_pull(loaded, prompt):
     eng = make(loaded, max_num_batched_tokens=32)
     eng.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
-    hold = eng.kv_holds.claim("p")
+    hold = eng.handoff.holds.claim("p")
     eng.step()
     assert len(hold.block_ids) == 2
     eng.abort_request("p")
     with pytest.raises(RuntimeError):
-        eng.kv_holds.wait(hold, 2, 1.0)
+        eng.handoff.holds.wait(hold, 2, 1.0)
     assert eng.block_manager.ref_cnt[hold.block_ids[0]] == 1   # claimed: kept while read
-    eng.kv_holds.finish("p")
-    eng.reap_kv_holds()
-    assert all(r == 0 for r in eng.block_manager.ref_cnt) and len(eng.kv_holds) == 0
+    eng.handoff.holds.finish("p")
+    eng.handoff.reap()
+    assert all(r == 0 for r in eng.block_manager.ref_cnt) and len(eng.handoff.holds) == 0
     # an unclaimed one goes back at once
     eng.add_request("q", prompt, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
     eng.step()
     eng.abort_request("q")
-    assert all(r == 0 for r in eng.block_manager.ref_cnt) and len(eng.kv_holds) == 0
+    assert all(r == 0 for r in eng.block_manager.ref_cnt) and len(eng.handoff.holds) == 0

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from kvyard.workers.engine.json_mode import MAX_WS, JsonConstraint, JsonState
+from kvyard.workers.engine.guided.constraint import TokenConstraint
+from kvyard.workers.engine.guided.json_object import MAX_WS, JsonState
 
 VALID = [
     '{}',
@@ -76,7 +77,7 @@ def test_whitespace_runs_are_capped_and_feed_does_not_mutate():
 
 def test_constraint_refuses_empty_tokens_and_advances():
     texts = {0: "", 1: "{", 2: '"a"', 3: ":", 4: " 1", 5: "}", 6: "]"}
-    c = JsonConstraint(texts.__getitem__)
+    c = TokenConstraint(texts.__getitem__)
     assert not c.allows(0) and c.allows(1) and not c.allows(5)
     for t in (1, 2, 3, 4):
         c.advance(t)

@@ -8,8 +8,8 @@ import re
 import jsonschema
 import pytest
 
-from kvyard.workers.engine.json_mode import JsonConstraint
-from kvyard.workers.engine.json_schema import SchemaError, SchemaState, compile_schema
+from kvyard.workers.engine.guided.constraint import TokenConstraint
+from kvyard.workers.engine.guided.schema import SchemaError, SchemaState, compile_schema
 
 PERSON = {
     "type": "object",
@@ -127,7 +127,7 @@ def test_random_walks_stay_valid_and_always_can_continue():
 
 def test_constraint_interface_matches_json_mode():
     texts = {1: '{"name": "', 2: "Tom", 3: '", "age": 3', 4: "", 5: ', "pets": ["cat"]}'}
-    c = JsonConstraint(texts.__getitem__, SchemaState.start(compile_schema(PERSON)))
+    c = TokenConstraint(texts.__getitem__, SchemaState.start(compile_schema(PERSON)))
     assert c.allows(1) and not c.allows(4) and not c.allows(3)  # "age" must wait for the name
     for t in (1, 2, 3):
         c.advance(t)
@@ -139,7 +139,7 @@ def test_constraint_interface_matches_json_mode():
 
 
 def test_guided_choice_state_ends_on_a_choice_and_lets_longer_ones_go_on():
-    from kvyard.workers.engine.choice_mode import ChoiceState
+    from kvyard.workers.engine.guided.choice import ChoiceState
 
     st = ChoiceState.start(["no", "none", "yes"])
     assert st.feed("maybe") is None and st.feed("y").feed("es").complete
@@ -147,7 +147,7 @@ def test_guided_choice_state_ends_on_a_choice_and_lets_longer_ones_go_on():
     assert no.ends_here and not no.complete          # "none" still possible: EOS may end it
     assert no.feed("ne").complete and no.feed("x") is None
     texts = {1: "no", 2: "", 3: "ne", 4: "yes!"}
-    c = JsonConstraint(texts.__getitem__, st)
+    c = TokenConstraint(texts.__getitem__, st)
     assert not c.allows(2) and c.allows(1) and not c.allows(4)  # no EOS before a choice
     c.advance(1)
     assert c.allows(2) and c.allows(3)                # after "no": EOS or "ne"
@@ -158,7 +158,7 @@ def test_prefilter_keeps_every_allowed_token_and_drops_refused_first_characters(
 
     texts = ["", '"', "{", ' "', "na", "name", '"name', "}", "x", "\u00e9", "\"age"]
     codes = np.array([ord(t[0]) if t else -1 for t in texts], dtype=np.int32)
-    c = JsonConstraint(texts.__getitem__, SchemaState.start(compile_schema(PERSON)), codes)
+    c = TokenConstraint(texts.__getitem__, SchemaState.start(compile_schema(PERSON)), codes)
     c.advance(2)  # "{"
     ids = np.arange(len(texts))
     kept = set(c.prefilter(ids).tolist())

@@ -7,8 +7,8 @@ import string
 
 import pytest
 
-from kvyard.workers.engine.json_mode import JsonConstraint
-from kvyard.workers.engine.regex_mode import RegexError, RegexState, compile_regex
+from kvyard.workers.engine.guided.constraint import TokenConstraint
+from kvyard.workers.engine.guided.regex import RegexError, RegexState, compile_regex
 
 PATTERNS = [
     r"\d{3}-\d{4}",
@@ -62,7 +62,7 @@ def test_complete_when_nothing_longer_can_match_and_eos_where_it_may_end():
     st = RegexState.start(compile_regex(r"(no|none)"))
     assert st.feed("none").complete and not st.feed("no").complete
     texts = {1: "no", 2: "", 3: "ne"}
-    c = JsonConstraint(texts.__getitem__, st)
+    c = TokenConstraint(texts.__getitem__, st)
     assert not c.allows(2)
     c.advance(1)
     assert c.allows(2) and c.allows(3)

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from kvyard.workers.engine.regex_mode import MAX_STATES, RegexError, RegexState, compile_regex
+from kvyard.workers.engine.guided.regex import MAX_STATES, RegexError, RegexState, compile_regex
 
 PATTERNS = [r"a{2,}b", r"(ab|c){2,}", r"(x(y|z){2,4}){1,3}", r"((a|b)c?){0,2}d{3,}",
             r"(a{1,2}b){2}", r"(?:[ab]{2,3}){2,}", r"(a*b){3}"]

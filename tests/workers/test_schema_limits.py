@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvyard.workers.engine import schema_limits as lim
-from kvyard.workers.engine.json_schema import SchemaError, SchemaState, compile_schema
+from kvyard.workers.engine.guided import schema_limits as lim
+from kvyard.workers.engine.guided.schema import SchemaError, SchemaState, compile_schema
 
 
 def _with_defs(defs: dict, first: str = "a0") -> dict:

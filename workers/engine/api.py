@@ -33,7 +33,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     json_object: bool = False         # response_format json_object: the output is one JSON object
     json_schema: dict | None = None   # response_format json_schema / guided_json: one JSON
-                                      # object satisfying this schema (json_schema.py)
+                                      # object satisfying this schema (guided/schema.py)
     guided_choice: list[str] | None = None  # vLLM's guided_choice: the output is one of these
     guided_regex: str | None = None   # vLLM's guided_regex: the whole output matches it
 

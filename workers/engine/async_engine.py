@@ -13,8 +13,11 @@ P/D: a decode request's remote KV is fetched on the event loop (`remote_kv`,
 an awaitable) while the request is parked in the engine, so the step loop
 never waits on the network; the blocks reach the engine thread as a command.
 Prefill holds grow as the prompt's chunks compute and are reaped between
-steps; the peer server reads held blocks off the engine thread (`gather_blocks`:
-nobody writes them while held).
+steps; the peer server claims, waits for and reads held blocks off the engine
+thread through `handoff` (handoff.py: nobody writes them while held).
+
+Commands reach the engine thread as the dataclasses below (`_Add`, `_Abort`,
+`_RemoteKV`, `_Lifecycle`), applied in arrival order between steps.
 """
 from __future__ import annotations
 
@@ -25,19 +28,47 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence as Seq
 
-import numpy as np
-import torch
-
 from .api import EngineStats, RemoteKV, RequestOutput, SamplingParams
-from .kv_blocks import gather, layout_of
-from .kv_holds import KVHold
 from .block_manager import KVEvent
 from .config import EngineConfig
+from .handoff import Handoff
 from .llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    hold_kv: bool
+    hold_id: str | None
+    parked: bool
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class _RemoteKV:
+    request_id: str
+    remote: RemoteKV | None
+
+
+@dataclass(slots=True)
+class _Lifecycle:
+    op: str                              # "sleep" | "wake"
+    level: int
+    done: concurrent.futures.Future
+
+
+_Command = _Add | _Abort | _RemoteKV | _Lifecycle
 
 
 class EngineError(RuntimeError):
@@ -56,14 +87,16 @@ class AsyncLLMEngine:
         self.model_config = self.engine.model_config
         self.served_model_name = self.engine.served_model_name
         self.max_model_len = self.engine.max_model_len
-        self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._cmds: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self.engine.set_kv_load_waker(self._wake.set)  # a finished connector load wakes the loop
+        self.handoff: Handoff = self.engine.handoff     # the peer server's side of P/D
+        self.handoff.waker = self._wake.set             # a finished hold's blocks go back soon
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue] = {}
-        self._lifecycle: collections.deque = collections.deque()  # sleep/wake ops, in order
+        self._lifecycle: collections.deque[_Lifecycle] = collections.deque()  # in order
         # P/D: told (on the engine thread) how long each remote KV load took
         self.on_remote_kv_loaded: Callable[[float], None] | None = None
 
@@ -89,7 +122,7 @@ class AsyncLLMEngine:
         await asyncio.to_thread(thread.join)
         self._thread = None
         self.engine.abort_all()
-        self.engine.kv_holds.close()    # pulls waiting for a hold end now
+        self.handoff.close()            # pulls waiting for a hold end now
         err = EngineError("the engine shut down before this request finished")
         for q in self._queues.values():
             q.put_nowait(err)
@@ -117,8 +150,8 @@ class AsyncLLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
-        self._submit(("add", request_id, list(prompt_token_ids), params, hold_kv, hold_id,
-                      remote_kv is not None))
+        self._submit(_Add(request_id, list(prompt_token_ids), params, hold_kv, hold_id,
+                          remote_kv is not None))
         fetch = None if remote_kv is None else asyncio.ensure_future(
             self._remote(request_id, remote_kv))
         finished = False
@@ -138,7 +171,7 @@ class AsyncLLMEngine:
             if self._queues.get(request_id) is q:
                 del self._queues[request_id]
             if not finished:
-                self._submit(("abort", request_id))
+                self._submit(_Abort(request_id))
 
     async def _remote(self, request_id: str, remote_kv: Awaitable[RemoteKV | None]) -> None:
         try:
@@ -148,42 +181,15 @@ class AsyncLLMEngine:
         except Exception:  # noqa: BLE001 - whatever failed, the request prefills itself
             log.exception("remote KV for %s failed; prefilling locally", request_id)
             blocks = None
-        self._submit(("remote_kv", request_id, blocks))
-
-    # ---- P/D prefill holds (the peer server's side) --------------------------
-    def claim_hold(self, request_id: str, wait_s: float = 0.0) -> KVHold | None:
-        """The hold, once (blocking up to `wait_s` for one not opened yet: call from a
-        thread when waiting)."""
-        return self.engine.kv_holds.claim(request_id, wait_s=wait_s)
-
-    def wait_hold(self, hold: KVHold, have: int, timeout_s: float) -> tuple[int, bool]:
-        """From a thread: see KVHolds.wait (a growing hold's next blocks)."""
-        return self.engine.kv_holds.wait(hold, have, timeout_s)
-
-    def finish_hold(self, request_id: str) -> None:
-        """The hold's blocks may go back; the engine thread releases them next turn."""
-        self.engine.kv_holds.finish(request_id)
-        self._wake.set()
-
-    def gather_blocks(self, block_ids: Seq[int], out: np.ndarray) -> None:
-        """Copy held blocks into `out` (any thread; see kv_blocks.gather)."""
-        gather(self.engine.runner.kv_caches, block_ids, out)
-
-    def block_pieces(self) -> list[np.ndarray] | None:
-        """Per layer, the KV cache as uint8 `[2, blocks, bytes]` views (CPU caches; None
-        on a device): a block's payload is, for each layer, its K row then its V row, so
-        the peer server can send held blocks from where they lie (see gather_blocks)."""
-        caches = self.engine.runner.kv_caches
-        if caches[0].device.type != "cpu":
-            return None
-        return [c.view(-1).view(torch.uint8).numpy().reshape(2, c.shape[1], -1) for c in caches]
+        self._submit(_RemoteKV(request_id, blocks))
 
     @property
     def kv_layout(self) -> Any:
-        return layout_of(self.engine.runner.kv_caches)
+        return self.handoff.layout
+
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with finish_reason "abort"."""
-        self._submit(("abort", request_id))
+        self._submit(_Abort(request_id))
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -205,31 +211,31 @@ class AsyncLLMEngine:
         if self._thread is None:
             await self.start()
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("lifecycle", op, level, fut))
+        self._submit(_Lifecycle(op, level, fut))
         await asyncio.wrap_future(fut)
 
     def _run_lifecycle(self) -> None:
         """Engine thread: sleep/wake ops in arrival order; a sleep waits for the drain."""
         eng = self.engine
         while self._lifecycle:
-            op, level, fut = self._lifecycle[0]
-            if op == "sleep" and eng.has_unfinished_requests():
+            cmd = self._lifecycle[0]
+            if cmd.op == "sleep" and eng.has_unfinished_requests():
                 return
             self._lifecycle.popleft()
             try:
-                eng.sleep(level) if op == "sleep" else eng.wake_up()
+                eng.sleep(cmd.level) if cmd.op == "sleep" else eng.wake_up()
             except BaseException as e:  # noqa: BLE001 - the caller hears it
-                log.exception("%s failed", op)
-                fut.set_exception(e)
+                log.exception("%s failed", cmd.op)
+                cmd.done.set_exception(e)
             else:
-                fut.set_result(None)
+                cmd.done.set_result(None)
 
     def add_kv_event_listener(self, callback: Callable[[KVEvent], None]) -> None:
         """See LLMEngine.add_kv_event_listener: runs on the engine thread, not the event loop."""
         self.engine.add_kv_event_listener(callback)
 
     # ---- the engine thread ---------------------------------------------------
-    def _submit(self, cmd: tuple[Any, ...]) -> None:
+    def _submit(self, cmd: _Command) -> None:
         self._cmds.put(cmd)
         self._wake.set()
 
@@ -239,7 +245,7 @@ class AsyncLLMEngine:
             self._wake.clear()          # before draining: a later submit wakes the wait below
             out: list[RequestOutput | tuple[str, BaseException]] = []
             self._apply_commands(out)
-            eng.reap_kv_holds()
+            self.handoff.reap()
             if self._lifecycle:
                 self._run_lifecycle()
             if self._stopping:
@@ -251,7 +257,7 @@ class AsyncLLMEngine:
                 except Exception as e:  # noqa: BLE001 - every request must hear about it
                     log.exception("engine step failed")
                     err = EngineError(f"engine step failed: {type(e).__name__}: {e}")
-                    failed = list(eng.scheduler.requests)
+                    failed = eng.request_ids()
                     try:
                         eng.abort_all()
                     except Exception:  # noqa: BLE001
@@ -263,7 +269,7 @@ class AsyncLLMEngine:
             if not eng.has_schedulable_requests() and self._cmds.empty():
                 if eng.idle_work():     # a few ms of it, then look for work again
                     continue
-                deadline = eng.kv_holds.next_deadline()
+                deadline = self.handoff.next_deadline()
                 self._wake.wait(None if deadline is None
                                 else max(0.0, deadline - time.monotonic()) + 0.01)
 
@@ -274,34 +280,28 @@ class AsyncLLMEngine:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "lifecycle":
-                self._lifecycle.append(cmd[1:])
-            elif cmd[0] == "add":
-                _, rid, ids, params, hold_kv, hold_id, parked = cmd
+            if isinstance(cmd, _Lifecycle):
+                self._lifecycle.append(cmd)
+            elif isinstance(cmd, _Add):
                 if eng.sleep_level or self._lifecycle:
-                    out.append((rid, EngineSleeping("the model is sleeping (sleep mode); "
-                                                    "wake it with POST /wake_up")))
+                    out.append((cmd.request_id, EngineSleeping(
+                        "the model is sleeping (sleep mode); wake it with POST /wake_up")))
                     continue
                 try:
-                    eng.add_request(rid, ids, params, hold_kv=hold_kv, hold_id=hold_id,
-                                    parked=parked)
+                    eng.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
+                                    hold_kv=cmd.hold_kv, hold_id=cmd.hold_id, parked=cmd.parked)
                 except Exception as e:  # noqa: BLE001 - reported to that request only
-                    out.append((rid, e))
-            elif cmd[0] == "remote_kv":
+                    out.append((cmd.request_id, e))
+            elif isinstance(cmd, _RemoteKV):
                 try:
                     t0 = time.perf_counter()
-                    eng.load_remote_kv(cmd[1], cmd[2])
-                    if cmd[2] is not None and self.on_remote_kv_loaded is not None:
+                    eng.load_remote_kv(cmd.request_id, cmd.remote)
+                    if cmd.remote is not None and self.on_remote_kv_loaded is not None:
                         self.on_remote_kv_loaded(time.perf_counter() - t0)
                 except Exception:  # noqa: BLE001 - the request still runs, prefilling itself
-                    log.exception("loading remote KV for %s failed", cmd[1])
-                    seq = eng.scheduler.parked.get(cmd[1])
-                    if seq is not None:
-                        eng.block_manager.release(seq.pinned_blocks)
-                        seq.pinned_blocks = []
-                        eng.scheduler.unpark(cmd[1])
+                    log.exception("loading remote KV for %s failed", cmd.request_id)
             else:
-                done = eng.abort_request(cmd[1])
+                done = eng.abort_request(cmd.request_id)
                 if done is not None:
                     out.append(done)
 

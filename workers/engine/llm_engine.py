@@ -1,4 +1,4 @@
-"""The synchronous engine: one `step()` = schedule, run the model, sample, emit outputs.
+"""The synchronous engine: one `step()` = schedule, run the model, sample, postprocess.
 
 Single-threaded on purpose: every structure it touches (sequences, block
 tables, the prefix cache) is owned by the thread calling `step()`, so none of
@@ -12,36 +12,23 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence as Seq
 
-import numpy as np
 import torch
 
 from kvyard.common.models import resolve_model
 
-from .api import EngineStats, RemoteKV, RequestOutput, SamplingParams, TokenLogprob
+from .api import EngineStats, RemoteKV, RequestOutput, SamplingParams
 from .block_manager import BlockManager, KVEvent
-from .choice_mode import ChoiceState
 from .config import EngineConfig
-from .kv_blocks import scatter
-from .kv_holds import KVHolds
+from .guided.vocab import GuidedVocab, wants_guidance
+from .handoff import Handoff
 from .kv_loads import KVLoader
 from .model_runner import ModelRunner, kv_cache_bytes, num_blocks_for, resolve_device, resolve_dtype
-from .regex_mode import RegexState, compile_regex
-from .json_mode import JsonConstraint, JsonState
-from .json_schema import SchemaState, compile_schema
-from .sampler import GREEDY_EPS, Sampler, make_generator
+from .sampler import Sampler, make_generator
 from .scheduler import Scheduler
-from .sequence import Sequence
-from .stopping import append_token
+from .sequence import Sequence, output_of
+
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs and OpenAI's top_logprobs limit
-
-
-def _plain_greedy(seq: Sequence) -> bool:
-    """Whether the sequence's next token is the bare argmax of its logits (no sampling,
-    adjustment, constraint or logprobs), so the runner may pick it without them."""
-    p = seq.params
-    return p.temperature <= GREEDY_EPS and p.logprobs is None and not p.adjusts_logits \
-        and seq.constraint is None
 
 
 class LLMEngine:
@@ -66,20 +53,17 @@ class LLMEngine:
         if self.connector is not None:
             self.connector.bind(self.runner.kv_caches, bs)
             self.kv_loader = KVLoader(self.connector, self.runner.kv_caches[0].device)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.connector, self.kv_loader)
-        self.sampler = Sampler(config.seed)
-        self.kv_holds = KVHolds(config.kv_hold_ttl_s)
-        self.remote_kv_blocks = 0   # P/D decode: blocks loaded from a prefill worker
+        self.handoff = Handoff(self.block_manager, self.runner, config.kv_hold_ttl_s)
         limit = config.max_model_len or model_config.max_position_embeddings
         # a sequence can never outgrow the whole cache: cap it, or it would preempt itself forever
         self.max_model_len = min(limit, num_blocks * bs)
         self.eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens, self.connector, self.kv_loader,
+                                   self.handoff, self.eos_token_ids, self.max_model_len)
+        self.sampler = Sampler(config.seed)
+        self.guided = None if tokenizer is None else GuidedVocab(tokenizer, model_config.vocab_size)
         self.last_step_time = 0.0
-        self._texts: dict[int, str] = {}
-        self._first_code_table: np.ndarray | None = None
         self._sleep: Any = None      # sleep_mode.SleepMode after the first sleep
 
     @classmethod
@@ -133,21 +117,13 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params,
                        arrival=time.monotonic(), hold_kv=hold_kv)
         if hold_kv:
-            seq.kv_hold = (hold_id and self.kv_holds.open(hold_id)) \
-                or self.kv_holds.open(request_id)
-            if seq.kv_hold is None:
-                raise ValueError(f"request id {request_id!r} is already in use")
+            self.handoff.open(seq, hold_id)
         if params.seed is not None:
             seq.generator = make_generator(params.seed)
-        if params.json_object or params.json_schema is not None or params.guided_choice \
-                or params.guided_regex:
-            if self.tokenizer is None:
+        if wants_guidance(params):
+            if self.guided is None:
                 raise ValueError("guided output (JSON, choices, regex) needs the model's tokenizer")
-            state = ChoiceState.start(params.guided_choice) if params.guided_choice else \
-                RegexState.start(compile_regex(params.guided_regex)) if params.guided_regex else \
-                SchemaState.start(compile_schema(params.json_schema)) \
-                if params.json_schema is not None else JsonState()
-            seq.constraint = JsonConstraint(self._token_text, state, first_codes=self._first_codes())
+            seq.constraint = self.guided.constraint_for(params)
         if self.tokenizer is not None:
             # a few prompt tokens of context: some tokenizers' leading spaces depend on them
             seq.detokenizer = self.tokenizer.incremental_detokenizer(list(prompt_token_ids[-4:]))
@@ -156,80 +132,37 @@ class LLMEngine:
     def load_remote_kv(self, request_id: str, remote: RemoteKV | None) -> int:
         """A parked request's remote prompt blocks arrived (None: they will not): the
         leading ones that match its own block hashes are written into free blocks and
-        registered in the prefix cache, pinned to it until admission; then it queues.
-        Returns how many blocks it got (0: it prefills the prompt itself)."""
+        registered in the prefix cache, pinned to it until admission; then it queues,
+        also when the load fails (it prefills itself; the error is raised). Returns how
+        many blocks it got (0: it prefills the prompt itself)."""
         seq = self.scheduler.parked.get(request_id)
         if seq is None:
             return 0                       # aborted meanwhile
-        bm = self.block_manager
-        bs = bm.block_size
-        pins = seq.pinned_blocks
-        writes: list[tuple[int, object]] = []
-        if remote is not None:
-            own = seq.update_block_hashes(bs)
-            limit = min((seq.num_tokens - 1) // bs, len(own))
-            for i, (h, payload) in enumerate(zip(remote.block_hashes, remote.payloads)):
-                if i >= limit or own[i] != h:
-                    break
-                b = bm.pin_cached(h)
-                if b is None:
-                    b = bm.take_for(h, own[i - 1] if i else None,
-                                    seq.token_ids[i * bs:(i + 1) * bs])
-                    if b is None:
-                        break
-                    writes.append((b, payload))
-                pins.append(b)
-            try:
-                scatter(self.runner.kv_caches, [b for b, _ in writes], [p for _, p in writes])
-            except Exception:
-                for b, _ in writes:      # never leave a block cached under a hash it lacks
-                    bm.uncache(b)
-                raise
-        self.remote_kv_blocks += len(writes)
-        self.scheduler.unpark(request_id)
-        return len(pins)
+        try:
+            self.handoff.load_remote(seq, remote)
+        finally:
+            self.scheduler.unpark(request_id)
+        return len(seq.pinned_blocks)
 
     def idle_work(self) -> bool:
         """A little background work for an idle engine (faulting the CPU KV cache in:
         kv_prefault.py); False once there is none left."""
         return self.runner.prefault.step()
 
-    def reap_kv_holds(self) -> int:
-        """Give back the blocks of pulled and expired holds; returns how many blocks."""
-        n = 0
-        for ids in self.kv_holds.reap():
-            self.block_manager.release(ids)
-            n += len(ids)
-        return n
-
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Free the request's blocks now; returns its final output, None if unknown."""
         seq = self.scheduler.abort(request_id)
         if seq is not None and seq.kv_hold is not None:
-            self.kv_holds.fail(seq.kv_hold)
-            self.reap_kv_holds()            # unless a pull reads it, its blocks go back now
-        return None if seq is None else self._output(seq, [], "")
+            self.handoff.fail(seq.kv_hold)
+        return None if seq is None else output_of(seq, [], "")
 
-    def _publish(self, seq: Sequence) -> None:
-        """The prompt blocks this step completed, referenced for the request's hold (a
-        streamed pull may send them now; a preemption cannot free them)."""
-        hold, bs = seq.kv_hold, self.block_manager.block_size
-        have = len(hold.block_ids)
-        full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // bs
-        last = seq.num_computed_tokens >= seq.num_prompt_tokens
-        if full <= have:
-            if last:
-                self.kv_holds.complete(hold)
-            return
-        ids = seq.block_table[have:full]
-        self.block_manager.ref(ids)
-        if not self.kv_holds.publish(hold, ids, seq.update_block_hashes(bs)[have:full], last):
-            self.block_manager.release(ids)   # its pull ended already: nobody sends them
+    def request_ids(self) -> list[str]:
+        """Every request in the engine (running, queued or parked)."""
+        return list(self.scheduler.requests)
 
     def abort_all(self) -> list[RequestOutput]:
-        out = [o for rid in list(self.scheduler.requests) if (o := self.abort_request(rid))]
-        for ids in self.kv_holds.drain():
-            self.block_manager.release(ids)
+        out = [o for rid in self.request_ids() if (o := self.abort_request(rid))]
+        self.handoff.drain()
         return out
 
     # ---- sleep mode (sleep_mode.py) -------------------------------------------
@@ -278,111 +211,43 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            if self.scheduler.loads_in_flight:
-                if self.kv_loader.notify is None:  # a synchronous driver: wait, do not spin
-                    self.kv_loader.wait(1.0)
-                return []
-            if self.scheduler.waiting and not self.scheduler.running:
-                # validate() makes every request fit an empty cache, so this is a bug: fail loudly
-                raise RuntimeError("scheduler stalled: nothing runs and the queue head cannot start")
+            self._wait_or_stall()
             return []
         t0 = time.perf_counter()
-        logits, samplers, picked = self.runner.execute(sched, self._prompt_logits, _plain_greedy)
-        tokens: list[int] = []
-        lps: list = []
-        if picked is not None:  # the screened greedy rows have their tokens; sample the rest
-            tokens, lps = list(picked), [None] * len(picked)
-            rest = [i for i, tok in enumerate(picked) if tok < 0]
-            if rest:
-                for i, tok, lp in zip(rest, *self._sample(logits, [samplers[i] for i in rest])):
-                    tokens[i], lps[i] = tok, lp
-        elif samplers:
-            tokens, lps = self._sample(logits, samplers)
-        for seq, n in zip(sched.seqs, sched.num_new_tokens):
-            seq.num_computed_tokens += n
-            newly = self.block_manager.cache_blocks(seq)
-            if newly and self.connector is not None:
-                self.connector.save([h for h, _ in newly], [b for _, b in newly])
-            if seq.kv_hold is not None:
-                self._publish(seq)
-        outputs: list[RequestOutput] = []
-        for seq, tok, lp in zip(samplers, tokens, lps):
-            if seq.num_output_tokens == 0:
-                self.prompt_tokens_total += seq.num_prompt_tokens
-            self.generation_tokens_total += 1
-            delta, reason = append_token(seq, tok, self.eos_token_ids, self.max_model_len)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-            out = self._output(seq, [tok], delta, None if lp is None else [lp])
-            if seq.kv_hold is not None:
-                out.kv_hold = seq.kv_hold
-                if reason is not None:      # complete already, unless it ended mid-prompt
-                    self.kv_holds.complete(seq.kv_hold)
-            if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
-                out.prompt_logprobs = seq.prompt_logprobs or [None]
-            outputs.append(out)
+        logits, samplers, picked = self.runner.execute(sched)
+        tokens, logprobs = self._sample(logits, samplers, picked)
+        outputs = self.scheduler.postprocess(sched, samplers, tokens, logprobs)
         self.last_step_time = time.perf_counter() - t0
         return outputs
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]:
+    def _wait_or_stall(self) -> None:
+        """An empty schedule: a connector load will change that (a synchronous driver
+        waits for it here, not spinning), or nothing can, which is a bug."""
+        if self.scheduler.loads_in_flight:
+            if self.kv_loader.notify is None:
+                self.kv_loader.wait(1.0)
+        elif self.scheduler.waiting and not self.scheduler.running:
+            # validate() makes every request fit an empty cache, so this is a bug: fail loudly
+            raise RuntimeError("scheduler stalled: nothing runs and the queue head cannot start")
+
+    def _sample(self, logits: torch.Tensor | None, seqs: list[Sequence],
+                picked: list[int] | None) -> tuple[list[int], list]:
+        """Tokens (and logprobs) for the sampling sequences; `picked` has the runner's
+        greedy-screened rows already (-1: the rows `logits` covers, in order)."""
+        if picked is None:
+            return self._draw(logits, seqs) if seqs else ([], [])
+        tokens, lps = list(picked), [None] * len(picked)
+        rest = [i for i, tok in enumerate(picked) if tok < 0]
+        if rest:
+            for i, tok, lp in zip(rest, *self._draw(logits, [seqs[i] for i in rest])):
+                tokens[i], lps[i] = tok, lp
+        return tokens, lps
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]:
         return self.sampler.sample(
             logits, [s.params for s in seqs], [s.generator for s in seqs],
             [(s.token_ids, s.num_prompt_tokens) for s in seqs], self.eos_token_ids,
             [s.constraint for s in seqs] if any(s.constraint for s in seqs) else None)
-
-    def _first_codes(self) -> np.ndarray:
-        """Each token's first character (code point; -1 for no text), for the constrained
-        sampler's vectorised prefilter (JsonConstraint.prefilter); built at first use."""
-        if self._first_code_table is None:
-            n = max(self.model_config.vocab_size, self.tokenizer.vocab_size)
-            table = np.full(n, -1, dtype=np.int32)
-            for t in range(min(n, self.tokenizer.vocab_size)):
-                text = self._token_text(t)
-                if text:
-                    table[t] = ord(text[0])
-            self._first_code_table = table
-        return self._first_code_table
-
-    def _token_text(self, token_id: int) -> str:
-        """What a token adds to the text, cached (JSON mode checks the same few often)."""
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self._texts[token_id] = self.tokenizer.token_text(token_id)
-        return text
-
-    def _prompt_logits(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
-        """Prompt logprobs for positions first.. (each predicting the next prompt token),
-        appended in order; raw log_softmax, like the sampled tokens' logprobs."""
-        entries = seq.prompt_logprobs
-        if not entries:
-            entries.append(None)             # the first token has nothing before it
-        if first != len(entries) - 1:
-            raise RuntimeError(f"prompt logits out of order: position {first}, "
-                               f"{len(entries)} entries")
-        lp = torch.log_softmax(logits, dim=-1)
-        targets = seq.token_ids[first + 1:first + 1 + lp.shape[0]]
-        chosen_t = lp.gather(1, torch.tensor(targets).unsqueeze(1))
-        ranks = ((lp > chosen_t).sum(dim=1) + 1).tolist()  # vLLM's prompt_logprobs report it
-        chosen = chosen_t.squeeze(1).tolist()
-        k = seq.params.prompt_logprobs or 0
-        top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
-        for j, t in enumerate(targets):
-            top = list(zip(top_i[j].tolist(), top_v[j].tolist())) if k else []
-            entries.append(TokenLogprob(t, chosen[j], top, ranks[j]))
-
-    def _output(self, seq: Sequence, new_ids: list[int], delta: str,
-                logprobs: list | None = None) -> RequestOutput:
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=new_ids,
-            text_delta=delta,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            logprobs=logprobs,
-        )
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -396,8 +261,8 @@ class LLMEngine:
             prefix_queries_tokens=bm.prefix_queries_tokens,
             prefix_hits_tokens=bm.prefix_hits_tokens,
             num_preemptions=self.scheduler.num_preemptions,
-            prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total,
+            prompt_tokens_total=self.scheduler.prompt_tokens_total,
+            generation_tokens_total=self.scheduler.generation_tokens_total,
             prompt_tokens_pending=self._prompt_tokens_pending(),
         )
 

@@ -18,8 +18,11 @@ import torch
 from kvyard.workers.attention import AttentionMetadata
 
 from .kv_prefault import Prefaulter
+from .prompt_logprobs import append_prompt_logprobs
+from .sampler import plain_greedy
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
+from .step_memory import keep_step_memory
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -151,6 +154,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.dtype = dtype
         self.device = torch.device(getattr(model, "device", "cpu"))
+        if self.device.type == "cpu":
+            keep_step_memory()  # a step's buffers reuse memory, not fresh mappings (step_memory.py)
         shape = (2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
         maps: list[mmap.mmap] = []
         self.kv_caches = [_zeroed(shape, dtype, self.device, maps)
@@ -205,20 +210,19 @@ class ModelRunner:
             self.model.compute_logits(h[-1:]).argmax(-1).tolist()
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, prompt_logits=None, plain_greedy=None
+    def execute(self, sched: SchedulerOutput
                 ) -> tuple[torch.Tensor | None, list[Sequence], list[int] | None]:
         """Run the batch; returns (logits, the n sequences that sample, picked).
 
-        `plain_greedy(seq)`: whether the sequence's token is just the argmax of its
-        logits. Where the model has a greedy screen and enough such rows, those get
-        their token here (picked[i], the same token the logits' argmax gives) and the
-        logits [r, V] float32 cover only the other r rows (picked[i] = -1), in order;
-        otherwise picked is None and the logits cover all n.
+        Rows whose token is just the argmax of their logits (sampler.plain_greedy): where
+        the model has a greedy screen and enough such rows, those get their token here
+        (picked[i], the same token the logits' argmax gives) and the logits [r, V]
+        float32 cover only the other r rows (picked[i] = -1), in order; otherwise picked
+        is None and the logits cover all n.
 
-        For sequences that want prompt logprobs, `prompt_logits(seq, first position,
-        logits [k, V] float32)` gets the logits of the prompt positions this step
-        computed whose entries are still missing, at most PROMPT_LOGITS_ROWS at a time
-        (a 1,024-token chunk of a 49k vocabulary would be 200 MB at once)."""
+        Sequences that want prompt logprobs get the entries of the prompt positions this
+        step computed (prompt_logprobs.py), from logits at most PROMPT_LOGITS_ROWS at a
+        time (a 1,024-token chunk of a 49k vocabulary would be 200 MB at once)."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -243,7 +247,7 @@ class ModelRunner:
             if end == seq.num_tokens:
                 sample_rows.append(qsl[-1] - 1)
                 samplers.append(seq)
-            if prompt_logits is not None and seq.wants_prompt_logits:
+            if seq.wants_prompt_logits:
                 # position p predicts token p + 1: entry p + 1 of seq.prompt_logprobs
                 lo = max(c, max(1, len(seq.prompt_logprobs)) - 1)
                 hi = min(end, seq.num_prompt_tokens - 1)
@@ -254,7 +258,7 @@ class ModelRunner:
                 and self.graphs.fits(len(tables), max(len(t) for t in tables)):
             slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
             logits = self.graphs.run(ids, pos, slots, seq_lens, tables)
-            return self._gpu_sample(logits, samplers, plain_greedy)
+            return self._gpu_sample(logits, samplers)
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
         positions = torch.tensor(pos, dtype=torch.int64)
@@ -288,7 +292,7 @@ class ModelRunner:
             for seq, p0, r0, n in prompt_spans:
                 for j in range(0, n, PROMPT_LOGITS_ROWS):
                     k = min(PROMPT_LOGITS_ROWS, n - j)
-                    prompt_logits(seq, p0 + j, self.model.compute_logits(hidden[r0 + j:r0 + j + k]).float().cpu())
+                    append_prompt_logprobs(seq, p0 + j, self.model.compute_logits(hidden[r0 + j:r0 + j + k]).float().cpu())
             if not samplers:
                 return None, samplers, None
             if narrow or len(sample_rows) == hidden.shape[0]:
@@ -296,9 +300,9 @@ class ModelRunner:
             else:
                 last = hidden[torch.tensor(sample_rows, device=hidden.device)]
             if cuda:
-                return self._gpu_sample(self.model.compute_logits(last), samplers, plain_greedy)
+                return self._gpu_sample(self.model.compute_logits(last), samplers)
             fast = []
-            if plain_greedy is not None and getattr(self.model, "greedy", None) is not None:
+            if getattr(self.model, "greedy", None) is not None:
                 fast = [i for i, seq in enumerate(samplers) if plain_greedy(seq)]
             if len(fast) < GREEDY_SCREEN_MIN_ROWS:
                 return self.model.compute_logits(last).float(), samplers, None
@@ -313,12 +317,12 @@ class ModelRunner:
                 torch.set_num_threads(before)  # in-process callers (LLM.generate, a bench) keep theirs
 
     @staticmethod
-    def _gpu_sample(logits: torch.Tensor, samplers: list[Sequence], plain_greedy
+    def _gpu_sample(logits: torch.Tensor, samplers: list[Sequence]
                     ) -> tuple[torch.Tensor | None, list[Sequence], list[int] | None]:
         """Plain greedy rows' tokens by argmax on the GPU (reading them is the step's one
         sync); the other rows' logits stay on the GPU for the sampler, which draws there
         and reads back only the sampled ids (sampler.py)."""
-        fast = [i for i, seq in enumerate(samplers) if plain_greedy(seq)] if plain_greedy is not None else []
+        fast = [i for i, seq in enumerate(samplers) if plain_greedy(seq)]
         if not fast:
             return logits.float(), samplers, None
         chosen = set(fast)

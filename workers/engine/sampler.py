@@ -34,6 +34,14 @@ from .logits_process import adjust_row
 GREEDY_EPS = 1e-5  # temperatures at or below are greedy
 
 
+def plain_greedy(seq: Any) -> bool:
+    """Whether a sequence's next token is the bare argmax of its logits (no sampling,
+    adjustment, constraint or logprobs), so the runner may pick it without the sampler."""
+    p = seq.params
+    return p.temperature <= GREEDY_EPS and p.logprobs is None and not p.adjusts_logits \
+        and seq.constraint is None
+
+
 def make_generator(seed: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(int(seed))
 

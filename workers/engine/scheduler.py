@@ -29,9 +29,8 @@ may still be writing them). Parked requests count against `max_num_seqs`.
 If the head cannot fit and nothing runs, requests behind it give back what
 they hold (P/D pins, loaded blocks: both stay cached, so nothing is lost but
 the reference); while loads are in flight an empty step is a wait, not a
-stall. `loader=None` loads inline at admission instead (the baseline). The
-connector's `lookup` (how many blocks it has) still runs here, at admission:
-for a Redis tier one round trip for the candidate keys.
+stall. The connector's `lookup` (how many blocks it has) still runs here, at
+admission: for a Redis tier one round trip for the candidate keys.
 
 P/D: a decode-side request whose prompt is being prefilled elsewhere is
 *parked* (WAITING_FOR_REMOTE_KVS, vLLM's name) outside the queue while its KV
@@ -39,7 +38,12 @@ travels; the engine loads what arrived as prefix-cache blocks, pinned to the
 request, and `unpark` queues it, so admission takes them as ordinary hits.
 A prefill-side request marked `hold_kv` has a hold (`seq.kv_hold`,
 kv_holds.py) that references its prompt's full blocks as they are computed,
-for the decode side to pull, while it runs and after it ends.
+for the decode side to pull, while it runs and after it ends (handoff.py).
+
+After the model ran, `postprocess` advances what was computed, lets the
+connector and the handoff see the newly full blocks, appends each sampled
+token and ends the sequences that stop (stopping.py), and returns the step's
+outputs.
 """
 from __future__ import annotations
 
@@ -47,9 +51,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from .api import RequestOutput
 from .block_manager import BlockManager
 from .kv_loads import KVLoad, KVLoader
-from .sequence import Sequence, SeqStatus
+from .sequence import Sequence, SeqStatus, output_of
+from .stopping import append_token
 
 
 @dataclass(slots=True)
@@ -71,7 +77,12 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, connector: Any = None,
-                 loader: KVLoader | None = None) -> None:
+                 loader: KVLoader | None = None, handoff: Any = None,
+                 eos_token_ids: frozenset[int] = frozenset(), max_model_len: int = 1 << 62) -> None:
+        """`loader` runs the connector's loads (required with a connector); `handoff`
+        (handoff.Handoff) sees prompt blocks of P/D prefills as they compute."""
+        if connector is not None and loader is None:
+            raise ValueError("a KV connector needs a KVLoader")
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -80,13 +91,18 @@ class Scheduler:
         self.running: list[Sequence] = []        # admission order: oldest first
         self.requests: dict[str, Sequence] = {}
         self.parked: dict[str, Sequence] = {}    # WAITING_FOR_REMOTE_KVS
-        self.loader = loader                     # connector loads off this thread; None: inline
+        self.loader = loader                     # connector loads, off this thread
+        self.handoff = handoff
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
         self.loading: dict[str, Sequence] = {}   # WAITING_FOR_KV_LOAD: owners and waiters
         self._loading_hashes: dict[int, KVLoad] = {}  # block hash -> the in-flight load of it
         self.blocked_on_loads = False  # the last step was empty and only a load can change that
         self.num_preemptions = 0
         self.external_hit_tokens = 0
         self.kv_load_failures = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
 
     @property
     def loads_in_flight(self) -> int:
@@ -182,6 +198,36 @@ class Scheduler:
         self.blocked_on_loads = out.is_empty and bool(self.waiting) and self.loads_in_flight > 0
         return out
 
+    def postprocess(self, sched: SchedulerOutput, samplers: list[Sequence], tokens: list[int],
+                    logprobs: list) -> list[RequestOutput]:
+        """After the model ran `sched`: its tokens are computed (blocks that became full
+        enter the prefix cache, go to the connector and to P/D holds); each sequence in
+        `samplers` appends its token and ends if it stops. One output per token."""
+        for seq, n in zip(sched.seqs, sched.num_new_tokens):
+            seq.num_computed_tokens += n
+            newly = self.bm.cache_blocks(seq)
+            if newly and self.connector is not None:
+                self.connector.save([h for h, _ in newly], [b for _, b in newly])
+            if seq.kv_hold is not None:
+                self.handoff.publish(seq)
+        outputs: list[RequestOutput] = []
+        for seq, tok, lp in zip(samplers, tokens, logprobs):
+            if seq.num_output_tokens == 0:
+                self.prompt_tokens_total += seq.num_prompt_tokens
+            self.generation_tokens_total += 1
+            delta, reason = append_token(seq, tok, self.eos_token_ids, self.max_model_len)
+            if reason is not None:
+                self.finish(seq, reason)
+            out = output_of(seq, [tok], delta, None if lp is None else [lp])
+            if seq.kv_hold is not None:
+                out.kv_hold = seq.kv_hold
+                if reason is not None:      # complete already, unless it ended mid-prompt
+                    self.handoff.complete(seq.kv_hold)
+            if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
+                out.prompt_logprobs = seq.prompt_logprobs or [None]
+            outputs.append(out)
+        return outputs
+
     def _reserve(self, seq: Sequence, n: int, done: set[str], preempted: list[Sequence]) -> int:
         """Blocks for `n` tokens of a running seq, preempting the newest others until they fit.
 
@@ -220,7 +266,7 @@ class Scheduler:
                 prefix = [] if fresh else self.bm.match_prefix(seq)
                 k = len(prefix)
                 ask = not fresh and seq.kv_load is None  # the connector, once per admission
-                if ask and self.loader is not None:
+                if ask:
                     job = self._load_of(seq, k)
                     if job is not None:         # its next blocks are on their way already
                         self._park(seq, job)
@@ -228,22 +274,16 @@ class Scheduler:
                         continue
                 m = self._external_blocks(seq, k) if ask else 0
             n = min(seq.num_tokens - seq.num_computed_tokens - (k + m) * bs, budget)
-            if m and self.loader is not None:
+            if m:
                 n = 0                           # park it with just the blocks to load into
             if not self.bm.allocate(seq, m * bs + n, prefix):
                 if not self.running and self._release_waiting():
                     continue                # blocks held behind the head took the room: retry
                 break                       # FCFS: nobody overtakes the head
             self._unpin(seq)                # its remote blocks are now in its block table
-            if m and self.loader is not None:
+            if m:
                 self._start_load(seq, k, m)
                 continue
-            if m:
-                loaded = self.connector.load(seq.block_hashes[k:k + m], seq.block_table[k:k + m])
-                loaded = max(0, min(int(loaded), m))
-                seq.num_computed_tokens = (k + loaded) * bs
-                self.bm.cache_blocks(seq)   # loaded blocks become local prefix-cache entries
-                self.external_hit_tokens += loaded * bs
             if not seq.admitted_once:
                 seq.admitted_once = True
                 seq.num_cached_tokens = seq.num_computed_tokens

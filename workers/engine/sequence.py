@@ -11,7 +11,7 @@ from typing import Any
 
 from kvyard.common.hashing import NONE_HASH, block_hashes
 
-from .api import SamplingParams
+from .api import RequestOutput, SamplingParams
 
 
 class SeqStatus(enum.Enum):
@@ -43,7 +43,7 @@ class Sequence:
     output_text: str = ""                # detokenized output, stop strings trimmed
     num_emitted_chars: int = 0           # of output_text already streamed
     prompt_logprobs: list[Any] = field(default_factory=list)  # [None, TokenLogprob, ...] as computed
-    constraint: Any = None               # json_mode.JsonConstraint for JSON-mode requests
+    constraint: Any = None               # guided.constraint.TokenConstraint for guided requests
     stop_scan: Any = None                # stopping.StopScan: this sequence's stop-string automaton state
     hold_kv: bool = False                # P/D prefill: keep the prompt's blocks for a pull
     kv_hold: Any = None                  # ... its kv_holds.KVHold, growing as chunks compute
@@ -83,3 +83,19 @@ class Sequence:
                 self.token_ids[done * block_size:], block_size, parent=parent
             )
         return self.block_hashes
+
+
+def output_of(seq: Sequence, new_ids: list[int], delta: str,
+              logprobs: list | None = None) -> RequestOutput:
+    """The public view of a step's change to `seq`: its new tokens and text."""
+    return RequestOutput(
+        request_id=seq.request_id,
+        new_token_ids=new_ids,
+        text_delta=delta,
+        finished=seq.is_finished,
+        finish_reason=seq.finish_reason,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_output_tokens=seq.num_output_tokens,
+        num_cached_tokens=seq.num_cached_tokens,
+        logprobs=logprobs,
+    )

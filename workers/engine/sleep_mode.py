@@ -123,8 +123,7 @@ class SleepMode:
         if eng.has_unfinished_requests():
             raise RuntimeError("sleep with requests in the engine (drain or abort them first)")
         t0 = time.perf_counter()
-        for ids in eng.kv_holds.drain():
-            eng.block_manager.release(ids)
+        eng.handoff.drain()
         eng.block_manager.reset_prefix_cache()
         cuda = runner.device.type == "cuda"
         if cuda:

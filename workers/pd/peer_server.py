@@ -48,7 +48,7 @@ _SENDERS = 64              # threads: a streamed pull waits in one for its prefi
 
 @dataclass(slots=True)
 class PeerServer:
-    engine: Any                  # AsyncLLMEngine: claim_hold, finish_hold, gather_blocks
+    handoff: Any                 # the engine's handoff.Handoff: claim, wait, finish, gather
     namespace: Namespace
     engine_id: str
     host: str = "127.0.0.1"
@@ -127,7 +127,7 @@ class PeerServer:
             if shm:  # before the claim: a bad buffer costs nobody the hold
                 peer_shm.check_target(fd, want * frame)
             rid = str(req.get("remote_request_id"))
-            hold = await run(self.engine.claim_hold, rid,
+            hold = await run(self.handoff.claim, rid,
                              peer_stream.STREAM_WAIT_S if stream else 0.0)
             if hold is None:
                 rid = None
@@ -170,14 +170,14 @@ class PeerServer:
                     self.pulled += 1
                 else:
                     self.aborted += 1
-                self.engine.finish_hold(rid)
+                self.handoff.finish(rid)
             if fd is not None:
                 os.close(fd)    # never kept: the buffer is the puller's
             conn.close()
 
     def _until_complete(self, hold: Any) -> None:
         while hold.growing:
-            self.engine.wait_hold(hold, len(hold.block_ids), SEND_TIMEOUT_S)
+            self.handoff.wait(hold, len(hold.block_ids), SEND_TIMEOUT_S)
 
     def _stream(self, conn: socket.socket, fd: int | None, hold: Any, n: int) -> None:
         """In a thread: a streamed pull (peer_stream.py), each range of blocks sent (TCP)
@@ -189,7 +189,7 @@ class PeerServer:
         frame = HEADER_BYTES + lay.nbytes
         pieces = self._pieces()
         total = 0
-        for s, e, growing in peer_stream.ranges(self.engine.wait_hold, hold, n, SEND_TIMEOUT_S):
+        for s, e, growing in peer_stream.ranges(self.handoff.wait, hold, n, SEND_TIMEOUT_S):
             head = peer_stream.range_message(hold, s, e, growing)
             if fd is None:
                 conn.sendall(head)
@@ -229,8 +229,7 @@ class PeerServer:
 
     def _pieces(self) -> list[np.ndarray] | None:
         if self._block_pieces is None:
-            fn = getattr(self.engine, "block_pieces", None)
-            self._block_pieces = (fn() if fn is not None else None) or []
+            self._block_pieces = self.handoff.block_pieces() or []
         return self._block_pieces or None
 
     def _send_shm(self, conn: socket.socket, fd: int, hold: Any, n: int) -> None:
@@ -298,7 +297,7 @@ class PeerServer:
     def _frames(self, block_ids: list[int], hashes: list[int], out: np.ndarray) -> None:
         lay = self.namespace.layout
         frames = out[:len(block_ids)]
-        self.engine.gather_blocks(block_ids, frames[:, HEADER_BYTES:])
+        self.handoff.gather(block_ids, frames[:, HEADER_BYTES:])
         for row, h in zip(frames, hashes):
             row[:HEADER_BYTES] = np.frombuffer(
                 encode_header(self.namespace.key(h), lay, row[HEADER_BYTES:]), dtype=np.uint8)

@@ -37,7 +37,7 @@ class PDRuntime:
         key = pd_auth.load_key(o.key_file)
         self.namespace = Namespace(model_identity_of(engine.config.model), engine.kv_layout)
         if o.role != "decode":
-            self.peer = PeerServer(engine, self.namespace, self.engine_id, o.peer_host,
+            self.peer = PeerServer(engine.handoff, self.namespace, self.engine_id, o.peer_host,
                                    o.peer_port)
             await self.peer.start()
             self.metrics.registry.register(HoldCollector(lambda: self._hold_counts(engine)))
@@ -49,7 +49,7 @@ class PDRuntime:
         engine.on_remote_kv_loaded = self.decoder.loaded
 
     def _hold_counts(self, engine: Any) -> tuple[int, dict[str, int]]:
-        holds = engine.engine.kv_holds
+        holds = engine.handoff.holds
         return holds.num_blocks, {"pulled": self.peer.pulled, "aborted": self.peer.aborted,
                                   "expired": holds.expired_total}
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvyard.common.api import BodyError, parse_json_object
-from kvyard.workers.engine.json_schema import SchemaError, compile_schema
-from kvyard.workers.engine.regex_mode import RegexError, compile_regex
+from kvyard.workers.engine.guided.schema import SchemaError, compile_schema
+from kvyard.workers.engine.guided.regex import RegexError, compile_regex
 
 from .errors import ApiError
 from .limits import MAX_GUIDED_CHOICE_CHARS, MAX_GUIDED_CHOICES, MAX_REGEX_CHARS
@@ -25,7 +25,7 @@ def guided_params(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _guided_regex(body: dict[str, Any], other: bool) -> str | None:
-    """vLLM's `guided_regex`: the whole output matches it (workers/engine/regex_mode.py);
+    """vLLM's `guided_regex`: the whole output matches it (workers/engine/guided/regex.py);
     compiled here so an unsupported construct is a 400 naming it."""
     pattern = body.get("guided_regex")
     if pattern is None:
@@ -100,7 +100,7 @@ def _json_schema(body: dict[str, Any]) -> dict | None:
 
 def _guided_choice(body: dict[str, Any], json_too: bool) -> list[str] | None:
     """vLLM's `guided_choice`: a non-empty list of non-empty strings, the output being
-    exactly one of them (workers/engine/choice_mode.py); not with a JSON format."""
+    exactly one of them (workers/engine/guided/choice.py); not with a JSON format."""
     choices = body.get("guided_choice")
     if choices is None:
         return None

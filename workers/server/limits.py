@@ -20,8 +20,8 @@ MAX_LOGIT_BIAS = 1024      # entries (OpenAI's limit is 300); each row adds them
 MAX_MESSAGES = 2048
 MAX_GUIDED_CHOICES = 1024
 MAX_GUIDED_CHOICE_CHARS = 4096   # per choice
-MAX_REGEX_CHARS = 4096     # and the NFA: workers/engine/regex_mode.py MAX_STATES
-# JSON schemas: workers/engine/json_schema.py (OpenAI's structured-output limits)
+MAX_REGEX_CHARS = 4096     # and the NFA: workers/engine/guided/regex.py MAX_STATES
+# JSON schemas: workers/engine/guided/schema.py (OpenAI's structured-output limits)
 
 
 def too_many(param: str, what: str, limit: int, got: int) -> ApiError:

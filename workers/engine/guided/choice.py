@@ -1,6 +1,6 @@
 """vLLM's `guided_choice`: the output is exactly one of the given strings.
 
-Same constraint path as JSON mode (json_mode.JsonConstraint): a token is allowed
+Same constraint path as JSON mode (constraint.TokenConstraint): a token is allowed
 when its text keeps the output a prefix of some choice. The request finishes when
 the output equals a choice that no longer choice extends; when one does ("no" and
 "none"), the end of sequence is allowed there and the model picks. Choices are

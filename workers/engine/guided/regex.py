@@ -2,7 +2,7 @@
 
 The pattern is parsed into a Thompson NFA; the state is the set of NFA states the
 output so far can be in, stepped one character at a time, behind the same
-constraint interface as JSON mode (json_mode.JsonConstraint). Every NFA state
+constraint interface as JSON mode (constraint.TokenConstraint). Every NFA state
 can reach the accepting one, so a live state never strands the model. The end of
 sequence is allowed wherever the output matches; the request finishes by itself
 once it matches and nothing longer could.

@@ -1,4 +1,4 @@
-"""How big a JSON Schema may be for structured output (workers/engine/json_schema.py).
+"""How big a JSON Schema may be for structured output (workers/engine/guided/schema.py).
 
 OpenAI's structured-output limits where it has them (properties, enum values,
 their characters), and two of ours for the automaton: at most MAX_SUBSCHEMAS
@@ -56,7 +56,7 @@ class SchemaBudget:
 
 def check_alternatives(defs: dict[str, Any]) -> None:
     """Each value starts as all its alternatives, followed through unions and $refs
-    (json_schema._start, at runtime): counted per compiled node, iteratively (a $ref
+    (schema._start, at runtime): counted per compiled node, iteratively (a $ref
     chain may be long). Refuses cycles that read nothing, too many alternatives and
     too deep a nesting."""
     seen: dict[int, Any] = {}

@@ -5,7 +5,7 @@ The schema is compiled into a tree of `Node`s; a nondeterministic, character-lev
 pushdown automaton walks the output against it. A state is the set of live
 configurations (a union such as `["string", "null"]` or an enum like `[1, 12]`
 keeps several alive for a few characters), so checking a candidate token is a
-few set steps per character, as in JSON mode (json_mode.py), whose constraint
+few set steps per character, as in JSON mode (json_object.py), whose constraint
 class and sampler path this reuses.
 
 Decisions (what a demanding user needs to know; the server says it in its 400s):
@@ -34,7 +34,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .json_mode import _HEX, _N_DONE_OK, _N_INT, _N_SIGN, _N_ZERO, _WS, MAX_WS, number_step
+from .json_object import _HEX, _N_DONE_OK, _N_INT, _N_SIGN, _N_ZERO, _WS, MAX_WS, number_step
 from .schema_limits import SchemaBudget, SchemaError, check_alternatives
 
 # SchemaError lives in schema_limits (which this imports); it is part of this API too
@@ -365,7 +365,7 @@ def _number(stack: tuple, arg: tuple, ch: str) -> list:
 
 @dataclass(slots=True, frozen=True)
 class SchemaState:
-    """The live configurations; the same interface as json_mode.JsonState."""
+    """The live configurations; the same interface as json_object.JsonState."""
 
     configs: frozenset
 
