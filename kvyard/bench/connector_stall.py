@@ -1,6 +1,6 @@
 """`kvyard bench connector --stall`: what a kvstore hit costs the streams already
-decoding, with the connector's load inline at admission (the old engine) and off
-the engine thread (kv_loads.py), same engine, same store, same run.
+decoding (the load runs on the engine's loader thread, kv_loads.py) against the
+same prompt computed from scratch by the same engine with no store, same run.
 
 A DRAM-less connector over a real redis-server (or an SSD directory) holds the
 blocks of one long prompt, written by an engine that computed it. Per round and
@@ -10,8 +10,8 @@ run goes on until its first token. Per step: its wall time, and whether the
 long request was still loading. A running stream's TPOT in a step is that
 step's time (every stream decodes one token per step). Rows: TPOT p50 before the
 arrival, p50 and worst while the hit is in flight (arrival to its first token,
-which for `inline` is the one step that loads it), the load's own time, the long
-request's TTFT. Modes interleave, order alternating per round.
+or, for `recompute`, the steps that prefill it), the load's own time, the long
+request's TTFT. Modes (`hit`, `recompute`) interleave, order alternating per round.
 """
 from __future__ import annotations
 
@@ -54,19 +54,18 @@ HIT = 4  # tokens the hit generates: checked against the engine that computed it
 def _round(mode: str, make, long_ids, short_ids, streams: int) -> dict:
     from kvyard.workers.engine.api import SamplingParams
 
-    conn, eng = make()
-    if mode == "inline":
-        eng.scheduler.loader = None          # the old path: connector.load inside _admit
+    conn, eng = make(mode == "hit")
     timed = {"load_s": 0.0}
-    load = conn.load
+    if conn is not None:
+        load = conn.load
 
-    def timed_load(h, b):
-        t0 = time.perf_counter()
-        try:
-            return load(h, b)
-        finally:
-            timed["load_s"] += time.perf_counter() - t0
-    conn.load = timed_load
+        def timed_load(h, b):
+            t0 = time.perf_counter()
+            try:
+                return load(h, b)
+            finally:
+                timed["load_s"] += time.perf_counter() - t0
+        conn.load = timed_load
     run = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
     for i in range(streams):
         eng.add_request(f"s{i}", short_ids[i], run)
@@ -95,9 +94,10 @@ def _round(mode: str, make, long_ids, short_ids, streams: int) -> dict:
             if hit:
                 ttft = time.perf_counter() - t_arrive
     eng.abort_all()
-    conn.close()
+    if conn is not None:
+        conn.close()
     return {"before": before, "during": during, "load_s": timed["load_s"], "ttft_s": ttft,
-            "loaded": conn.loaded_blocks, "tokens": hit}
+            "loaded": conn.loaded_blocks if conn is not None else 0, "tokens": hit}
 
 
 def run_stall(args: argparse.Namespace) -> int:
@@ -136,18 +136,18 @@ def run_stall(args: argparse.Namespace) -> int:
         assert first.store.flush(60), "the store did not take the prompt's blocks"
         first.close()
 
-        def make():
-            c = StoreConnector(cfg, ident)
+        def make(with_store: bool):
+            c = StoreConnector(cfg, ident) if with_store else None
             return c, _engine(model, mcfg, tok, c, args.stall_dtype, max_len, args.stall_threads)
-        res: dict[str, list[dict]] = {"inline": [], "async": []}
+        res: dict[str, list[dict]] = {"hit": [], "recompute": []}
         for r in range(args.stall_rounds):
-            for mode in (("inline", "async") if r % 2 == 0 else ("async", "inline")):
+            for mode in (("hit", "recompute") if r % 2 == 0 else ("recompute", "hit")):
                 res[mode].append(_round(mode, make, long_ids, short_ids, args.stall_streams))
     finally:
         if redis is not None:
             redis.stop()
         ssd.cleanup()
-    blocks = res["async"][0]["loaded"]
+    blocks = res["hit"][0]["loaded"]
     nbytes = blocks * first.layout.nbytes
     report = Report(f"running streams' TPOT while a {args.stall_tier} hit of "
                     f"{args.stall_tokens} tokens ({blocks} blocks, {nbytes / 1e6:.0f} MB) loads: "
@@ -171,9 +171,9 @@ def run_stall(args: argparse.Namespace) -> int:
                                       for m, rounds in res.items()}
     report.notes.append(
         "medians over rounds; tpot = one engine step's wall time (each stream decodes a token "
-        "per step); during = from the hit's arrival to its first token; inline = "
-        "connector.load inside admission (scheduler loader=None), async = on the loader thread; "
-        "same_tokens: the hit's greedy tokens equal those of the engine that computed its prompt")
+        "per step); during = from the long prompt's arrival to its first token; hit = its blocks "
+        "loaded from the store on the loader thread, recompute = the same engine without a store "
+        "prefills it; same_tokens: the hit's greedy tokens equal those of the engine that computed its prompt")
     if args.json:
         print(json.dumps(report.to_json(), indent=2), flush=True)
     else:
