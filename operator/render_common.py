@@ -30,8 +30,24 @@ def default_image(s: ServiceSpec) -> str:
     return s.defaults.image or f"{wire.IMAGE_REPOSITORY}:{kvyard_version()}"
 
 
+def cuda_image(s: ServiceSpec) -> str:
+    """kvyard's CUDA variant: the operator's `--cuda-image` (the chart derives it from the same
+    tag or digest values as `--image`), else `--image`, else this version's `-cuda` tag."""
+    d = s.defaults
+    return d.cuda_image or d.image or f"{wire.IMAGE_REPOSITORY}:{kvyard_version()}-cuda"
+
+
 def worker_image(s: ServiceSpec) -> str:
-    return s.engine.image or (VLLM_IMAGE if s.engine.name == "vllm" else default_image(s))
+    if s.engine.image:
+        return s.engine.image
+    if s.engine.name == "vllm":
+        return VLLM_IMAGE
+    return cuda_image(s) if s.engine.device == "cuda" else default_image(s)
+
+
+def service_host(s: ServiceSpec, name: str) -> str:
+    """A Service's fully qualified name in the operator's cluster domain."""
+    return f"{name}.{s.namespace}.svc.{s.defaults.cluster_domain}"
 
 
 def name_of(s: ServiceSpec, component: str, role: str | None = None) -> str:
@@ -108,6 +124,17 @@ def http_probe(path: str, port: int | str, **kw: Any) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": port}, **kw}
 
 
+def _pod_identity(s: ServiceSpec) -> dict[str, Any]:
+    """The operator's pull secrets and ServiceAccount for every pod (the EPP's pod names
+    its own ServiceAccount, which wins)."""
+    out: dict[str, Any] = {}
+    if s.defaults.image_pull_secrets:
+        out["imagePullSecrets"] = [{"name": n} for n in s.defaults.image_pull_secrets]
+    if s.defaults.service_account:
+        out["serviceAccountName"] = s.defaults.service_account
+    return out
+
+
 def deployment(s: ServiceSpec, name: str, component: str, role: str | None,
                pod: dict[str, Any], replicas: int | None,
                annotations: dict[str, str] | None = None) -> dict[str, Any]:
@@ -119,12 +146,20 @@ def deployment(s: ServiceSpec, name: str, component: str, role: str | None,
         "template": {"metadata": {"labels": labels(s, component, role),
                                   **({"annotations": annotations} if annotations else {})},
                      "spec": {"securityContext": pod_security(),
-                              "automountServiceAccountToken": component == "epp", **pod}},
+                              "automountServiceAccountToken": component == "epp",
+                              **_pod_identity(s), **pod}},
     }
     if replicas is not None:
         spec["replicas"] = replicas
     return {"apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": metadata(s, name, component, role), "spec": spec}
+
+
+def spread(s: ServiceSpec, component: str, role: str | None = None) -> list[dict[str, Any]]:
+    """Replicas on different nodes where the scheduler can (never blocks scheduling)."""
+    return [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+             "whenUnsatisfiable": "ScheduleAnyway",
+             "labelSelector": {"matchLabels": selector_labels(s, component, role)}}]
 
 
 def service(s: ServiceSpec, name: str, component: str, role: str | None,

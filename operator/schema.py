@@ -103,6 +103,15 @@ ENGINE = _obj("The model server every pool runs.", {
                                        enum=["NoSchedule", "PreferNoSchedule", "NoExecute"]),
                         "tolerationSeconds": _int("For NoExecute."),
                     })},
+    "affinity": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                 "description": "Worker pods' affinity (a core/v1 Affinity), e.g. GPU models."},
+    "priorityClassName": _str("Worker pods' PriorityClass.", maxLength=253),
+    "startupSeconds": _int("How long a worker may take to start (image pull aside: model load, "
+                           "kernel compilation) before the kubelet restarts it.", minimum=60,
+                           maximum=7200, default=600),
+    "shmSize": _str("Size of the workers' /dev/shm (a memory-backed emptyDir; it counts against "
+                    "the memory limit). Default: 2Gi on device cuda, none on cpu.",
+                    pattern=QUANTITY),
 }, default={})
 
 ROUTING = _obj("How the EPP scores workers.", {
@@ -124,11 +133,20 @@ ROUTING = _obj("How the EPP scores workers.", {
 KVSTORE = _obj("The workers' KV-block store (engine kvyard only).", {
     "dramGB": {"type": "number", "minimum": 0, "maximum": 4096, "default": 1,
                "description": "In-process DRAM tier per worker, GB (10^9 bytes)."},
-    "ssd": _obj("An SSD tier.", {
+    "ssd": _obj("An SSD tier: an emptyDir per pod (size-limited) unless told otherwise.", {
         "size": _str("Capacity, e.g. 20Gi.", pattern=QUANTITY),
-        "path": _str("A node directory (hostPath, shared by the node's workers); "
-                     "omitted: an emptyDir per pod.", pattern=r"^/.*"),
-    }, required=["size"]),
+        "medium": _str("The emptyDir's medium: '' (the node's disk) or Memory.",
+                       enum=["", "Memory"], default=""),
+        "storageClassName": _str("A generic ephemeral volume of this StorageClass (a PVC per "
+                                 "pod, deleted with it) instead of the emptyDir.",
+                                 minLength=1, maxLength=253),
+        "path": _str("A node directory (hostPath, shared by the node's workers): an explicit "
+                     "choice, refused by Pod Security 'baseline'; an init container makes it "
+                     "the workers' own (uid 65532) at each start.", pattern=r"^/.*"),
+    }, required=["size"], **{"x-kubernetes-validations": [
+        {"rule": "!(has(self.path) && has(self.storageClassName))",
+         "message": "ssd: path (hostPath) or storageClassName (ephemeral volume), not both"},
+    ]}),
     "redis": _obj("The pool-wide Redis tier.", {
         "url": _str("redis://host:port[/db] or redis+cluster://host:port.",
                     pattern=r"^redis(\+cluster|s)?://.+"),
@@ -170,6 +188,10 @@ SPEC = _obj("An inference service: model, engine, pools, routing, KV store.", {
                                  "(a wake from zero: pod start, image pull, model load) "
                                  "before a 503; the gateway holds at most 900 s.",
                                  minimum=1, maximum=900, default=300),
+    }, default={}),
+    "gateway": _obj("kvyard's Envoy gateway.", {
+        "replicas": _int("Gateway replicas (stateless; spread over nodes).", minimum=1,
+                         maximum=100, default=2),
     }, default={}),
     "inferencePool": _obj("Also create a GAIE InferencePool pointing at the EPP.", {
         "enabled": {"type": "boolean", "default": False},
