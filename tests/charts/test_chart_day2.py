@@ -105,3 +105,62 @@ def test_gateway_pdb_leaves_one_of_the_default_two(ch, monkeypatch):
     pdb = ch.one(objs, "PodDisruptionBudget", "demo-gateway")
     assert pdb["spec"]["minAvailable"] == 1 < gw["spec"]["replicas"]
     assert ch._selects(pdb["spec"]["selector"], gw["spec"]["template"]["metadata"]["labels"])
+
+
+def test_an_upgrade_replaces_the_crd_with_the_new_operators(ch):
+    """crds/ covers the install; a pre-upgrade Job runs the new image's `kvyard.operator.crd
+    --apply`, allowed to touch that one CRD only."""
+    import kubernetes_validate
+
+    assert not [o for o in ch.objects("cpu") if o["kind"] == "Job" and "crd" in
+                o["metadata"]["name"]]  # nothing cluster-wide extra on install
+    out = ch.chart().render(copy.deepcopy(ch.PRESETS["cpu"]), name=ch.RELEASE,
+                            namespace=ch.NAMESPACE, is_upgrade=True, revision=2)
+    objs = [d for p, t in out.items() if p.endswith("crd-upgrade-hook.yaml")
+            for d in yaml.safe_load_all(t) if d]
+    assert sorted(o["kind"] for o in objs) == ["ClusterRole", "ClusterRoleBinding", "Job",
+                                               "ServiceAccount"]
+    for o in objs:
+        assert o["metadata"]["annotations"]["helm.sh/hook"] == "pre-upgrade"
+        kubernetes_validate.validate(o, ch.K8S_VERSIONS[-1], strict=True)
+    [job] = [o for o in objs if o["kind"] == "Job"]
+    [c] = job["spec"]["template"]["spec"]["containers"]
+    assert c["command"][-3:] == ["-m", "kvyard.operator.crd", "--apply"]
+    assert c["image"] == "ghcr.io/kvyard/kvyard:0.1.0"
+    [role] = [o for o in objs if o["kind"] == "ClusterRole"]
+    assert role["rules"] == [{"apiGroups": ["apiextensions.k8s.io"],
+                              "resources": ["customresourcedefinitions"],
+                              "resourceNames": ["inferenceservices.kvyard.io"],
+                              "verbs": ["get", "update"]}]
+
+
+def test_crd_apply_replaces_the_stored_crd_with_the_generated_one():
+    import types
+
+    from kubernetes.client.rest import ApiException
+
+    from kvyard.operator import crd
+
+    class Api:
+        def __init__(self, stored):
+            self.stored, self.calls = stored, []
+
+        def read_custom_resource_definition(self, name):
+            if self.stored is None:
+                raise ApiException(status=404)
+            return types.SimpleNamespace(metadata=types.SimpleNamespace(resource_version="7"))
+
+        def replace_custom_resource_definition(self, name, body):
+            self.calls.append(("replace", name, body))
+
+        def create_custom_resource_definition(self, body):
+            self.calls.append(("create", body["metadata"]["name"], body))
+
+    api = Api(stored={})
+    assert crd.apply_crd(api) == "replaced"
+    [(verb, name, body)] = api.calls
+    assert (verb, name, body["metadata"]["resourceVersion"]) == ("replace",
+                                                                 "inferenceservices.kvyard.io", "7")
+    assert body["spec"] == crd.crd_manifest()["spec"]
+    api = Api(stored=None)
+    assert crd.apply_crd(api) == "created" and api.calls[0][0] == "create"

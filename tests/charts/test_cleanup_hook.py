@@ -153,3 +153,18 @@ async def test_hook_is_a_no_op_when_the_service_is_gone(tmp_path):
     async with _api() as api:
         rc, out = await _run_hook(job, str(api.url), tmp_path)
         assert rc == 0, out
+
+
+async def test_hook_deletes_every_service_the_operator_watched(tmp_path):
+    """Not only the chart's: one a user created elsewhere is deleted too, both named."""
+    job, svc = _hook_and_service()
+    mine = copy.deepcopy(svc)
+    mine["metadata"]["name"] = "users-own"
+    async with _api() as api:
+        await _create(api, svc, finalizers=["kvyard.io/operator"])
+        await _create(api, mine, finalizers=["kvyard.io/operator"])
+        rc, out = await _run_hook(job, str(api.url), tmp_path, timeout_s="1")
+        assert rc == 0, out
+        for name in (svc["metadata"]["name"], "users-own"):
+            assert f"InferenceService {NS}/{name} deleted" in out
+            assert api.get_live("inferenceservices", NS, name) is None
