@@ -5,12 +5,13 @@ Pure functions of the ServiceSpec; nothing here talks to an API.
 from __future__ import annotations
 
 import hashlib
+import json
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from kvyard.common import wire
 
-from .spec import ServiceSpec
+from .spec import Download, ServiceSpec
 
 VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
 MODEL_MOUNT = "/models"
@@ -112,12 +113,60 @@ def model_volume(s: ServiceSpec) -> tuple[list[dict], list[dict], str]:
     if m.source == "pvc":
         vol = {"name": "model", "persistentVolumeClaim": {"claimName": m.claim_name,
                                                           "readOnly": True}}
+    elif m.download is not None:
+        vol = {"name": "model", **_download_volume(m.download)}
     else:
         vol = {"name": "model", "image": {"reference": m.image,
                                           "pullPolicy": m.image_pull_policy}}
     inner = (m.path or "").strip("/")
     arg = f"{MODEL_MOUNT}/{inner}" if inner else MODEL_MOUNT
     return [vol], [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}], arg
+
+
+def _download_volume(d: Download) -> dict[str, Any]:
+    if d.storage_class:
+        return {"ephemeral": {"volumeClaimTemplate": {"spec": {
+            "accessModes": ["ReadWriteOnce"], "storageClassName": d.storage_class,
+            "resources": {"requests": {"storage": d.size}}}}}}
+    return {"emptyDir": {"sizeLimit": d.size}}
+
+
+_DOWNLOAD = ("import json, os\n"
+             "from huggingface_hub import snapshot_download\n"
+             "snapshot_download(os.environ['KVYARD_MODEL_REPO'],"
+             " revision=os.environ['KVYARD_MODEL_REVISION'],"
+             " local_dir=os.environ['KVYARD_MODEL_DIR'],"
+             " allow_patterns=json.loads(os.environ['KVYARD_MODEL_ALLOW']) or None)\n")
+
+
+def model_download(s: ServiceSpec) -> dict[str, Any] | None:
+    """source download: the init container that fetches the repository into the model volume
+    (run with the workers' own image, already on the node: kvyard's and vLLM's both carry
+    huggingface_hub); the workers then read it like a PVC."""
+    d = s.model.download
+    if d is None:
+        return None
+    env: list[dict[str, Any]] = [
+        {"name": "KVYARD_MODEL_REPO", "value": d.repo},
+        {"name": "KVYARD_MODEL_REVISION", "value": d.revision},
+        {"name": "KVYARD_MODEL_DIR", "value": MODEL_MOUNT},
+        {"name": "KVYARD_MODEL_ALLOW", "value": json.dumps(d.allow_patterns)},
+        # the image is offline by default; this one container is not
+        {"name": "HF_HUB_OFFLINE", "value": "0"}, {"name": "HF_HOME", "value": "/tmp/hf"},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}, {"name": "HOME", "value": "/tmp"}]
+    if d.endpoint:
+        env.append({"name": "HF_ENDPOINT", "value": d.endpoint})
+    if d.token_secret:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": d.token_secret, "key": d.token_key}}})
+    return {"name": "model-download", "image": worker_image(s),
+            "imagePullPolicy": s.defaults.pull_policy, "command": ["python3", "-c", _DOWNLOAD],
+            "env": env,
+            "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT},
+                             {"name": "tmp", "mountPath": "/tmp"}],
+            "resources": {"requests": {"cpu": "500m", "memory": "512Mi"},
+                          "limits": {"memory": "2Gi"}},
+            "securityContext": container_security()}
 
 
 def http_probe(path: str, port: int | str, **kw: Any) -> dict[str, Any]:

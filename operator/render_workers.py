@@ -204,7 +204,7 @@ def render_pool(s: ServiceSpec, pool: Pool, keda: bool = True) -> list[dict[str,
 
 
 def _day2(s: ServiceSpec, obj: dict[str, Any]) -> dict[str, Any]:
-    """Placement, rollout and the SSD owner step on a pool's Deployment."""
+    """Placement, rollout, and the init steps (model download, SSD owner) of a pool."""
     if obj["kind"] != "Deployment":
         return obj
     pod = obj["spec"]["template"]["spec"]
@@ -214,8 +214,11 @@ def _day2(s: ServiceSpec, obj: dict[str, Any]) -> dict[str, Any]:
         pod["affinity"] = dict(s.engine.affinity)
     if s.engine.priority_class:
         pod["priorityClassName"] = s.engine.priority_class
+    inits = [c for c in (rc.model_download(s),) if c is not None]
     if s.kvstore is not None and s.kvstore.ssd_bytes and s.kvstore.ssd_path:
-        pod["initContainers"] = [_ssd_owner(s)]
+        inits.append(_ssd_owner(s))
+    if inits:
+        pod["initContainers"] = inits
     if s.engine.device == "cuda":
         # No spare GPU for a surge pod: replace one at a time instead of waiting for one forever.
         obj["spec"]["strategy"] = {"type": "RollingUpdate",

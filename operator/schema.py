@@ -13,7 +13,7 @@ from kvyard.common.wire import ROLES
 
 ENGINES = ("kvyard", "vllm")
 DEVICES = ("cpu", "cuda")
-MODEL_SOURCES = ("demo", "pvc", "hf", "gguf", "image")
+MODEL_SOURCES = ("demo", "pvc", "hf", "gguf", "image", "download")
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$"
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
 
@@ -53,7 +53,8 @@ _QUANTITY_MAP = {"type": "object", "additionalProperties": {
 MODEL = _obj("Where the weights come from.", {
     "source": _str("demo: SmolLM2-135M baked into the CPU image; pvc: a path on a "
                    "PersistentVolumeClaim; hf / gguf: a Hugging Face directory / a .gguf file "
-                   "at a path in the image; image: an OCI image mounted as a volume.",
+                   "at a path in the image; image: an OCI image mounted as a volume; download: "
+                   "a Hugging Face Hub repository fetched by an init container at each start.",
                    enum=list(MODEL_SOURCES), default="demo"),
     "path": _str("pvc / image: the file or directory inside the volume; hf / gguf: the path "
                  "in the container.", maxLength=1024),
@@ -65,9 +66,26 @@ MODEL = _obj("Where the weights come from.", {
         "pullPolicy": _str("Pull policy.", enum=["Always", "IfNotPresent", "Never"],
                            default="IfNotPresent"),
     }, required=["reference"]),
+    "download": _obj("For source download: what the init container fetches into the pod.", {
+        "repo": _str("Hub repository id, e.g. meta-llama/Meta-Llama-3-8B-Instruct.",
+                     pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.]*/[-A-Za-z0-9_.]+$", maxLength=200),
+        "revision": _str("Branch, tag or commit.", default="main", maxLength=200),
+        "allowPatterns": {"type": "array", "maxItems": 32, "items": {"type": "string"},
+                          "description": "Only files matching these globs (default: all)."},
+        "tokenSecretRef": _obj("The Secret key holding a Hub token (gated models).", {
+            "name": _str("Secret name.", minLength=1),
+            "key": _str("Key in the Secret.", minLength=1, default="token"),
+        }, required=["name"]),
+        "size": _str("The volume's size limit, e.g. 40Gi.", pattern=QUANTITY, default="50Gi"),
+        "storageClassName": _str("A generic ephemeral volume of this StorageClass instead of "
+                                 "an emptyDir.", minLength=1, maxLength=253),
+        "endpoint": _str("A Hub mirror's URL (HF_ENDPOINT).", pattern=r"^https?://.+"),
+    }, required=["repo"]),
     "servedModelName": _str("Name clients send as `model` (default: the model's own).",
                             maxLength=256),
 }, default={}, **{"x-kubernetes-validations": [
+    {"rule": "self.source != 'download' || has(self.download)",
+     "message": "source download needs download.repo"},
     {"rule": "self.source != 'pvc' || (has(self.pvc) && has(self.path))",
      "message": "source pvc needs pvc.claimName and path"},
     {"rule": "self.source != 'image' || has(self.image)",

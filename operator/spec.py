@@ -56,6 +56,20 @@ class Pool:
 
 
 @dataclass(slots=True)
+class Download:
+    """source download: a Hub repository, fetched into the pod by an init container."""
+
+    repo: str
+    revision: str = "main"
+    allow_patterns: list[str] = field(default_factory=list)
+    token_secret: str | None = None
+    token_key: str = "token"
+    size: str = "50Gi"
+    storage_class: str | None = None
+    endpoint: str | None = None
+
+
+@dataclass(slots=True)
 class Model:
     source: str
     path: str | None
@@ -63,6 +77,7 @@ class Model:
     image: str | None
     image_pull_policy: str
     served_name: str | None
+    download: Download | None = None
 
 
 @dataclass(slots=True)
@@ -186,7 +201,20 @@ def _model(m: dict[str, Any]) -> Model:
         _need(str(path).endswith(".gguf"), "spec.model: source gguf needs a .gguf path")
     img = m.get("image") or {}
     return Model(src, path, (m.get("pvc") or {}).get("claimName"), img.get("reference"),
-                 img.get("pullPolicy", "IfNotPresent"), m.get("servedModelName"))
+                 img.get("pullPolicy", "IfNotPresent"), m.get("servedModelName"),
+                 _download(m.get("download")) if src == "download" else None)
+
+
+def _download(d: dict[str, Any] | None) -> Download:
+    d = d or {}
+    _need(bool(re.match(r"^[A-Za-z0-9][-A-Za-z0-9_.]*/[-A-Za-z0-9_.]+$", str(d.get("repo", "")))),
+          f"spec.model.download.repo {d.get('repo')!r}: want a Hub id like org/name")
+    size = str(d.get("size", "50Gi"))
+    quantity_bytes(size)
+    ref = d.get("tokenSecretRef") or {}
+    return Download(d["repo"], str(d.get("revision", "main")), list(d.get("allowPatterns") or []),
+                    ref.get("name"), ref.get("key", "token"), size, d.get("storageClassName"),
+                    d.get("endpoint"))
 
 
 def _engine(e: dict[str, Any]) -> Engine:

@@ -163,3 +163,41 @@ def test_the_gateway_is_two_replicas_spread_over_nodes() -> None:
     w = deps["demo-both"]
     assert pod(w)["topologySpreadConstraints"][0]["labelSelector"]["matchLabels"] == \
         w["spec"]["selector"]["matchLabels"]
+
+
+def test_a_hub_download_fills_the_model_volume_before_the_worker_starts(monkeypatch) -> None:
+    import huggingface_hub
+
+    objs = children({"engine": {"device": "cuda"}, "model": {"source": "download", "download": {
+        "repo": "org/model", "revision": "v2", "allowPatterns": ["*.json", "*.safetensors"],
+        "tokenSecretRef": {"name": "hf"}, "size": "40Gi"}}})
+    deps = deployments(objs)
+    p = pod(deps["demo-both"])
+    [init] = p["initContainers"]
+    [vol] = [v for v in p["volumes"] if v["name"] == "model"]
+    assert vol == {"name": "model", "emptyDir": {"sizeLimit": "40Gi"}}
+    args = worker(deps["demo-both"])["args"]
+    assert args[args.index("--model") + 1] == "/models"
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in \
+        worker(deps["demo-both"])["volumeMounts"]
+    assert init["image"] == worker(deps["demo-both"])["image"]  # already on the node
+    env = {e["name"]: e for e in init["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+    assert env["HF_HUB_OFFLINE"]["value"] == "0"
+    # the EPP does not fetch the weights: it hashes prompts as bytes
+    epp = pod(deps["demo-epp"])
+    assert not [v for v in epp["volumes"] if v["name"] == "model"]
+    eargs = epp["containers"][0]["args"]
+    assert eargs[eargs.index("--model") + 1] == "none"
+    # the init script, run as the container would, asks the Hub for exactly that
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo, **kw: calls.append((repo, kw)))
+    for name, e in env.items():
+        if "value" in e:
+            monkeypatch.setenv(name, e["value"])
+    exec(init["command"][-1], {})  # noqa: S102 - the rendered script itself
+    assert calls == [("org/model", {"revision": "v2", "local_dir": "/models",
+                                    "allow_patterns": ["*.json", "*.safetensors"]})]
+    with pytest.raises(SpecError, match="Hub id"):
+        children({"model": {"source": "download", "download": {"repo": "no-slash"}}})
