@@ -203,7 +203,7 @@ def render_pool(s: ServiceSpec, pool: Pool, keda: bool = True) -> list[dict[str,
             rc.service(s, name, "worker", pool.role, ports, headless=True)]
 
 
-def _day2(s: ServiceSpec, obj: dict[str, Any]) -> dict[str, Any]:
+def _pool_extras(s: ServiceSpec, obj: dict[str, Any]) -> dict[str, Any]:
     """Placement, rollout, and the init steps (model download, SSD owner) of a pool."""
     if obj["kind"] != "Deployment":
         return obj
@@ -227,4 +227,4 @@ def _day2(s: ServiceSpec, obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def render_workers(s: ServiceSpec, keda: bool = True) -> list[dict[str, Any]]:
-    return [_day2(s, obj) for pool in s.pools for obj in render_pool(s, pool, keda)]
+    return [_pool_extras(s, obj) for pool in s.pools for obj in render_pool(s, pool, keda)]

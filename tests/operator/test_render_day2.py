@@ -201,3 +201,18 @@ def test_a_hub_download_fills_the_model_volume_before_the_worker_starts(monkeypa
                                     "allow_patterns": ["*.json", "*.safetensors"]})]
     with pytest.raises(SpecError, match="Hub id"):
         children({"model": {"source": "download", "download": {"repo": "no-slash"}}})
+
+
+def test_the_gateway_pods_expose_the_api_only() -> None:
+    """The bootstrap in the gateway's ConfigMap is kvyard.gateway.config's, 404 route included."""
+    import yaml
+
+    [cm] = [o for o in children({}) if o["kind"] == "ConfigMap"
+            and o["metadata"]["name"] == "demo-gateway"]
+    doc = yaml.safe_load(cm["data"]["envoy.yaml"])
+    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    statuses = [r.get("direct_response", {}).get("status") for r in routes]
+    assert 404 in statuses and statuses[0] is None  # the API route first, then Envoy's own
+    assert "/tokenize" in routes[0]["match"]["safe_regex"]["regex"]
