@@ -53,7 +53,8 @@ def test_every_image_follows_one_tag_or_digest(ch, monkeypatch):
     values = {**copy.deepcopy(ch.PRESETS["gpu"]),
               "image": {"repository": "reg.example/kvyard", "tag": "1.2.3", "digest": SHA,
                         "cudaDigest": SHA.replace("ab", "cd")},
-              "imagePullSecrets": [{"name": "regcred"}]}
+              "imagePullSecrets": [{"name": "regcred"}],
+              "workers": {"serviceAccountName": "models-reader"}}
     objs = _objects(ch, values)
     d = _defaults(ch, objs, monkeypatch)
     assert d.image == f"reg.example/kvyard:1.2.3@{SHA}"
@@ -67,6 +68,8 @@ def test_every_image_follows_one_tag_or_digest(ch, monkeypatch):
                       "llama3-8b-epp": d.image, "llama3-8b-gateway": d.image}
     for name, dep in deps.items():
         assert _pod(dep)["imagePullSecrets"] == [{"name": "regcred"}], name
+        want = "llama3-8b-epp" if name.endswith("-epp") else "models-reader"
+        assert _pod(dep)["serviceAccountName"] == want, name
 
 
 def test_the_gpu_preset_tolerates_tainted_gpu_nodes(ch, monkeypatch):
