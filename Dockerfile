@@ -9,6 +9,8 @@
 # node through the NVIDIA container toolkit):
 #   docker build -t ghcr.io/kvyard/kvyard:0.1.0-cuda \
 #     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 --build-arg DEMO_MODEL=0 .
+# .github/workflows/release.yaml builds both on a vX.Y.Z tag and pushes them as X.Y.Z and
+# X.Y.Z-cuda, the tags the chart derives from its one image.tag value.
 # BASE_IMAGE must have Python 3.11+ at the same path in both stages (the venv points at it).
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from kvyard.common.wire import WORKER_KV_PEER_PORT
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", action="append", default=[],
@@ -29,6 +31,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "$KVYARD_IMAGE, else ghcr.io/kvyard/kvyard:<version>)")
     p.add_argument("--image-pull-policy", choices=("Always", "IfNotPresent", "Never"),
                    default=os.environ.get("KVYARD_IMAGE_PULL_POLICY") or "IfNotPresent")
+    p.add_argument("--cuda-image", default=os.environ.get("KVYARD_CUDA_IMAGE") or None,
+                   help="kvyard's CUDA image for workers on device cuda (default: "
+                        "$KVYARD_CUDA_IMAGE, else --image, else ghcr.io/kvyard/kvyard:<version>-cuda)")
+    p.add_argument("--image-pull-secret", action="append",
+                   default=[n for n in os.environ.get("KVYARD_IMAGE_PULL_SECRETS", "").split(",")
+                            if n.strip()],
+                   help="a Secret every created pod pulls with (repeatable; default: "
+                        "$KVYARD_IMAGE_PULL_SECRETS, comma-separated)")
+    p.add_argument("--pod-service-account",
+                   default=os.environ.get("KVYARD_POD_SERVICE_ACCOUNT") or None,
+                   help="ServiceAccount of the workers and gateways it creates")
+    p.add_argument("--kv-peer-port", type=int,
+                   default=int(os.environ.get("KVYARD_KV_PEER_PORT") or WORKER_KV_PEER_PORT),
+                   help="the workers' P/D KV transfer port (default: $KVYARD_KV_PEER_PORT, else 8001)")
+    p.add_argument("--cluster-domain", default=os.environ.get("KVYARD_CLUSTER_DOMAIN")
+                   or "cluster.local", help="the cluster's DNS domain (default: "
+                                            "$KVYARD_CLUSTER_DOMAIN, else cluster.local)")
     p.add_argument("--log-level", default="info")
 
 
@@ -47,7 +66,13 @@ def run(args: argparse.Namespace) -> int:
     cfg = OperatorConfig(resync_s=args.resync_seconds, retry_s=args.retry_seconds,
                          rollout_poll_s=args.rollout_poll_seconds,
                          server=args.server,
-                         defaults=Defaults(args.image, args.image_pull_policy))
+                         defaults=Defaults(args.image, args.image_pull_policy,
+                                           cuda_image=args.cuda_image,
+                                           image_pull_secrets=[n.strip() for n in
+                                                               args.image_pull_secret],
+                                           service_account=args.pod_service_account,
+                                           kv_peer_port=args.kv_peer_port,
+                                           cluster_domain=args.cluster_domain))
     asyncio.run(run_operator(cfg, namespaces, clusterwide=not namespaces,
                              liveness=args.liveness or None))
     return 0

@@ -89,10 +89,41 @@ def defaulted_spec(spec: dict[str, Any] | None) -> dict[str, Any]:
     return apply_defaults(OPENAPI_SCHEMA["properties"]["spec"], dict(spec or {}))
 
 
+def apply_crd(api: Any) -> str:
+    """Create or replace the CRD through an ApiextensionsV1Api: the chart's pre-upgrade hook,
+    because Helm installs crds/ once and never upgrades it. Replace, not patch: the new schema
+    is the whole truth (a field dropped from schema.py must leave the CRD too)."""
+    from kubernetes.client.rest import ApiException
+
+    body = crd_manifest()
+    try:
+        current = api.read_custom_resource_definition(wire.CRD_NAME)
+    except ApiException as e:
+        if e.status != 404:
+            raise
+        api.create_custom_resource_definition(body)
+        return "created"
+    body["metadata"]["resourceVersion"] = current.metadata.resource_version
+    api.replace_custom_resource_definition(wire.CRD_NAME, body)
+    return "replaced"
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="write or check the InferenceService CRD file")
+    p = argparse.ArgumentParser(description="write, print or apply the InferenceService CRD")
     p.add_argument("--write", action="store_true", help=f"write {CRD_FILE}")
+    p.add_argument("--apply", action="store_true",
+                   help="create or replace it in the cluster (in-cluster credentials, else the "
+                        "kubeconfig)")
     args = p.parse_args(argv)
+    if args.apply:
+        from kubernetes import client, config
+
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        print(f"CRD {wire.CRD_NAME} {apply_crd(client.ApiextensionsV1Api())}")
+        return 0
     if args.write:
         CRD_FILE.parent.mkdir(parents=True, exist_ok=True)
         CRD_FILE.write_text(crd_yaml())

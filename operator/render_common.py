@@ -5,12 +5,13 @@ Pure functions of the ServiceSpec; nothing here talks to an API.
 from __future__ import annotations
 
 import hashlib
+import json
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from kvyard.common import wire
 
-from .spec import ServiceSpec
+from .spec import Download, ServiceSpec
 
 VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
 MODEL_MOUNT = "/models"
@@ -30,8 +31,24 @@ def default_image(s: ServiceSpec) -> str:
     return s.defaults.image or f"{wire.IMAGE_REPOSITORY}:{kvyard_version()}"
 
 
+def cuda_image(s: ServiceSpec) -> str:
+    """kvyard's CUDA variant: the operator's `--cuda-image` (the chart derives it from the same
+    tag or digest values as `--image`), else `--image`, else this version's `-cuda` tag."""
+    d = s.defaults
+    return d.cuda_image or d.image or f"{wire.IMAGE_REPOSITORY}:{kvyard_version()}-cuda"
+
+
 def worker_image(s: ServiceSpec) -> str:
-    return s.engine.image or (VLLM_IMAGE if s.engine.name == "vllm" else default_image(s))
+    if s.engine.image:
+        return s.engine.image
+    if s.engine.name == "vllm":
+        return VLLM_IMAGE
+    return cuda_image(s) if s.engine.device == "cuda" else default_image(s)
+
+
+def service_host(s: ServiceSpec, name: str) -> str:
+    """A Service's fully qualified name in the operator's cluster domain."""
+    return f"{name}.{s.namespace}.svc.{s.defaults.cluster_domain}"
 
 
 def name_of(s: ServiceSpec, component: str, role: str | None = None) -> str:
@@ -96,6 +113,8 @@ def model_volume(s: ServiceSpec) -> tuple[list[dict], list[dict], str]:
     if m.source == "pvc":
         vol = {"name": "model", "persistentVolumeClaim": {"claimName": m.claim_name,
                                                           "readOnly": True}}
+    elif m.download is not None:
+        vol = {"name": "model", **_download_volume(m.download)}
     else:
         vol = {"name": "model", "image": {"reference": m.image,
                                           "pullPolicy": m.image_pull_policy}}
@@ -104,8 +123,65 @@ def model_volume(s: ServiceSpec) -> tuple[list[dict], list[dict], str]:
     return [vol], [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}], arg
 
 
+def _download_volume(d: Download) -> dict[str, Any]:
+    if d.storage_class:
+        return {"ephemeral": {"volumeClaimTemplate": {"spec": {
+            "accessModes": ["ReadWriteOnce"], "storageClassName": d.storage_class,
+            "resources": {"requests": {"storage": d.size}}}}}}
+    return {"emptyDir": {"sizeLimit": d.size}}
+
+
+_DOWNLOAD = ("import json, os\n"
+             "from huggingface_hub import snapshot_download\n"
+             "snapshot_download(os.environ['KVYARD_MODEL_REPO'],"
+             " revision=os.environ['KVYARD_MODEL_REVISION'],"
+             " local_dir=os.environ['KVYARD_MODEL_DIR'],"
+             " allow_patterns=json.loads(os.environ['KVYARD_MODEL_ALLOW']) or None)\n")
+
+
+def model_download(s: ServiceSpec) -> dict[str, Any] | None:
+    """source download: the init container that fetches the repository into the model volume
+    (run with the workers' own image, already on the node: kvyard's and vLLM's both carry
+    huggingface_hub); the workers then read it like a PVC."""
+    d = s.model.download
+    if d is None:
+        return None
+    env: list[dict[str, Any]] = [
+        {"name": "KVYARD_MODEL_REPO", "value": d.repo},
+        {"name": "KVYARD_MODEL_REVISION", "value": d.revision},
+        {"name": "KVYARD_MODEL_DIR", "value": MODEL_MOUNT},
+        {"name": "KVYARD_MODEL_ALLOW", "value": json.dumps(d.allow_patterns)},
+        # the image is offline by default; this one container is not
+        {"name": "HF_HUB_OFFLINE", "value": "0"}, {"name": "HF_HOME", "value": "/tmp/hf"},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}, {"name": "HOME", "value": "/tmp"}]
+    if d.endpoint:
+        env.append({"name": "HF_ENDPOINT", "value": d.endpoint})
+    if d.token_secret:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": d.token_secret, "key": d.token_key}}})
+    return {"name": "model-download", "image": worker_image(s),
+            "imagePullPolicy": s.defaults.pull_policy, "command": ["python3", "-c", _DOWNLOAD],
+            "env": env,
+            "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT},
+                             {"name": "tmp", "mountPath": "/tmp"}],
+            "resources": {"requests": {"cpu": "500m", "memory": "512Mi"},
+                          "limits": {"memory": "2Gi"}},
+            "securityContext": container_security()}
+
+
 def http_probe(path: str, port: int | str, **kw: Any) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": port}, **kw}
+
+
+def _pod_identity(s: ServiceSpec) -> dict[str, Any]:
+    """The operator's pull secrets and ServiceAccount for every pod (the EPP's pod names
+    its own ServiceAccount, which wins)."""
+    out: dict[str, Any] = {}
+    if s.defaults.image_pull_secrets:
+        out["imagePullSecrets"] = [{"name": n} for n in s.defaults.image_pull_secrets]
+    if s.defaults.service_account:
+        out["serviceAccountName"] = s.defaults.service_account
+    return out
 
 
 def deployment(s: ServiceSpec, name: str, component: str, role: str | None,
@@ -119,12 +195,20 @@ def deployment(s: ServiceSpec, name: str, component: str, role: str | None,
         "template": {"metadata": {"labels": labels(s, component, role),
                                   **({"annotations": annotations} if annotations else {})},
                      "spec": {"securityContext": pod_security(),
-                              "automountServiceAccountToken": component == "epp", **pod}},
+                              "automountServiceAccountToken": component == "epp",
+                              **_pod_identity(s), **pod}},
     }
     if replicas is not None:
         spec["replicas"] = replicas
     return {"apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": metadata(s, name, component, role), "spec": spec}
+
+
+def spread(s: ServiceSpec, component: str, role: str | None = None) -> list[dict[str, Any]]:
+    """Replicas on different nodes where the scheduler can (never blocks scheduling)."""
+    return [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+             "whenUnsatisfiable": "ScheduleAnyway",
+             "labelSelector": {"matchLabels": selector_labels(s, component, role)}}]
 
 
 def service(s: ServiceSpec, name: str, component: str, role: str | None,

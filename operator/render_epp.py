@@ -64,8 +64,9 @@ def scheduler_config(s: ServiceSpec) -> dict[str, Any]:
 
 def epp_model_arg(s: ServiceSpec, model_arg: str) -> str:
     """The tokenizer source: the workers' model where the EPP pod can read it; a path
-    inside a custom worker image is not in the EPP's image, so prompts hash as bytes."""
-    return "none" if s.model.source in ("hf", "gguf") else model_arg
+    inside a custom worker image is not in the EPP's image, and a download is the workers'
+    own (the EPP does not fetch gigabytes for a tokenizer), so prompts hash as bytes."""
+    return "none" if s.model.source in ("hf", "gguf", "download") else model_arg
 
 
 def epp_args(s: ServiceSpec, model_arg: str) -> list[str]:
@@ -108,6 +109,8 @@ def render_epp(s: ServiceSpec) -> list[dict[str, Any]]:
           "data": {CONFIG_FILE: text}}
     vols, mounts = rc.scratch_volumes({"tmp": "/tmp"})
     mvols, mmounts, model_arg = rc.model_volume(s)
+    if s.model.source == "download":
+        mvols, mmounts = [], []
     vols += mvols + [{"name": "config", "configMap": {"name": name}}]
     mounts += mmounts + [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
     if s.disaggregated:

@@ -1,6 +1,11 @@
 """The Envoy gateway: ConfigMap (the bootstrap `kvyard gateway-config` renders, from
 the same `kvyard.gateway.config`), Deployment, Service.
 
+Two replicas by default (spec.gateway.replicas), spread over nodes. The EPP stays one:
+its prefix index, flow-control queues and the demand KEDA's scaler reads are per
+replica, so a second EPP would split them (it restarts within seconds, and the
+gateway fails closed with a retryable 503 meanwhile).
+
 Envoy listens on 8080 on the pod's addresses; its admin stays on 127.0.0.1:9901,
 so the kubelet cannot reach it and the probes run inside the container (`/ready`).
 The EPP is addressed by its Service's DNS name (a STRICT_DNS cluster), and the
@@ -62,7 +67,9 @@ def render_gateway(s: ServiceSpec) -> list[dict[str, Any]]:
         "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10,
                           "failureThreshold": 3},
     }
-    pod = {"containers": [container], "volumes": vols, "terminationGracePeriodSeconds": 30}
+    pod = {"containers": [container], "volumes": vols, "terminationGracePeriodSeconds": 30,
+           "topologySpreadConstraints": rc.spread(s, "gateway")}
     annotations = {"kvyard.io/config-hash": rc.digest(text)}
     svc = rc.service(s, name, "gateway", None, [("http", wire.GATEWAY_HTTP_PORT)])
-    return [cm, rc.deployment(s, name, "gateway", None, pod, 1, annotations), svc]
+    # Stateless: two replicas by default, so a node drain or a crash never closes the entry point.
+    return [cm, rc.deployment(s, name, "gateway", None, pod, s.gateway_replicas, annotations), svc]

@@ -12,7 +12,7 @@ from typing import Any
 from kvyard.common import wire
 
 from . import render_common as rc
-from .spec import Pool, ServiceSpec, quantity_bytes
+from .spec import KVStore, Pool, ServiceSpec, quantity_bytes
 
 CACHE_DIR = "/var/cache/kvyard"
 SSD_MOUNT = "/var/cache/kvyard-kv"
@@ -55,7 +55,7 @@ def kvyard_args(s: ServiceSpec, role: str, model_arg: str) -> list[str]:
     if e.kv_cache_memory:
         args += ["--kv-cache-memory-bytes", e.kv_cache_memory]
     if s.disaggregated and role in ("prefill", "both"):
-        args += ["--kv-peer-port", str(wire.WORKER_KV_PEER_PORT)]
+        args += ["--kv-peer-port", str(s.defaults.kv_peer_port)]
     return args + _kvstore_args(s) + e.extra_args
 
 
@@ -100,15 +100,53 @@ def _volumes(s: ServiceSpec) -> tuple[list[dict], list[dict], str]:
     vols, mounts = vols + mvols, mounts + mmounts
     kv = s.kvstore
     if kv is not None and kv.ssd_bytes:
-        src = {"hostPath": {"path": kv.ssd_path, "type": "DirectoryOrCreate"}} if kv.ssd_path \
-            else {"emptyDir": {"sizeLimit": str(kv.ssd_bytes)}}
-        vols.append({"name": "kv-ssd", **src})
+        vols.append({"name": "kv-ssd", **_ssd_source(kv)})
         mounts.append({"name": "kv-ssd", "mountPath": SSD_MOUNT})
+    shm = shm_size(s)
+    if shm:
+        # NCCL and torch's worker processes share memory through /dev/shm (64 MiB by default).
+        vols.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}})
+        mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     if s.disaggregated:
         vols.append({"name": "pd-key", "secret": {"secretName": pd_secret_name(s),
                                                   "defaultMode": 0o440}})
         mounts.append({"name": "pd-key", "mountPath": PD_KEY_DIR, "readOnly": True})
     return vols, mounts, model_arg
+
+
+def shm_size(s: ServiceSpec) -> str | None:
+    return s.engine.shm_size or ("2Gi" if s.engine.device == "cuda" else None)
+
+
+def _ssd_source(kv: KVStore) -> dict[str, Any]:
+    """An emptyDir by default (Pod Security 'restricted' allows it, and the pod's fsGroup makes
+    it writable); a generic ephemeral volume for a StorageClass; hostPath only when asked."""
+    if kv.ssd_path:
+        return {"hostPath": {"path": kv.ssd_path, "type": "DirectoryOrCreate"}}
+    if kv.ssd_storage_class:
+        return {"ephemeral": {"volumeClaimTemplate": {"spec": {
+            "accessModes": ["ReadWriteOnce"], "storageClassName": kv.ssd_storage_class,
+            "resources": {"requests": {"storage": str(kv.ssd_bytes)}}}}}}
+    empty: dict[str, Any] = {"sizeLimit": str(kv.ssd_bytes)}
+    if kv.ssd_medium:
+        empty["medium"] = kv.ssd_medium
+    return {"emptyDir": empty}
+
+
+def _ssd_owner(s: ServiceSpec) -> dict[str, Any]:
+    """A hostPath is created root:0755 and fsGroup does not apply to it: this init container
+    (root, CHOWN and FOWNER only) hands the directory to the workers' uid at every start."""
+    uid = wire.RUN_AS_USER
+    return {"name": "kv-ssd-owner", "image": rc.worker_image(s),
+            "imagePullPolicy": s.defaults.pull_policy,
+            "command": ["sh", "-c", f"chown {uid}:{uid} {SSD_MOUNT} && chmod 0770 {SSD_MOUNT}"],
+            "volumeMounts": [{"name": "kv-ssd", "mountPath": SSD_MOUNT}],
+            "resources": {"requests": {"cpu": "10m", "memory": "16Mi"},
+                          "limits": {"memory": "64Mi"}},
+            "securityContext": {"runAsUser": 0, "runAsGroup": 0, "runAsNonRoot": False,
+                                "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]},
+                                "seccompProfile": {"type": "RuntimeDefault"}}}
 
 
 def worker_container(s: ServiceSpec, role: str) -> tuple[dict[str, Any], list[dict]]:
@@ -119,7 +157,7 @@ def worker_container(s: ServiceSpec, role: str) -> tuple[dict[str, Any], list[di
         command, args = ["kvyard"], kvyard_args(s, role, model_arg)
     ports = [{"name": "http", "containerPort": wire.WORKER_HTTP_PORT, "protocol": "TCP"}]
     if s.disaggregated and role in ("prefill", "both") and s.engine.name == "kvyard":
-        ports.append({"name": "kv-peer", "containerPort": wire.WORKER_KV_PEER_PORT,
+        ports.append({"name": "kv-peer", "containerPort": s.defaults.kv_peer_port,
                       "protocol": "TCP"})
     health = rc.http_probe("/health", "http", timeoutSeconds=5)
     container = {
@@ -127,8 +165,9 @@ def worker_container(s: ServiceSpec, role: str) -> tuple[dict[str, Any], list[di
         "command": command, "args": args, "env": _env(s), "ports": ports,
         "resources": s.engine.resources or _default_resources(s),
         "volumeMounts": mounts, "securityContext": rc.container_security(),
-        # Loading a model (and compiling CPU kernels once) can take minutes.
-        "startupProbe": {**health, "periodSeconds": 5, "failureThreshold": 120},
+        # Loading a model (and compiling CPU kernels once) can take minutes: spec.engine's budget.
+        "startupProbe": {**health, "periodSeconds": 5,
+                         "failureThreshold": -(-s.engine.startup_seconds // 5)},
         "readinessProbe": {**health, "periodSeconds": 5, "failureThreshold": 2},
         "livenessProbe": {**health, "periodSeconds": 10, "failureThreshold": 6},
     }
@@ -158,11 +197,34 @@ def render_pool(s: ServiceSpec, pool: Pool, keda: bool = True) -> list[dict[str,
                    "prometheus.io/path": "/metrics"}
     ports = [("http", wire.WORKER_HTTP_PORT)]
     if any(p["name"] == "kv-peer" for p in container["ports"]):
-        ports.append(("kv-peer", wire.WORKER_KV_PEER_PORT))
+        ports.append(("kv-peer", s.defaults.kv_peer_port))
     return [rc.deployment(s, name, "worker", pool.role, pod, pool_replicas(s, pool, keda),
                           annotations),
             rc.service(s, name, "worker", pool.role, ports, headless=True)]
 
 
+def _pool_extras(s: ServiceSpec, obj: dict[str, Any]) -> dict[str, Any]:
+    """Placement, rollout, and the init steps (model download, SSD owner) of a pool."""
+    if obj["kind"] != "Deployment":
+        return obj
+    pod = obj["spec"]["template"]["spec"]
+    labels = obj["spec"]["selector"]["matchLabels"]
+    pod["topologySpreadConstraints"] = rc.spread(s, "worker", labels.get(wire.ROLE_LABEL))
+    if s.engine.affinity:
+        pod["affinity"] = dict(s.engine.affinity)
+    if s.engine.priority_class:
+        pod["priorityClassName"] = s.engine.priority_class
+    inits = [c for c in (rc.model_download(s),) if c is not None]
+    if s.kvstore is not None and s.kvstore.ssd_bytes and s.kvstore.ssd_path:
+        inits.append(_ssd_owner(s))
+    if inits:
+        pod["initContainers"] = inits
+    if s.engine.device == "cuda":
+        # No spare GPU for a surge pod: replace one at a time instead of waiting for one forever.
+        obj["spec"]["strategy"] = {"type": "RollingUpdate",
+                                   "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    return obj
+
+
 def render_workers(s: ServiceSpec, keda: bool = True) -> list[dict[str, Any]]:
-    return [obj for pool in s.pools for obj in render_pool(s, pool, keda)]
+    return [_pool_extras(s, obj) for pool in s.pools for obj in render_pool(s, pool, keda)]

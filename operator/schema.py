@@ -13,7 +13,7 @@ from kvyard.common.wire import ROLES
 
 ENGINES = ("kvyard", "vllm")
 DEVICES = ("cpu", "cuda")
-MODEL_SOURCES = ("demo", "pvc", "hf", "gguf", "image")
+MODEL_SOURCES = ("demo", "pvc", "hf", "gguf", "image", "download")
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$"
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
 
@@ -53,7 +53,8 @@ _QUANTITY_MAP = {"type": "object", "additionalProperties": {
 MODEL = _obj("Where the weights come from.", {
     "source": _str("demo: SmolLM2-135M baked into the CPU image; pvc: a path on a "
                    "PersistentVolumeClaim; hf / gguf: a Hugging Face directory / a .gguf file "
-                   "at a path in the image; image: an OCI image mounted as a volume.",
+                   "at a path in the image; image: an OCI image mounted as a volume; download: "
+                   "a Hugging Face Hub repository fetched by an init container at each start.",
                    enum=list(MODEL_SOURCES), default="demo"),
     "path": _str("pvc / image: the file or directory inside the volume; hf / gguf: the path "
                  "in the container.", maxLength=1024),
@@ -65,9 +66,26 @@ MODEL = _obj("Where the weights come from.", {
         "pullPolicy": _str("Pull policy.", enum=["Always", "IfNotPresent", "Never"],
                            default="IfNotPresent"),
     }, required=["reference"]),
+    "download": _obj("For source download: what the init container fetches into the pod.", {
+        "repo": _str("Hub repository id, e.g. meta-llama/Meta-Llama-3-8B-Instruct.",
+                     pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.]*/[-A-Za-z0-9_.]+$", maxLength=200),
+        "revision": _str("Branch, tag or commit.", default="main", maxLength=200),
+        "allowPatterns": {"type": "array", "maxItems": 32, "items": {"type": "string"},
+                          "description": "Only files matching these globs (default: all)."},
+        "tokenSecretRef": _obj("The Secret key holding a Hub token (gated models).", {
+            "name": _str("Secret name.", minLength=1),
+            "key": _str("Key in the Secret.", minLength=1, default="token"),
+        }, required=["name"]),
+        "size": _str("The volume's size limit, e.g. 40Gi.", pattern=QUANTITY, default="50Gi"),
+        "storageClassName": _str("A generic ephemeral volume of this StorageClass instead of "
+                                 "an emptyDir.", minLength=1, maxLength=253),
+        "endpoint": _str("A Hub mirror's URL (HF_ENDPOINT).", pattern=r"^https?://.+"),
+    }, required=["repo"]),
     "servedModelName": _str("Name clients send as `model` (default: the model's own).",
                             maxLength=256),
 }, default={}, **{"x-kubernetes-validations": [
+    {"rule": "self.source != 'download' || has(self.download)",
+     "message": "source download needs download.repo"},
     {"rule": "self.source != 'pvc' || (has(self.pvc) && has(self.path))",
      "message": "source pvc needs pvc.claimName and path"},
     {"rule": "self.source != 'image' || has(self.image)",
@@ -103,6 +121,15 @@ ENGINE = _obj("The model server every pool runs.", {
                                        enum=["NoSchedule", "PreferNoSchedule", "NoExecute"]),
                         "tolerationSeconds": _int("For NoExecute."),
                     })},
+    "affinity": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                 "description": "Worker pods' affinity (a core/v1 Affinity), e.g. GPU models."},
+    "priorityClassName": _str("Worker pods' PriorityClass.", maxLength=253),
+    "startupSeconds": _int("How long a worker may take to start (image pull aside: model load, "
+                           "kernel compilation) before the kubelet restarts it.", minimum=60,
+                           maximum=7200, default=600),
+    "shmSize": _str("Size of the workers' /dev/shm (a memory-backed emptyDir; it counts against "
+                    "the memory limit). Default: 2Gi on device cuda, none on cpu.",
+                    pattern=QUANTITY),
 }, default={})
 
 ROUTING = _obj("How the EPP scores workers.", {
@@ -124,11 +151,20 @@ ROUTING = _obj("How the EPP scores workers.", {
 KVSTORE = _obj("The workers' KV-block store (engine kvyard only).", {
     "dramGB": {"type": "number", "minimum": 0, "maximum": 4096, "default": 1,
                "description": "In-process DRAM tier per worker, GB (10^9 bytes)."},
-    "ssd": _obj("An SSD tier.", {
+    "ssd": _obj("An SSD tier: an emptyDir per pod (size-limited) unless told otherwise.", {
         "size": _str("Capacity, e.g. 20Gi.", pattern=QUANTITY),
-        "path": _str("A node directory (hostPath, shared by the node's workers); "
-                     "omitted: an emptyDir per pod.", pattern=r"^/.*"),
-    }, required=["size"]),
+        "medium": _str("The emptyDir's medium: '' (the node's disk) or Memory.",
+                       enum=["", "Memory"], default=""),
+        "storageClassName": _str("A generic ephemeral volume of this StorageClass (a PVC per "
+                                 "pod, deleted with it) instead of the emptyDir.",
+                                 minLength=1, maxLength=253),
+        "path": _str("A node directory (hostPath, shared by the node's workers): an explicit "
+                     "choice, refused by Pod Security 'baseline'; an init container makes it "
+                     "the workers' own (uid 65532) at each start.", pattern=r"^/.*"),
+    }, required=["size"], **{"x-kubernetes-validations": [
+        {"rule": "!(has(self.path) && has(self.storageClassName))",
+         "message": "ssd: path (hostPath) or storageClassName (ephemeral volume), not both"},
+    ]}),
     "redis": _obj("The pool-wide Redis tier.", {
         "url": _str("redis://host:port[/db] or redis+cluster://host:port.",
                     pattern=r"^redis(\+cluster|s)?://.+"),
@@ -170,6 +206,10 @@ SPEC = _obj("An inference service: model, engine, pools, routing, KV store.", {
                                  "(a wake from zero: pod start, image pull, model load) "
                                  "before a 503; the gateway holds at most 900 s.",
                                  minimum=1, maximum=900, default=300),
+    }, default={}),
+    "gateway": _obj("kvyard's Envoy gateway.", {
+        "replicas": _int("Gateway replicas (stateless; spread over nodes).", minimum=1,
+                         maximum=100, default=2),
     }, default={}),
     "inferencePool": _obj("Also create a GAIE InferencePool pointing at the EPP.", {
         "enabled": {"type": "boolean", "default": False},

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvyard.common.wire import ROLES
+from kvyard.common.wire import ROLES, WORKER_KV_PEER_PORT
 
 from .crd import defaulted_spec
 from .schema import DEVICES, ENGINES, MODEL_SOURCES, QUANTITY
@@ -37,6 +37,14 @@ class Defaults:
 
     image: str | None = None          # kvyard's image; None: ghcr.io/kvyard/kvyard:<version>
     pull_policy: str = "IfNotPresent"
+    # kvyard workers on device cuda; None: `image` if given, else <repository>:<version>-cuda.
+    cuda_image: str | None = None
+    image_pull_secrets: list[str] = field(default_factory=list)  # on every pod it creates
+    # The workers' and gateways' ServiceAccount (e.g. a cloud identity for model storage);
+    # None: the namespace's default. The EPP keeps its own (it lists pods).
+    service_account: str | None = None
+    kv_peer_port: int = WORKER_KV_PEER_PORT   # P/D KV transfers; the chart's NetworkPolicy opens it
+    cluster_domain: str = "cluster.local"     # for the fully qualified Service names it writes
 
 
 @dataclass(slots=True)
@@ -48,6 +56,20 @@ class Pool:
 
 
 @dataclass(slots=True)
+class Download:
+    """source download: a Hub repository, fetched into the pod by an init container."""
+
+    repo: str
+    revision: str = "main"
+    allow_patterns: list[str] = field(default_factory=list)
+    token_secret: str | None = None
+    token_key: str = "token"
+    size: str = "50Gi"
+    storage_class: str | None = None
+    endpoint: str | None = None
+
+
+@dataclass(slots=True)
 class Model:
     source: str
     path: str | None
@@ -55,6 +77,7 @@ class Model:
     image: str | None
     image_pull_policy: str
     served_name: str | None
+    download: Download | None = None
 
 
 @dataclass(slots=True)
@@ -69,6 +92,10 @@ class Engine:
     extra_args: list[str]
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: list[dict[str, Any]] = field(default_factory=list)
+    affinity: dict[str, Any] = field(default_factory=dict)
+    priority_class: str | None = None
+    startup_seconds: int = 600
+    shm_size: str | None = None
 
 
 @dataclass(slots=True)
@@ -76,6 +103,8 @@ class KVStore:
     dram_gb: float = 0.0
     ssd_bytes: int = 0
     ssd_path: str | None = None
+    ssd_medium: str = ""
+    ssd_storage_class: str | None = None
     redis_url: str | None = None
     redis_secret: str | None = None
     redis_secret_key: str = "password"
@@ -109,6 +138,7 @@ class ServiceSpec:
     inference_pool: bool
     cold_start_seconds: int = 300
     autoscaling: bool = False
+    gateway_replicas: int = 2
     slo: dict[str, int] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict)
     defaults: Defaults = field(default_factory=Defaults)
@@ -171,7 +201,20 @@ def _model(m: dict[str, Any]) -> Model:
         _need(str(path).endswith(".gguf"), "spec.model: source gguf needs a .gguf path")
     img = m.get("image") or {}
     return Model(src, path, (m.get("pvc") or {}).get("claimName"), img.get("reference"),
-                 img.get("pullPolicy", "IfNotPresent"), m.get("servedModelName"))
+                 img.get("pullPolicy", "IfNotPresent"), m.get("servedModelName"),
+                 _download(m.get("download")) if src == "download" else None)
+
+
+def _download(d: dict[str, Any] | None) -> Download:
+    d = d or {}
+    _need(bool(re.match(r"^[A-Za-z0-9][-A-Za-z0-9_.]*/[-A-Za-z0-9_.]+$", str(d.get("repo", "")))),
+          f"spec.model.download.repo {d.get('repo')!r}: want a Hub id like org/name")
+    size = str(d.get("size", "50Gi"))
+    quantity_bytes(size)
+    ref = d.get("tokenSecretRef") or {}
+    return Download(d["repo"], str(d.get("revision", "main")), list(d.get("allowPatterns") or []),
+                    ref.get("name"), ref.get("key", "token"), size, d.get("storageClassName"),
+                    d.get("endpoint"))
 
 
 def _engine(e: dict[str, Any]) -> Engine:
@@ -179,15 +222,18 @@ def _engine(e: dict[str, Any]) -> Engine:
                                     f"want one of {list(ENGINES)}")
     _need(e.get("device") in DEVICES, f"spec.engine.device {e.get('device')!r}: want one of "
                                       f"{list(DEVICES)}")
-    kv = e.get("kvCacheMemory")
-    if kv is not None:
-        quantity_bytes(kv)
+    for size in (e.get("kvCacheMemory"), e.get("shmSize")):
+        if size is not None:
+            quantity_bytes(size)
     extra = e.get("extraArgs") or []
     _need(all(isinstance(a, str) for a in extra), "spec.engine.extraArgs: want strings")
     return Engine(e["name"], e["device"], e.get("image"), dict(e.get("resources") or {}),
                   e.get("maxModelLen"), _int(e.get("blockSize", 16), "spec.engine.blockSize", 1,
-                                             1024), kv, list(extra),
-                  dict(e.get("nodeSelector") or {}), list(e.get("tolerations") or []))
+                                             1024), e.get("kvCacheMemory"), list(extra),
+                  dict(e.get("nodeSelector") or {}), list(e.get("tolerations") or []),
+                  dict(e.get("affinity") or {}), e.get("priorityClassName"),
+                  _int(e.get("startupSeconds", 600), "spec.engine.startupSeconds", 60, 7200),
+                  e.get("shmSize"))
 
 
 def _kvstore(k: dict[str, Any] | None) -> KVStore | None:
@@ -198,6 +244,10 @@ def _kvstore(k: dict[str, Any] | None) -> KVStore | None:
     _need(out.dram_gb >= 0, "spec.kvstore.dramGB: must be >= 0")
     if ssd:
         out.ssd_bytes, out.ssd_path = quantity_bytes(ssd.get("size", "")), ssd.get("path")
+        out.ssd_medium, out.ssd_storage_class = ssd.get("medium", ""), ssd.get("storageClassName")
+        _need(out.ssd_medium in ("", "Memory"), "spec.kvstore.ssd.medium: '' or Memory")
+        _need(not (out.ssd_path and out.ssd_storage_class),
+              "spec.kvstore.ssd: path (hostPath) or storageClassName, not both")
     if redis:
         _need(bool(re.match(r"^redis(\+cluster|s)?://.+", str(redis.get("url", "")))),
               f"spec.kvstore.redis.url {redis.get('url')!r}: want redis://host:port")
@@ -238,4 +288,5 @@ def parse(body: dict[str, Any], defaults: Defaults | None = None) -> ServiceSpec
                                 "spec.scaleToZero.coldStartSeconds", 1, 900),
         autoscaling=bool((raw.get("autoscaling") or {}).get("enabled")),
         inference_pool=bool(raw["inferencePool"].get("enabled")),
+        gateway_replicas=_int(raw["gateway"].get("replicas", 2), "spec.gateway.replicas", 1, 100),
         slo=dict(raw.get("slo") or {}), raw=raw, defaults=defaults or Defaults())

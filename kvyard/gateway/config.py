@@ -7,7 +7,7 @@ then fallbacks). The workers cluster gets its hosts from the EPP's EDS
 service and is balanced by Envoy's override-host policy, which sends the
 request to the first listed host and each retry (connect failure, reset or
 refused stream before the response starts) to the next; only pool members
-can ever be reached. Three things matter for correctness and are easy to get
+can ever be reached. Four things matter for correctness and are easy to get
 wrong, so they are spelled out here:
 
 * Client-supplied routing headers are removed by the connection manager's
@@ -17,6 +17,11 @@ wrong, so they are spelled out here:
 * The upstream route only matches when the destination header is present:
   a request the EPP let through without a pick gets a 503, never a random
   worker.
+* Only the API is exposed: the OpenAI routes, /tokenize, /detokenize and
+  /v1/models go to the EPP; /health is Envoy's own 200; every other path (a
+  worker's /metrics, its /health with the P/D peer endpoint, sleep, LoRA
+  loading) is a 404 in OpenAI's shape that neither the EPP nor a worker sees.
+  Those routes stay reachable pod to pod where the NetworkPolicies allow.
 * Responses are never sent to the EPP and never buffered, and generation can
   be long, so the route has no overall timeout, only a stream idle timeout.
 
@@ -47,6 +52,7 @@ pass through untouched.
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,6 +202,25 @@ def _http_filters(cfg: GatewayConfig) -> list[dict[str, Any]]:
     return filters
 
 
+# What the gateway exposes: the OpenAI API and the tokenizer routes. Everything else a
+# worker serves (/metrics, /health with its P/D peer endpoint, sleep, version) is for the
+# pods that need it, reached pod to pod, never through the entry point.
+API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize")
+HEALTH_PATH = "/health"
+_API_RE = "^(" + "|".join(re.escape(p) for p in API_PATHS) + ")"
+_NOT_FOUND = ("not found: this gateway serves " + ", ".join(API_PATHS) + " and " + HEALTH_PATH)
+
+
+def _local_only() -> dict[str, Any]:
+    """Per-route: answered by Envoy itself, so neither the EPP nor the body buffer sees it."""
+    return {"envoy.filters.http.ext_proc": {
+                "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+                "disabled": True},
+            "envoy.filters.http.buffer": {
+                "@type": _T + "envoy.extensions.filters.http.buffer.v3.BufferPerRoute",
+                "disabled": True}}
+
+
 def _routes(cfg: GatewayConfig) -> list[dict[str, Any]]:
     upstream: dict[str, Any] = {"cluster": WORKERS_CLUSTER, "timeout": "0s",
                                 "idle_timeout": _duration(_idle_s(cfg))}
@@ -205,9 +230,19 @@ def _routes(cfg: GatewayConfig) -> list[dict[str, Any]]:
     upstream["retry_policy"] = {"retry_on": "connect-failure,refused-stream,reset",
                                 "num_retries": cfg.upstream_retries}
     return [
-        {"match": {"prefix": "/", "headers": [{"name": DESTINATION_HEADER, "present_match": True}]},
+        {"match": {"safe_regex": {"regex": _API_RE + "$"},
+                   "headers": [{"name": DESTINATION_HEADER, "present_match": True}]},
          "route": upstream},
-        # Reached only if the EPP let a request through without a pick.
+        # The gateway's own liveness, without a worker's internals.
+        {"match": {"path": HEALTH_PATH}, "direct_response": {"status": 200},
+         "typed_per_filter_config": _local_only()},
+        # Any other path (the query string aside): 404 before the EPP sees it.
+        {"match": {"prefix": "/", "headers": [{
+            "name": ":path", "invert_match": True,
+            "string_match": {"safe_regex": {"regex": _API_RE + r"(\?.*)?$"}}}]},
+         "direct_response": {"status": 404, "body": {"inline_string": _NOT_FOUND}},
+         "typed_per_filter_config": _local_only()},
+        # Reached only if the EPP let an API request through without a pick.
         {"match": {"prefix": "/"},
          "direct_response": {"status": 503, "body": {"inline_string": "no endpoint picked"}}},
     ]
@@ -247,6 +282,8 @@ def _local_replies(cfg: GatewayConfig) -> dict[str, Any]:
                      "endpoint_picker_unavailable",
                      "the endpoint picker is unavailable; retry shortly",
                      headers={"retry-after": "1"}),
+        _local_reply("response.code == 404", "invalid_request_error", "not_found",
+                     "%LOCAL_REPLY_BODY%"),
         _local_reply("response.code >= 500", "server_error", "gateway_error",
                      "%LOCAL_REPLY_BODY%"),
         _local_reply("response.code >= 400", "invalid_request_error", "bad_request",

@@ -6,9 +6,13 @@
 #      and the `demo` InferenceService: two CPU workers on SmolLM2-135M, an EPP, a gateway)
 #   4. wait until the InferenceService is Ready and its Deployments have rolled out
 #   5. send chat requests through the gateway and check the answers and the routing, the EPP's
-#      view, the Redis tier, and one NetworkPolicy
-#   6. helm uninstall, and check nothing of the InferenceService is left
-#   7. delete the cluster (KEEP=1 keeps it for a look around)
+#      view, the Redis tier, what the gateway does not expose, and one NetworkPolicy
+#   6. helm upgrade with a changed value: the CRD hook runs, the EPP rolls, chat still works
+#   7. a service that scales to zero: KEDA takes it to 0 when idle, a request wakes it
+#   8. a P/D service (prefill + decode pools): a long prompt is prefilled on the prefill pool
+#   9. helm uninstall, and check nothing of any InferenceService is left (the CRD stays: Helm
+#      never deletes crds/, and deleting it would delete every InferenceService in the cluster)
+#  10. delete the cluster (KEEP=1 keeps it for a look around)
 #
 # Needs: docker, kind >= 0.24 (NetworkPolicies enforced by kindnetd), kubectl, helm >= 3.14,
 # python3, and network access for the KEDA chart and the Redis image.
@@ -30,6 +34,65 @@ CREATED=0                                      # only a cluster this run created
 log() { printf '\n=== %s\n' "$*"; }
 die() { printf 'e2e: FAILED: %s\n' "$*" >&2; exit 1; }
 
+stop_forward() {
+  if [ -n "$PF_PID" ]; then
+    kill "$PF_PID" 2>/dev/null || true
+    wait "$PF_PID" 2>/dev/null || true
+    PF_PID=""
+  fi
+}
+
+# forward SERVICE: its gateway on 127.0.0.1:$LOCAL_PORT, once the gateway's /health answers
+forward() {
+  stop_forward
+  kubectl -n "$NAMESPACE" port-forward "svc/$1-gateway" "$LOCAL_PORT:8080" >/dev/null 2>&1 &
+  PF_PID=$!
+  for _ in $(seq 1 60); do
+    if python3 -c "import urllib.request, sys; urllib.request.urlopen(sys.argv[1], timeout=2)" \
+        "http://127.0.0.1:$LOCAL_PORT/health" 2>/dev/null; then
+      return 0
+    fi
+    sleep 1
+  done
+  die "the gateway of $1 never answered /health through the port-forward"
+}
+
+# chat TIMEOUT_S PROMPT: one chat request through the forwarded gateway must be a 200;
+# prints the serving endpoint
+chat() {
+  python3 - "$LOCAL_PORT" "$1" "$2" <<'PY'
+import json, sys, urllib.error, urllib.request
+port, timeout, prompt = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+base = f"http://127.0.0.1:{port}"
+model = json.load(urllib.request.urlopen(f"{base}/v1/models", timeout=timeout))["data"][0]["id"]
+body = {"model": model, "max_tokens": 8, "temperature": 0,
+        "messages": [{"role": "user", "content": prompt}]}
+req = urllib.request.Request(f"{base}/v1/chat/completions", data=json.dumps(body).encode(),
+                             headers={"content-type": "application/json"})
+try:
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        answer = json.load(r)
+        print(r.headers.get("x-kvyard-endpoint", "?"), repr(answer["choices"][0]["message"]["content"]))
+except urllib.error.HTTPError as e:
+    sys.exit(f"e2e: chat through the gateway: HTTP {e.code}: {e.read()[:300]!r}")
+PY
+}
+
+# ready SERVICE DEPLOYMENT...: the operator's Deployments exist, rolled out, and Ready
+ready() {
+  local svc="$1"; shift
+  local names=()
+  for d in "$@"; do names+=("$svc-$d"); done
+  for _ in $(seq 1 60); do
+    kubectl -n "$NAMESPACE" get deployment "${names[@]}" >/dev/null 2>&1 && break
+    sleep 5
+  done
+  for d in "${names[@]}"; do
+    kubectl -n "$NAMESPACE" rollout status deployment "$d" --timeout 10m
+  done
+  kubectl -n "$NAMESPACE" wait --for=condition=Ready "inferenceservice/$svc" --timeout 5m
+}
+
 for tool in docker kind kubectl helm python3; do
   command -v "$tool" >/dev/null 2>&1 || die "$tool is not installed"
 done
@@ -44,7 +107,7 @@ dump() {  # what a failed run leaves to read
 
 cleanup() {
   local rc=$?
-  [ -n "$PF_PID" ] && kill "$PF_PID" 2>/dev/null || true
+  stop_forward
   if [ "$CREATED" = 1 ]; then
     if [ "$rc" -ne 0 ]; then dump; fi
     if [ "$KEEP" = 1 ]; then
@@ -86,15 +149,7 @@ kubectl -n "$NAMESPACE" get inferenceservice "$SERVICE" >/dev/null
 log "waiting for InferenceService $SERVICE to be Ready"
 # The operator creates <svc>-both, <svc>-epp and <svc>-gateway; workers load the model and
 # compile their CPU kernels on first start (a minute or two on a laptop).
-for _ in $(seq 1 60); do
-  kubectl -n "$NAMESPACE" get deployment "$SERVICE-both" "$SERVICE-epp" "$SERVICE-gateway" \
-    >/dev/null 2>&1 && break
-  sleep 5
-done
-kubectl -n "$NAMESPACE" rollout status deployment "$SERVICE-both" --timeout 10m
-kubectl -n "$NAMESPACE" rollout status deployment "$SERVICE-epp" --timeout 5m
-kubectl -n "$NAMESPACE" rollout status deployment "$SERVICE-gateway" --timeout 5m
-kubectl -n "$NAMESPACE" wait --for=condition=Ready "inferenceservice/$SERVICE" --timeout 5m
+ready "$SERVICE" both epp gateway
 kubectl -n "$NAMESPACE" get inferenceservice "$SERVICE"
 WORKER_IPS="$(kubectl -n "$NAMESPACE" get pods \
   -l "kvyard.io/service=$SERVICE,kvyard.io/component=worker" \
@@ -103,8 +158,7 @@ echo "workers: $WORKER_IPS"
 [ "$(wc -w <<<"$WORKER_IPS")" -eq 2 ] || die "expected 2 running workers, got: $WORKER_IPS"
 
 log "gateway: kubectl port-forward svc/$SERVICE-gateway $LOCAL_PORT:8080"
-kubectl -n "$NAMESPACE" port-forward "svc/$SERVICE-gateway" "$LOCAL_PORT:8080" >/dev/null 2>&1 &
-PF_PID=$!
+forward "$SERVICE"
 
 log "chat requests through the gateway"
 WORKER_IPS="$WORKER_IPS" python3 - "$LOCAL_PORT" <<'PY'
@@ -178,6 +232,20 @@ status, _, answer = post({"model": model, "messages": [{"role": "wizard", "conte
 if status != 400 or "error" not in answer:
     sys.exit(f"e2e: a bad role got HTTP {status}: {answer}")
 print("bad input: 400 in OpenAI's shape")
+
+# the API only: a worker's internals are a 404 at the gateway, its health is the gateway's own
+for path in ("/metrics", "/version", "/is_sleeping"):
+    try:
+        urllib.request.urlopen(f"{base}{path}", timeout=10)
+        sys.exit(f"e2e: the gateway answered {path}")
+    except urllib.error.HTTPError as e:
+        err = json.loads(e.read())["error"]
+        if e.code != 404 or err["code"] != "not_found":
+            sys.exit(f"e2e: {path}: HTTP {e.code} {err}")
+with urllib.request.urlopen(f"{base}/health", timeout=10) as r:
+    if r.status != 200 or b"kv" in r.read():
+        sys.exit("e2e: the gateway's /health is not its own minimal answer")
+print("gateway: /metrics, /version, /is_sleeping are 404; /health is the gateway's own")
 PY
 
 log "EPP view and the workers' KV tiers"
@@ -225,22 +293,115 @@ verdict="$(kubectl -n "$NAMESPACE" exec "$OTHER_WORKER" -- python3 -c "$PROBE" 2
 echo "worker -> $WORKER_IP:8000: $verdict"
 case "$verdict" in *OPEN*) ;; *) die "a worker of the service could not reach $WORKER_IP:8000" ;; esac
 
-log "helm uninstall: nothing of the InferenceService is left"
-# The chart's pre-delete Job deletes the InferenceService while the operator still runs; the
-# operator releases it and the garbage collector removes its children (owner references).
+log "helm upgrade with a changed value: the CRD is replaced, the EPP rolls, chat still works"
+stop_forward
+EPP_HASH="$(kubectl -n "$NAMESPACE" get deployment "$SERVICE-epp" \
+  -o jsonpath='{.spec.template.metadata.annotations.kvyard\.io/config-hash}')"
+helm upgrade kvyard "$ROOT/charts/kvyard" --namespace "$NAMESPACE" \
+  -f "$ROOT/charts/kvyard/values-cpu.yaml" \
+  --set inferenceService.spec.routing.scorers.queue=3 --wait --timeout 5m
+[ "$(kubectl -n "$NAMESPACE" get inferenceservice "$SERVICE" \
+  -o jsonpath='{.spec.routing.scorers.queue}')" = 3 ] || die "the upgrade did not reach the spec"
+kubectl get crd inferenceservices.kvyard.io >/dev/null || die "the CRD is gone after the upgrade"
+for _ in $(seq 1 60); do
+  new_hash="$(kubectl -n "$NAMESPACE" get deployment "$SERVICE-epp" \
+    -o jsonpath='{.spec.template.metadata.annotations.kvyard\.io/config-hash}')"
+  [ "$new_hash" != "$EPP_HASH" ] && break
+  sleep 2
+done
+[ "$new_hash" != "$EPP_HASH" ] || die "the EPP's scheduler config did not change with the value"
+ready "$SERVICE" both epp gateway
+forward "$SERVICE"
+chat 120 "after the upgrade"
+
+log "scale to zero and wake: InferenceService nap"
+stop_forward
+kubectl -n "$NAMESPACE" apply -f - <<'YAML'
+apiVersion: kvyard.io/v1alpha1
+kind: InferenceService
+metadata:
+  name: nap
+spec:
+  model: {source: demo}
+  engine:
+    maxModelLen: 1024
+    kvCacheMemory: 128Mi
+    resources: {requests: {cpu: 250m, memory: 1Gi}, limits: {memory: 2Gi}}
+  pools:
+    both: {minReplicas: 0, maxReplicas: 1}
+  scaleToZero: {enabled: true, idleSeconds: 30, coldStartSeconds: 600}
+YAML
+kubectl -n "$NAMESPACE" wait --for=condition=Ready inferenceservice/nap --timeout 10m || true
+kubectl -n "$NAMESPACE" rollout status deployment nap-epp --timeout 5m
+kubectl -n "$NAMESPACE" rollout status deployment nap-gateway --timeout 5m
+zero=0
+for _ in $(seq 1 90); do   # KEDA's step to zero: idleSeconds without demand, plus its cooldown
+  if [ "$(kubectl -n "$NAMESPACE" get deployment nap-both -o jsonpath='{.spec.replicas}')" = 0 ]; then
+    zero=1; break
+  fi
+  sleep 5
+done
+[ "$zero" = 1 ] || die "nap-both never scaled to zero"
+echo "nap-both: 0 replicas"
+forward nap
+chat 600 "wake up"          # held by the EPP's waiting room while KEDA and the pod start
+[ "$(kubectl -n "$NAMESPACE" get deployment nap-both -o jsonpath='{.spec.replicas}')" -ge 1 ] \
+  || die "nap-both answered without a replica"
+stop_forward
+kubectl -n "$NAMESPACE" delete inferenceservice nap --wait --timeout 5m
+
+log "P/D: InferenceService pd (a prefill pool and a decode pool)"
+kubectl -n "$NAMESPACE" apply -f - <<'YAML'
+apiVersion: kvyard.io/v1alpha1
+kind: InferenceService
+metadata:
+  name: pd
+spec:
+  model: {source: demo}
+  engine:
+    maxModelLen: 2048
+    kvCacheMemory: 128Mi
+    resources: {requests: {cpu: 250m, memory: 1Gi}, limits: {memory: 2Gi}}
+  pools:
+    prefill: {replicas: 1}
+    decode: {replicas: 1}
+  routing:
+    pd: {nonCachedTokens: 64}
+YAML
+ready pd prefill decode epp gateway
+forward pd
+chat 300 "$(printf 'A long prompt for the prefill pool, sentence %s. ' $(seq 1 40))"
+stop_forward
+PD_EPP="$(kubectl -n "$NAMESPACE" get pods -l "kvyard.io/service=pd,kvyard.io/component=epp" \
+  -o jsonpath='{.items[0].metadata.name}')"
+kubectl -n "$NAMESPACE" exec "$PD_EPP" -- python3 -c "
+import json, urllib.request
+eps = json.load(urllib.request.urlopen('http://127.0.0.1:9090/debug/endpoints', timeout=5))['endpoints']
+for e in eps:
+    print(e['address'], e['role'], 'picks', e['picks'])
+roles = {e['role']: e['picks'] for e in eps}
+assert roles.get('prefill', 0) >= 1, f'the prefill pool was never picked: {roles}'
+assert roles.get('decode', 0) >= 1, f'the decode pool was never picked: {roles}'
+"
+
+log "helm uninstall: nothing of any InferenceService is left"
+# The chart's pre-delete Job deletes every InferenceService the operator watches (demo and pd
+# here) while the operator still runs; the operator releases them and the garbage collector
+# removes their children (owner references).
 helm uninstall kvyard --namespace "$NAMESPACE" --wait --timeout 5m
 left="?"
 for _ in $(seq 1 60); do
-  left="$(kubectl -n "$NAMESPACE" get inferenceservices,deployments,services,configmaps,secrets,serviceaccounts,roles,rolebindings \
-    -l "kvyard.io/service=$SERVICE" -o name 2>/dev/null || true)"
-  if [ -z "$left" ] && ! kubectl -n "$NAMESPACE" get inferenceservice "$SERVICE" >/dev/null 2>&1; then
-    break
-  fi
+  left="$(kubectl -n "$NAMESPACE" get inferenceservices -o name 2>/dev/null || true)"
+  left+="$(kubectl -n "$NAMESPACE" get deployments,services,configmaps,secrets,serviceaccounts,roles,rolebindings,scaledobjects,networkpolicies,poddisruptionbudgets,jobs \
+    -l "app.kubernetes.io/managed-by in (kvyard-operator,Helm)" -o name 2>/dev/null || true)"
+  [ -z "$left" ] && break
   sleep 2
 done
-kubectl -n "$NAMESPACE" get inferenceservice "$SERVICE" >/dev/null 2>&1 \
-  && die "InferenceService $SERVICE survived helm uninstall"
 [ -z "$left" ] || die "left behind after helm uninstall: $left"
-echo "nothing left"
+hooks="$(kubectl get clusterroles,clusterrolebindings -o name | grep -E "kvyard-(cleanup|crd)" || true)"
+[ -z "$hooks" ] || die "hook RBAC left behind: $hooks"
+kubectl get crd inferenceservices.kvyard.io >/dev/null \
+  || die "the CRD was deleted (Helm keeps crds/: deleting it is the user's choice)"
+echo "nothing left (the CRD stays: kubectl delete crd inferenceservices.kvyard.io)"
 
 log "e2e passed"

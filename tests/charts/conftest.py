@@ -46,6 +46,13 @@ PRESETS["everything"] = {
     "metrics": {"podMonitor": {"enabled": True, "labels": {"release": "prom"}}},
     "keda": {"namespace": "autoscaling"},
 }
+# A gateway of the user's own (Istio's, in istio-system) routing through the InferencePool.
+PRESETS["pool-gateway"] = {
+    **copy.deepcopy(PRESETS["cpu"]),
+    "networkPolicy": {"poolGatewayFrom": [{
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "istio-system"}},
+        "podSelector": {"matchLabels": {"istio.io/gateway-name": "inference"}}}]},
+}
 PRESETS["external-redis"] = {
     **copy.deepcopy(PRESETS["cpu"]),
     "redis": {"enabled": False, "external": {"url": "redis://cache.infra:6379",

@@ -21,7 +21,8 @@ def test_pdbs_cover_each_component_of_each_listed_service(ch):
                 p["spec"]["selector"]["matchLabels"]["kvyard.io/component"]) for p in pdbs}
     assert covered == {(s, c) for s in ("demo", "other") for c in ("gateway", "epp", "worker")}
     for p in pdbs:
-        assert p["spec"]["maxUnavailable"] == 1
+        gateway = p["spec"]["selector"]["matchLabels"]["kvyard.io/component"] == "gateway"
+        assert p["spec"]["minAvailable" if gateway else "maxUnavailable"] == 1
         assert p["spec"]["selector"]["matchLabels"]["app.kubernetes.io/managed-by"] == \
             "kvyard-operator"
     assert not ch.by_kind(ch.objects("default"), "PodDisruptionBudget")

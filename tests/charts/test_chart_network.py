@@ -53,6 +53,28 @@ def test_network_policies_open_gateways_to_everyone_by_default(ch):
     assert not ch.ingress_allowed(pols, {"app": "prometheus"}, worker, 8000, "monitoring")
 
 
+def test_a_gateway_of_your_own_reaches_the_epp_and_the_workers(ch):
+    """poolGatewayFrom: the user's gateway calls the EPP (ext_proc) and then the picked worker;
+    kvyard's own gateway keeps both paths, strangers and other pods of that namespace get none."""
+    theirs = {"istio.io/gateway-name": "inference"}
+    for preset, opened in (("pool-gateway", True), ("cpu", False)):
+        pols = ch.by_kind(ch.objects(preset), "NetworkPolicy")
+        ok = lambda s, d, port, ns=ch.NAMESPACE: ch.ingress_allowed(pols, s, d, port, ns)  # noqa: E731
+        gw, epp = ch._pod("demo", "gateway"), ch._pod("demo", "epp")
+        worker = ch._pod("demo", "worker", "both")
+        assert ok(theirs, epp, 9002, "istio-system") is opened
+        assert ok(theirs, worker, 8000, "istio-system") is opened
+        # kvyard's own gateway, either way
+        assert ok(gw, epp, 9002) and ok(gw, worker, 8000)
+        # never more than that: other ports, other pods of that namespace, the same labels
+        # elsewhere
+        assert not ok(theirs, worker, 8001, "istio-system")
+        assert not ok(theirs, epp, 9004, "istio-system")
+        assert not ok({"app": "x"}, worker, 8000, "istio-system")
+        assert not ok({"app": "x"}, epp, 9002, "istio-system")
+        assert not ok(theirs, worker, 8000) and not ok(theirs, epp, 9002)
+
+
 def test_operator_egress_is_dns_and_the_api_server_only(ch):
     pol = ch.one(ch.objects("default"), "NetworkPolicy", "kvyard-operator")
     assert set(pol["spec"]["policyTypes"]) == {"Ingress", "Egress"}

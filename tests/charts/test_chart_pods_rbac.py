@@ -55,26 +55,37 @@ def test_operator_runs_kvyard_operator_with_its_service_account(ch):
     # namespaced: a RoleBinding per watched namespace instead of the ClusterRoleBinding
     rbs = [r for r in ch.by_kind(objs, "RoleBinding") if r["metadata"]["name"] == "kvyard-operator"]
     assert sorted(r["metadata"]["namespace"] for r in rbs) == ["llm", "team-b"]
-    assert not ch.by_kind(objs, "ClusterRoleBinding")
+    assert not [b for b in ch.by_kind(objs, "ClusterRoleBinding") if "helm.sh/hook" not in
+                b["metadata"].get("annotations", {})]  # (the uninstall hook's own aside)
 
 
 def test_cleanup_hook_deletes_the_inference_service_before_the_operator_goes(ch):
     objs = ch.objects("cpu")
     hooks = [o for o in objs if o["metadata"].get("annotations", {}).get("helm.sh/hook")]
-    assert sorted(o["kind"] for o in hooks) == ["Job", "Role", "RoleBinding", "ServiceAccount"]
+    # every InferenceService the operator watches (here: all namespaces), not only the chart's
+    assert sorted(o["kind"] for o in hooks) == ["ClusterRole", "ClusterRoleBinding", "Job",
+                                                "ServiceAccount"]
     assert all(o["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete" for o in hooks)
     job = ch.one(objs, "Job", "kvyard-cleanup")
     weights = {o["kind"]: int(o["metadata"]["annotations"]["helm.sh/hook-weight"]) for o in hooks}
-    assert weights["Job"] > max(weights["Role"], weights["RoleBinding"], weights["ServiceAccount"])
-    [role] = [o for o in hooks if o["kind"] == "Role"]
+    assert weights["Job"] > max(w for k, w in weights.items() if k != "Job")
+    [role] = [o for o in hooks if o["kind"] == "ClusterRole"]
     assert role["rules"] == [{"apiGroups": ["kvyard.io"], "resources": ["inferenceservices"],
-                              "resourceNames": ["demo"], "verbs": ["get", "delete", "patch"]}]
+                              "verbs": ["get", "list", "delete", "patch"]}]
     [c] = job["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e["value"] for e in c["env"]}
-    assert env["SERVICE"] == "demo" and env["NAMESPACE"] == ch.NAMESPACE
+    assert env["NAMESPACES"] == ""
     compile(c["args"][0], "cleanup", "exec")  # the script at least parses
-    # no InferenceService from the chart: no hook
-    assert not [o for o in ch.objects("default") if o["kind"] == "Job"]
+    # watched namespaces: bound in each of them only, and the Job lists only those
+    objs = ch.objects("everything")
+    rbs = [o for o in ch.by_kind(objs, "RoleBinding") if o["metadata"]["name"] == "kvyard-cleanup"]
+    assert sorted(r["metadata"]["namespace"] for r in rbs) == ["llm", "team-b"]
+    assert not [o for o in ch.by_kind(objs, "ClusterRoleBinding")
+                if "cleanup" in o["metadata"]["name"]]
+    [c] = ch.one(objs, "Job", "kvyard-cleanup")["spec"]["template"]["spec"]["containers"]
+    assert {e["name"]: e["value"] for e in c["env"]}["NAMESPACES"] == "llm,team-b"
+    # no InferenceService from the chart: still a hook (users create their own)
+    assert [o for o in ch.objects("default") if o["kind"] == "Job"]
 
 
 @pytest.mark.parametrize("preset", ["cpu", "everything"])

@@ -14,7 +14,7 @@ import yaml
 import helm_python as helm
 
 # The names of conftest's PRESETS (the chart's values for each), for parametrize.
-PRESETS = ("default", "cpu", "gpu", "everything", "external-redis")
+PRESETS = ("default", "cpu", "gpu", "everything", "external-redis", "pool-gateway")
 
 
 # --- Helm: lint and render -----------------------------------------------------------------

@@ -13,7 +13,7 @@ import yaml
 import helm_python as helm
 
 # The names of conftest's PRESETS (the chart's values for each), for parametrize.
-PRESETS = ("default", "cpu", "gpu", "everything", "external-redis")
+PRESETS = ("default", "cpu", "gpu", "everything", "external-redis", "pool-gateway")
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "kvyard"
 EXAMPLES = CHART / "examples"

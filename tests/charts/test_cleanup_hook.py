@@ -153,3 +153,56 @@ async def test_hook_is_a_no_op_when_the_service_is_gone(tmp_path):
     async with _api() as api:
         rc, out = await _run_hook(job, str(api.url), tmp_path)
         assert rc == 0, out
+
+
+async def test_hook_deletes_every_service_the_operator_watched(tmp_path):
+    """Not only the chart's: one a user created elsewhere is deleted too, both named."""
+    job, svc = _hook_and_service()
+    mine = copy.deepcopy(svc)
+    mine["metadata"]["name"] = "users-own"
+    async with _api() as api:
+        await _create(api, svc, finalizers=["kvyard.io/operator"])
+        await _create(api, mine, finalizers=["kvyard.io/operator"])
+        rc, out = await _run_hook(job, str(api.url), tmp_path, timeout_s="1")
+        assert rc == 0, out
+        for name in (svc["metadata"]["name"], "users-own"):
+            assert f"InferenceService {NS}/{name} deleted" in out
+            assert api.get_live("inferenceservices", NS, name) is None
+
+
+async def test_hook_fails_naming_what_it_could_not_delete(tmp_path):
+    """An API that accepts the deletes and patches but keeps the object (another controller's
+    finalizer, an admission webhook): the Job fails, bounded, naming what is left."""
+    from aiohttp import web
+
+    job, svc = _hook_and_service()
+    item = {**svc, "metadata": {"name": "stuck", "namespace": "team-x",
+                                "finalizers": ["other.example/keep"]}}
+    seen = []
+
+    async def handle(req: web.Request) -> web.Response:
+        seen.append(req.method)
+        if req.method == "GET":
+            return web.json_response({"apiVersion": "kvyard.io/v1alpha1",
+                                      "kind": "InferenceServiceList", "items": [item]})
+        return web.json_response(item)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        c = job["spec"]["template"]["spec"]["containers"][0]
+        c["env"] = [*c["env"], {"name": "GRACE_S", "value": "0.5"}]
+        t0 = time.monotonic()
+        rc, out = await _run_hook(job, f"http://127.0.0.1:{port}", tmp_path, timeout_s="0.5")
+        assert rc != 0, out
+        assert "still present after deletion: team-x/stuck" in out, out
+        assert "team-x/stuck: the operator did not finish; removing its finalizer" in out
+        assert time.monotonic() - t0 < 30  # bounded
+        assert {"DELETE", "PATCH"} <= set(seen)
+    finally:
+        await runner.cleanup()

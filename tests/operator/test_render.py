@@ -193,7 +193,8 @@ def test_scale_to_zero_leaves_replicas_to_the_autoscaler() -> None:
              "pools": {"both": {"minReplicas": 0, "maxReplicas": 3}}})
     deps = by_kind(render_all(s), "Deployment")
     assert "replicas" not in deps["demo-both"]["spec"]
-    assert deps["demo-epp"]["spec"]["replicas"] == deps["demo-gateway"]["spec"]["replicas"] == 1
+    assert deps["demo-epp"]["spec"]["replicas"] == 1
+    assert deps["demo-gateway"]["spec"]["replicas"] == 2  # the default: stateless, two
 
 
 def test_vllm_pods_run_vllm_serve_from_an_image_volume() -> None:

@@ -33,12 +33,26 @@ app.kubernetes.io/instance: {{ .ctx.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
+{{/* repository:tag, or repository:tag@digest when a digest pins it: (dict "repo" R "tag" T "digest" D) */}}
+{{- define "kvyard.imageRef" -}}
+{{- $ref := printf "%s:%s" .repo (toString .tag) -}}
+{{- if .digest -}}{{- $ref = printf "%s@%s" $ref .digest -}}{{- end -}}
+{{- $ref -}}
+{{- end -}}
+
+{{/* image.tag, else the chart's appVersion: every kvyard tag derives from it. */}}
+{{- define "kvyard.tag" -}}
+{{- toString (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
 {{/* The image the operator runs, and the default image of every InferenceService's pods. */}}
 {{- define "kvyard.operatorImage" -}}
 {{- $o := .Values.operator.image | default dict -}}
-{{- $repo := $o.repository | default .Values.image.repository -}}
-{{- $tag := $o.tag | default .Values.image.tag | default .Chart.AppVersion -}}
-{{- printf "%s:%s" $repo (toString $tag) -}}
+{{- if or $o.repository $o.tag $o.digest -}}
+{{- include "kvyard.imageRef" (dict "repo" ($o.repository | default .Values.image.repository) "tag" ($o.tag | default (include "kvyard.tag" .)) "digest" $o.digest) -}}
+{{- else -}}
+{{- include "kvyard.defaultImage" . -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "kvyard.operatorPullPolicy" -}}
@@ -47,7 +61,12 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{- define "kvyard.defaultImage" -}}
-{{- printf "%s:%s" .Values.image.repository (toString (.Values.image.tag | default .Chart.AppVersion)) -}}
+{{- include "kvyard.imageRef" (dict "repo" .Values.image.repository "tag" (include "kvyard.tag" .) "digest" .Values.image.digest) -}}
+{{- end -}}
+
+{{/* The CUDA variant (workers on device cuda): the same tag with -cuda, or its own digest. */}}
+{{- define "kvyard.cudaImage" -}}
+{{- include "kvyard.imageRef" (dict "repo" .Values.image.repository "tag" (printf "%s-cuda" (include "kvyard.tag" .)) "digest" .Values.image.cudaDigest) -}}
 {{- end -}}
 
 {{- define "kvyard.operatorName" -}}
@@ -114,4 +133,13 @@ readOnlyRootFilesystem: true
 privileged: false
 capabilities:
   drop: [ALL]
+{{- end -}}
+
+{{/* imagePullSecrets as names, comma-separated (entries may be {name: x} or plain strings). */}}
+{{- define "kvyard.pullSecretNames" -}}
+{{- $names := list -}}
+{{- range .Values.imagePullSecrets -}}
+{{- if kindIs "string" . -}}{{- $names = append $names . -}}{{- else -}}{{- $names = append $names .name -}}{{- end -}}
+{{- end -}}
+{{- join "," $names -}}
 {{- end -}}
