@@ -22,6 +22,7 @@ from kvyard.common import wire
 
 from . import render, status
 from .client import ApiError, Client
+from .handover import hand_over_replicas
 from .render_workers import pd_secret_name
 from .spec import Defaults, ServiceSpec, SpecError, parse
 from .status import Observed, Problem
@@ -113,6 +114,7 @@ async def apply_children(api: Client, s: ServiceSpec, children: list[dict[str, A
     problems = []
     for obj in children:
         try:
+            await hand_over_replicas(api, obj)
             await api.apply(obj)
         except ApiError as e:
             if _transient(e):

@@ -13,6 +13,7 @@ import pytest
 
 from kvyard.operator.render import render_all
 from kvyard.operator.spec import parse
+from kvyard.operator.testing_schema import without_defaults
 
 CRS = "/apis/kvyard.io/v1alpha1/namespaces/default/inferenceservices"
 DEPS = "/apis/apps/v1/namespaces/default/deployments"
@@ -22,11 +23,14 @@ EXPECTED = {("Deployment", "demo-both"), ("Service", "demo-both"),
             ("ConfigMap", "demo-epp"), ("Deployment", "demo-epp"), ("Service", "demo-epp"),
             ("ConfigMap", "demo-gateway"), ("Deployment", "demo-gateway"),
             ("Service", "demo-gateway")}
-_SERVER_FIELDS = ("uid", "resourceVersion", "generation", "creationTimestamp")
+_SERVER_FIELDS = ("uid", "resourceVersion", "generation", "creationTimestamp", "managedFields")
 
 
-def content(obj: dict) -> dict:
-    """An object without what the server adds (metadata bookkeeping, status)."""
+def content(obj: dict, sent: dict | None = None) -> dict:
+    """An object without what the server adds (metadata bookkeeping, status, and the
+    defaults it filled in where `sent`, what the operator applied, left a field out)."""
+    if sent is not None:
+        obj = without_defaults(obj, sent)
     md = {k: v for k, v in obj["metadata"].items() if k not in _SERVER_FIELDS}
     if not md.get("annotations"):
         md.pop("annotations", None)
@@ -36,6 +40,11 @@ def content(obj: dict) -> dict:
 def rendered(kube, name: str = "demo") -> dict:
     cr = kube.cr(name)
     return {(o["kind"], o["metadata"]["name"]): o for o in render_all(parse(cr))}
+
+
+def live_content(kube, name: str = "demo") -> dict:
+    want = rendered(kube, name)
+    return {k: content(v, want.get(k)) for k, v in kube.children(name).items()}
 
 
 def status(kube, kind: str) -> tuple[str, str]:
@@ -53,7 +62,7 @@ async def test_create_then_ready_only_after_the_rollout(kube, operator, wait_for
             assert obj["metadata"]["ownerReferences"] == [{
                 "apiVersion": "kvyard.io/v1alpha1", "kind": "InferenceService", "name": "demo",
                 "uid": uid, "controller": True, "blockOwnerDeletion": True}]
-        assert {k: content(v) for k, v in kube.children().items()} == \
+        assert live_content(kube) == \
             {k: content(v) for k, v in rendered(kube).items()}
         await wait_for(lambda: status(kube, "Progressing") == ("True", "RollingOut"))
         assert status(kube, "Ready") == ("False", "RollingOut")
@@ -234,7 +243,7 @@ async def test_restart_mid_pass_converges_to_the_same_children(kube, operator, a
     async with operator(resync_s=30.0):
         await wait_for(lambda: set(kube.children()) == EXPECTED, what="converged")
         await wait_for(lambda: status(kube, "Progressing")[0] == "True")
-    assert {k: content(v) for k, v in kube.children().items()} == \
+    assert live_content(kube) == \
         {k: content(v) for k, v in rendered(kube).items()}
 
 
