@@ -317,3 +317,33 @@ class ApiServer(k8s.KubernetesEmulator):
                     changed += 1
         return changed
 
+
+    # -- the scheduler's and kubelet's part -----------------------------------------------
+    async def put_pods(self, namespace: str, deployment: str,
+                       statuses: list[dict[str, Any]]) -> list[str]:
+        """The Deployment's pods become one per status given (named <deployment>-<i>, its
+        template's labels, owned by it); returns their names."""
+        async with self._lock:
+            dep = self.get_live("deployments", namespace, deployment)
+            if dep is None:
+                raise KeyError(deployment)
+            res = next(r for r in self.resources if r.plural == "pods")
+            names = [f"{deployment}-{i}" for i in range(len(statuses))]
+            for key, o in list(self._objects.items()):
+                if key[0] == res and key[1] == namespace and not o.deleted \
+                        and key[2].startswith(f"{deployment}-") and key[2] not in names:
+                    await self._remove(key)
+            labels = dep["spec"]["template"]["metadata"].get("labels") or {}
+            owner = {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment,
+                     "uid": dep["metadata"]["uid"], "controller": True}
+            for name, st in zip(names, statuses):
+                key = (res, namespace, name)
+                old = self._objects[key].raw if key in self._objects \
+                    and not self._objects[key].deleted else None
+                pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {
+                    **(old["metadata"] if old else self._new({}, namespace)["metadata"]),
+                    "name": name, "labels": labels, "ownerReferences": [owner],
+                    "resourceVersion": self._next_rv()},
+                    "spec": dep["spec"]["template"]["spec"], "status": st}
+                await self._store(key, pod, "MODIFIED" if old else "ADDED")
+        return names

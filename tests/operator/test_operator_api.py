@@ -1,7 +1,7 @@
 """The operator (kopf, the real handlers) against an emulated Kubernetes API
 (kvyard.operator.testing: kmock + server-side apply, status subresource, garbage
 collection; `settle()` plays the Deployment controller). Create / update / delete,
-exact children and owner references, status that never says Ready mid-rollout,
+exact children and owner references, status (Ready = serving, Progressing = rollouts),
 drift repair within one resync, bad specs reported as Degraded, and an operator
 restart in the middle of a pass converging to the same children."""
 from __future__ import annotations
@@ -85,15 +85,18 @@ async def test_spec_changes_roll_out_and_prune(kube, operator, wait_for) -> None
         await wait_for(lambda: set(kube.children()) == EXPECTED)
         await kube.api.settle()
         await wait_for(lambda: status(kube, "Ready")[0] == "True")
-        # More replicas: the new generation is never reported Ready before its rollout.
+        # More replicas: the new generation is Progressing until its rollout is done, and
+        # the service keeps serving (Ready) from the replica it has meanwhile.
         await kube.patch(f"{CRS}/demo", {"spec": {"pools": {"both": {"maxReplicas": 3,
                                                                      "replicas": 3}}}})
         await wait_for(lambda: kube.children()[("Deployment", "demo-both")]["spec"]["replicas"]
                        == 3, what="scaled")
         await wait_for(lambda: kube.cr()["status"]["observedGeneration"] == 2)
-        assert status(kube, "Ready") == ("False", "RollingOut")
+        assert status(kube, "Progressing") == ("True", "RollingOut")
+        assert status(kube, "Ready") == ("True", "Serving")
         await kube.api.settle()
-        await wait_for(lambda: status(kube, "Ready")[0] == "True")
+        await wait_for(lambda: status(kube, "Progressing") == ("False", "RolledOut"))
+        assert status(kube, "Ready")[0] == "True"
         # Both -> prefill + decode: the both pool is pruned, the P/D key appears once.
         await kube.patch(f"{CRS}/demo", {"spec": {"pools": {"both": None, "prefill": {},
                                                             "decode": {}}}})
