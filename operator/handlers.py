@@ -3,11 +3,10 @@
 Every cause (resume after a restart, create, update, and a resync daemon) runs the
 same idempotent pass (`reconcile.reconcile`), one at a time per object. The status
 follows the children through watches, not polling: kopf watches the operator's
-Deployments and the service's pods (label `app.kubernetes.io/managed-by`; kopf filters
-labels client-side, so it lists and watches every pod of the namespaces it serves),
-each event updates the view (watch.py) and wakes the service's daemon, which
-recomputes the status from the view (`reconcile.refresh`: at most one status patch,
-no reads), coalescing the events of `rollout_poll_s`. A Deployment deleted by hand
+Deployments and pods (label `app.kubernetes.io/managed-by: kvyard-operator`, a
+server-side label selector); each event updates the view (watch.py) and wakes the
+service's daemon, which recomputes the status from the view (`reconcile.refresh`: at
+most one status patch, no reads), coalescing the events of `rollout_poll_s`. A Deployment deleted by hand
 wakes a full pass; otherwise the daemon passes again every `resync_s` (drift repair
 of the other kinds). There is no delete handler: children carry owner references, so
 Kubernetes' garbage collector removes them, with or without the operator running.
@@ -96,6 +95,10 @@ def configure(settings: kopf.OperatorSettings, cfg: OperatorConfig) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=wire.K8S_GROUP, key="last-handled-configuration")
     settings.posting.level = logging.WARNING
+    # The Deployments and pods watched are the operator's own: filtered by the API server.
+    managed = f"{wire.MANAGED_BY_LABEL}={wire.MANAGED_BY}"
+    settings.watching.label_selectors["deployments"] = managed
+    settings.watching.label_selectors["pods"] = managed
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 30

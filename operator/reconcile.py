@@ -170,14 +170,15 @@ async def observe(api: Client, s: ServiceSpec, children: list[dict[str, Any]],
                   problems: list[Problem], keda: bool = True,
                   applied: list[dict[str, Any]] | None = None,
                   view: Children | None = None) -> Observed:
-    """`applied`: the Deployments as this pass's applies returned them; else each is read."""
+    """`applied`: the Deployments as this pass's applies returned them; the others (none
+    applied: a blocking problem; an apply that failed) are read."""
     names = [o["metadata"]["name"] for o in children if o["kind"] == "Deployment"]
-    seen = [d for d in applied or [] if d.get("metadata", {}).get("name") in names]
-    if applied is None:
-        for name in names:
-            got = await api.get("Deployment", s.namespace, name)
-            if got is not None:
-                seen.append(got)
+    by_name = {d.get("metadata", {}).get("name"): d for d in applied or []}
+    seen = []
+    for name in names:
+        got = by_name.get(name) or await api.get("Deployment", s.namespace, name)
+        if got is not None:
+            seen.append(got)
     pods = await api.list("Pod", s.namespace, {wire.MANAGED_BY_LABEL: wire.MANAGED_BY,
                                                wire.SERVICE_LABEL: s.name})
     if view is not None:

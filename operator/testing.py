@@ -12,8 +12,15 @@ owners are all gone is deleted, recursively) that kube-controller-manager does.
 The controllers are played by the test: `settle()` reports every Deployment as rolled
 out (the Deployment controller); `put_pods()` reports a Deployment's pods; a test
 writes a Deployment's replicas through its scale subresource as KEDA's HPA does.
-Not emulated: admission (validation, CEL rules: schema_check.py does those), CRD
-schema defaults, the scheduler and kubelet. Needs the test extra (kmock).
+Not emulated, so a test here cannot show a fault in these: admission (validation and
+CEL rules: schema_check.py runs those; unknown fields are pruned silently, never
+refused as with fieldValidation=Strict); CRD schema defaults, pod-template and Service
+defaults; merging of associative lists (`listType: map`: containers, env, ports are
+one atomic field each here, owned whole) and per-element ownership; server-side apply
+to a subresource (kvyard merge-patches status); resourceVersion preconditions other
+than a JSON patch's `test`; dry-run; the controllers' own work beyond the helpers
+above (ReplicaSets, rolling pods one by one, the HPA's decisions).
+Needs the test extra (kmock).
 """
 from __future__ import annotations
 

@@ -113,21 +113,26 @@ def status(kube, kind: str) -> tuple[str, str]:
 async def test_the_status_follows_deployments_and_pods_through_watches(
         kube, operator, wait_for) -> None:
     reads: list[str] = []
+    watches: dict[str, str | None] = {}
+    counting = False
     original = type(kube.api)._handle
 
     async def counted(self, request):
-        if request.resource is not None and request.resource.plural != "events" \
-                and request.params.get("watch") != "true":
+        if request.resource is not None and request.params.get("watch") == "true":
+            watches[request.resource.plural] = request.params.get("labelSelector")
+        elif counting and request.resource is not None and request.resource.plural != "events":
             reads.append(f"{str(request.method).rpartition('.')[2]} {request.resource.plural}"
                          f"{'/' + request.subresource if request.subresource else ''}")
         return await original(self, request)
 
-    async with operator(resync_s=30.0):
-        await kube.create("demo", CPU)
-        await wait_for(lambda: ("Deployment", "demo-both") in kube.children(), what="children")
-        await wait_for(lambda: status(kube, "Progressing") == ("True", "RollingOut"))
-        type(kube.api)._handle = counted
-        try:
+    type(kube.api)._handle = counted
+    try:
+        async with operator(resync_s=30.0):
+            await kube.create("demo", CPU)
+            await wait_for(lambda: ("Deployment", "demo-both") in kube.children(),
+                           what="children")
+            await wait_for(lambda: status(kube, "Progressing") == ("True", "RollingOut"))
+            counting = True
             await kube.api.settle()
             await wait_for(lambda: status(kube, "Ready") == ("True", "Serving"), what="Ready")
             # A pod that cannot pull its image: Degraded with the kubelet's reason.
@@ -140,8 +145,12 @@ async def test_the_status_follows_deployments_and_pods_through_watches(
             await kube.api.put_pods("default", "demo-both", [
                 {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}])
             await wait_for(lambda: status(kube, "Degraded") == ("False", "AsExpected"))
-        finally:
-            type(kube.api)._handle = original
-        # Status writes only (and kopf's own annotations): no reads, no passes.
-        assert "PATCH inferenceservices/status" in reads
-        assert set(reads) <= {"PATCH inferenceservices/status", "PATCH inferenceservices"}, reads
+            counting = False
+    finally:
+        type(kube.api)._handle = original
+    # Only the operator's own Deployments and pods are streamed (a server-side selector).
+    assert watches["deployments"] == watches["pods"] == \
+        f"{wire.MANAGED_BY_LABEL}={wire.MANAGED_BY}"
+    # Status writes only (and kopf's own annotations): no reads, no passes.
+    assert "PATCH inferenceservices/status" in reads
+    assert set(reads) <= {"PATCH inferenceservices/status", "PATCH inferenceservices"}, reads
