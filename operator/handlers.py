@@ -6,12 +6,13 @@ follows the children through watches, not polling: kopf watches the operator's
 Deployments and pods (label `app.kubernetes.io/managed-by: kvyard-operator`, a
 server-side label selector); each event updates the view (watch.py) and wakes the
 service's daemon, which recomputes the status from the view (`reconcile.refresh`: at
-most one status patch, no reads), coalescing the events of `rollout_poll_s`. A Deployment deleted by hand
-wakes a full pass; otherwise the daemon passes again every `resync_s` (drift repair
-of the other kinds). There is no delete handler: children carry owner references, so
-Kubernetes' garbage collector removes them, with or without the operator running.
-kopf adds its finalizer for the daemon and releases it itself when the object is
-deleted. kopf's bookkeeping lives in annotations, so `status` is kvyard's alone.
+most one status patch, no reads), coalescing the events of `rollout_poll_s`. A
+Deployment deleted by hand wakes a full pass; otherwise the daemon passes again every
+`resync_s`, however many events came between (drift repair of every kind). There is
+no delete handler: children carry owner references, so Kubernetes' garbage collector
+removes them, with or without the operator running. kopf adds its finalizer for the
+daemon and releases it itself when the object is deleted. kopf's bookkeeping lives in
+annotations, so `status` is kvyard's alone.
 """
 from __future__ import annotations
 
@@ -85,7 +86,19 @@ def connection_from(info: kopf.ConnectionInfo) -> Connection:
                       else _pem_file(info.private_key_data))
 
 
+class _QuietWatches(logging.Filter):
+    """kopf logs every watch event's handler as succeeded at INFO: one line per pod change."""
+
+    QUIET = ("Handler 'deployments' succeeded.", "Handler 'pods' succeeded.")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() not in self.QUIET
+
+
 def configure(settings: kopf.OperatorSettings, cfg: OperatorConfig) -> None:
+    objects = logging.getLogger("kopf.objects")
+    if not any(isinstance(f, _QuietWatches) for f in objects.filters):
+        objects.addFilter(_QuietWatches())
     # The CRD is installed before the operator (the chart's crds/) and the namespaces
     # are given, so kopf needs no watch on CRDs or namespaces (nor the RBAC for them).
     settings.scanning.disabled = True
@@ -143,9 +156,9 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
             api = state.api()
             last = state.outcomes.get(uid)
             try:
+                generation = body.get("metadata", {}).get("generation")
                 if not full and last is not None and last.observed is not None \
-                        and last.observed.generation == body.get("metadata", {}).get("generation") \
-                        and not md.deletion_timestamp:
+                        and last.observed.generation == generation and not md.deletion_timestamp:
                     out = await refresh(api, md.namespace, md.name, last, state.children)
                 else:
                     # The freshest object: the daemon's or a queued handler's body may be stale.
@@ -190,25 +203,27 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
         state: State = memo.state
         key = (body.metadata.namespace or "default", body.metadata.name or "")
         changed = state.children.event(key)
-        delay = cfg.resync_s
+        loop = asyncio.get_running_loop()
+        # A full pass every resync_s however many watch events come in between.
+        due = loop.time() + cfg.resync_s
         try:
             while not stopped:
                 try:
-                    await asyncio.wait_for(changed.wait(), timeout=delay)
-                    woke = True
+                    await asyncio.wait_for(changed.wait(), timeout=max(0.0, due - loop.time()))
                     await asyncio.sleep(cfg.rollout_poll_s)  # the rest of the burst
                 except asyncio.TimeoutError:
-                    woke = False
+                    pass
                 changed.clear()
-                full = not woke or key in state.children.full
+                full = loop.time() >= due or key in state.children.full
                 state.children.full.discard(key)
                 try:
                     await run_pass(body, memo, logger, full=full)
                 except kopf.TemporaryError as e:
                     logger.warning("resync: %s", e)
-                    delay = cfg.retry_s
+                    due = loop.time() + cfg.retry_s
                     continue
-                delay = cfg.resync_s
+                if full:
+                    due = loop.time() + cfg.resync_s
         finally:
             state.children.forget(key)
             state.outcomes.pop(body.metadata.uid or "", None)
