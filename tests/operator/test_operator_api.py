@@ -53,7 +53,7 @@ def status(kube, kind: str) -> tuple[str, str]:
 
 
 async def test_create_then_ready_only_after_the_rollout(kube, operator, wait_for) -> None:
-    # A 30 s resync: Ready follows the rollout through the daemon's rollout polling.
+    # A 30 s resync: Ready follows the rollout through the Deployment watch.
     async with operator(resync_s=30.0):
         cr = await kube.create("demo", CPU)
         uid = cr["metadata"]["uid"]
