@@ -225,7 +225,8 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
                 if full:
                     due = loop.time() + cfg.resync_s
         finally:
-            state.children.forget(key)
+            # The view stays: a service recreated under the same name (a new daemon) shares
+            # its key, and the garbage collector's DELETED events empty it anyway.
             state.outcomes.pop(body.metadata.uid or "", None)
 
     return registry

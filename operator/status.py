@@ -1,9 +1,11 @@
 """Children as observed -> the InferenceService's status (pure).
 
 The conditions mean what Kubernetes' own workloads mean by them:
-- Ready: the service serves. The gateway and the EPP are available and every worker
-  pool has a ready pod, or is at zero by design (KEDA wakes it). A rollout, a KEDA
-  scale-up or 7 of 8 pods ready leave it Ready.
+- Ready: the service serves. The gateway and the EPP are available, every worker pool
+  that wants pods has a ready one (a prefill pool KEDA is waking from zero excepted) and
+  a decode/both worker serves, or every decode/both pool is at zero by design (KEDA wakes
+  one for the first request). A rollout, a KEDA scale-up or 7 of 8 pods ready leave
+  it Ready.
 - Progressing: a child is not rolled out yet: not created, its controller has not seen
   its latest generation, or not every replica is updated, ready and available with no
   old pod left (rollouts and scale-ups alike).
@@ -139,11 +141,15 @@ def compute(obs: Observed, previous: list[dict[str, Any]] | None, now: str) -> d
         for r in rolls if r.stuck]
     progressing = bool(pending or missing > 0) and not blocking
     workers = [r for r in rolls if r.role]
+    # A pool that wants no pod (KEDA's zero, or replicas 0) holds nothing back; nor does a
+    # prefill pool KEDA is waking (decode workers serve meanwhile).
+    held = [r.name for r in workers if r.ready == 0 and r.desired > 0
+            and not (obs.wakes_from_zero and r.role == "prefill")]
+    waiting = [r.name for r in rolls if r.role is None and r.available == 0] + held
+    serving = [r for r in workers if r.ready > 0 and r.role in ("both", "decode")]
     # At zero by design: the EPP holds requests and KEDA wakes a pool for them.
-    asleep = [r for r in workers if obs.wakes_from_zero and r.desired == 0]
-    waiting = [r.name for r in rolls if r.role is None and r.available == 0] + [
-        r.name for r in workers if r.ready == 0 and r not in asleep]
-    serving = [r for r in workers if r.ready > 0]
+    at_zero = obs.wakes_from_zero and all(r.desired == 0 for r in workers
+                                          if r.role in ("both", "decode"))
     if blocking:
         ready = (False, blocking[0].reason, blocking[0].message)
     elif missing > 0 or waiting or not workers:
@@ -151,10 +157,12 @@ def compute(obs: Observed, previous: list[dict[str, Any]] | None, now: str) -> d
         reason = why.reason if why else ("RollingOut" if progressing else "NoWorkers")
         ready = (False, reason, "waiting for " + ", ".join(waiting or ["children"])
                  + (f" ({why.message})" if why else ""))
-    elif not serving:
+    elif serving:
+        ready = (True, "Serving", f"{sum(r.ready for r in serving)} worker(s) serving")
+    elif at_zero:
         ready = (True, "ScaledToZero", "no worker runs; the first request wakes one (KEDA)")
     else:
-        ready = (True, "Serving", f"{sum(r.ready for r in serving)} worker(s) serving")
+        ready = (False, "NoWorkers", "no decode or both worker wants a pod (replicas 0)")
     g = obs.generation
     conds = [
         _condition("Ready", ready[0], ready[1], ready[2], g, prev, now),

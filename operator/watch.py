@@ -75,8 +75,3 @@ class Children:
 
     def event(self, key: Key) -> asyncio.Event:
         return self.changed.setdefault(key, asyncio.Event())
-
-    def forget(self, key: Key) -> None:
-        self.objects.pop(key, None)
-        self.changed.pop(key, None)
-        self.full.discard(key)

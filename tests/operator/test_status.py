@@ -81,6 +81,14 @@ def test_not_ready_until_every_serving_part_has_a_pod() -> None:
     c = conditions(front() + [deployment("demo-prefill", "worker", "prefill", desired=0),
                               workers[1]], wakes_from_zero=True)
     assert c["Ready"][:2] == ("True", "Serving")
+    # Nor one KEDA is waking while the decode pool serves; without KEDA it is a pool down.
+    waking = deployment("demo-prefill", "worker", "prefill", desired=1, ready=0)
+    assert conditions(front() + [waking, workers[1]], wakes_from_zero=True)["Ready"][0] == "True"
+    assert conditions(front() + [waking, workers[1]])["Ready"][0] == "False"
+    # Every decode/both pool at zero by design: Ready, the first request wakes one.
+    c = conditions(front() + [deployment("demo-both", "worker", "both", desired=0)],
+                   wakes_from_zero=True)
+    assert c["Ready"][:2] == ("True", "ScaledToZero")
 
 
 def test_pod_failures_are_degraded_at_once() -> None:
