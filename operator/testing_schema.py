@@ -53,7 +53,8 @@ def _schema_dir() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def _defs() -> dict[str, Any]:
-    return json.loads((_schema_dir() / "_definitions.json").read_text())["$defs"]
+    doc = json.loads((_schema_dir() / "_definitions.json").read_text())
+    return doc.get("$defs") or doc["definitions"]   # the key older releases used
 
 
 @functools.lru_cache(maxsize=None)
