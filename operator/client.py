@@ -25,6 +25,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "Service": ("v1", "services"),
     "ConfigMap": ("v1", "configmaps"),
     "Secret": ("v1", "secrets"),
+    "Pod": ("v1", "pods"),
     "ServiceAccount": ("v1", "serviceaccounts"),
     "Role": ("rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings"),
@@ -107,11 +108,14 @@ class Client:
                 raise ApiError(resp.status, str(message)[:500])
             return json.loads(text) if text else {}
 
-    async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+    async def apply(self, obj: dict[str, Any], manager: str = wire.FIELD_MANAGER,
+                    force: bool = True) -> dict[str, Any]:
+        """Server-side apply; without `force` a field another manager owns with another
+        value is a 409 Conflict."""
         md = obj["metadata"]
         return await self._call("PATCH", path_of(obj["kind"], md["namespace"], md["name"]), obj,
                                 "application/apply-patch+yaml",
-                                {"fieldManager": wire.FIELD_MANAGER, "force": "true"})
+                                {"fieldManager": manager, "force": "true" if force else "false"})
 
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:

@@ -2,8 +2,9 @@
 Role from `RULES`; operator/README.md explains each).
 
 `create` on every applied kind: server-side apply of an object that does not exist
-yet is a create. `pods` get/list/watch: Kubernetes lets the operator grant the
-EPP's Role only permissions it holds itself. Secrets are `get` (does the Redis
+yet is a create. `pods` get/list/watch: the status reads the service's pods (why one
+is not ready), and Kubernetes lets the operator grant the EPP's Role only permissions
+it holds itself. Secrets are `get` (does the Redis
 password's Secret and key exist) and `create` (the P/D key, once); never list or
 watch, never update.
 """
@@ -20,7 +21,8 @@ RULES: list[dict[str, Any]] = [
      "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": [wire.K8S_GROUP], "resources": [f"{wire.CRD_PLURAL}/status"],
      "verbs": ["get", "patch"]},
-    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": APPLIED},
+    # watch: the status follows the Deployments (handlers.py), not a polling loop.
+    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": APPLIED + ["watch"]},
     {"apiGroups": [""], "resources": ["services", "configmaps", "serviceaccounts"],
      "verbs": APPLIED},
     {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"],

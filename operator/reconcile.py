@@ -6,10 +6,14 @@ restart) is completed by the next. A bad spec or a missing Secret ends as a
 Degraded status, never an exception; only API failures that may pass (5xx,
 timeouts, no connection) raise `Retry`, which the handlers turn into
 `kopf.TemporaryError`.
+The status comes from what the pass saw (the Deployments its applies returned, the
+service's pods listed once); between passes `refresh` recomputes it from the watched
+view (watch.py) without reading the API.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import logging
 import secrets
@@ -22,9 +26,11 @@ from kvyard.common import wire
 
 from . import render, status
 from .client import ApiError, Client
+from .handover import hand_over_replicas
 from .render_workers import pd_secret_name
 from .spec import Defaults, ServiceSpec, SpecError, parse
 from .status import Observed, Problem
+from .watch import Children
 
 log = logging.getLogger("kvyard.operator")
 # Kinds a pass may leave behind when the spec changes (a pool removed, the pool disabled).
@@ -108,12 +114,25 @@ async def ensure_pd_key(api: Client, s: ServiceSpec) -> None:
         await api.create(render.pd_key_secret(s, secrets.token_hex(32)))
 
 
+@dataclasses.dataclass(slots=True)
+class Outcome:
+    """A pass's result: the status it wrote and what it was computed from."""
+
+    status: dict[str, Any]
+    observed: Observed | None = None    # None: nothing rendered (bad spec, object gone)
+    deployments: list[str] = dataclasses.field(default_factory=list)   # names rendered
+
+
 async def apply_children(api: Client, s: ServiceSpec, children: list[dict[str, Any]]
-                         ) -> list[Problem]:
-    problems = []
+                         ) -> tuple[list[Problem], list[dict[str, Any]]]:
+    """Problems, and the Deployments as the applies returned them (with their status)."""
+    problems, deployments = [], []
     for obj in children:
         try:
-            await api.apply(obj)
+            await hand_over_replicas(api, obj)
+            live = await api.apply(obj)
+            if obj["kind"] == "Deployment":
+                deployments.append(live)
         except ApiError as e:
             if _transient(e):
                 raise Retry(f"apply {obj['kind']}/{obj['metadata']['name']}: {e}") from e
@@ -126,7 +145,7 @@ async def apply_children(api: Client, s: ServiceSpec, children: list[dict[str, A
             else:
                 problems.append(Problem("ApplyFailed", f"{obj['kind']}/{obj['metadata']['name']}:"
                                         f" {e.message}"))
-    return problems
+    return problems, deployments
 
 
 async def prune(api: Client, s: ServiceSpec, children: list[dict[str, Any]]) -> None:
@@ -148,16 +167,26 @@ async def prune(api: Client, s: ServiceSpec, children: list[dict[str, Any]]) -> 
 
 
 async def observe(api: Client, s: ServiceSpec, children: list[dict[str, Any]],
-                  problems: list[Problem], keda: bool = True) -> Observed:
-    deps = [o for o in children if o["kind"] == "Deployment"]
+                  problems: list[Problem], keda: bool = True,
+                  applied: list[dict[str, Any]] | None = None,
+                  view: Children | None = None) -> Observed:
+    """`applied`: the Deployments as this pass's applies returned them; the others (none
+    applied: a blocking problem; an apply that failed) are read."""
+    names = [o["metadata"]["name"] for o in children if o["kind"] == "Deployment"]
+    by_name = {d.get("metadata", {}).get("name"): d for d in applied or []}
     seen = []
-    for d in deps:
-        got = await api.get("Deployment", s.namespace, d["metadata"]["name"])
+    for name in names:
+        got = by_name.get(name) or await api.get("Deployment", s.namespace, name)
         if got is not None:
             seen.append(got)
+    pods = await api.list("Pod", s.namespace, {wire.MANAGED_BY_LABEL: wire.MANAGED_BY,
+                                               wire.SERVICE_LABEL: s.name})
+    if view is not None:
+        view.seed((s.namespace, s.name), "Deployment", seen)
+        view.seed((s.namespace, s.name), "Pod", pods, complete=True)
     return Observed(generation=s.generation, deployments=seen, problems=problems,
-                    gateway_address=render.gateway_address(s), expected_deployments=len(deps),
-                    wakes_from_zero=s.scale_to_zero and keda)
+                    gateway_address=render.gateway_address(s), expected_deployments=len(names),
+                    wakes_from_zero=s.scale_to_zero and keda, pods=pods)
 
 
 def _status_patch(new: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
@@ -172,39 +201,73 @@ def _same(new: dict[str, Any], old: dict[str, Any]) -> bool:
     return all(old.get(k) == v for k, v in new.items())
 
 
-async def reconcile(api: Client, body: dict[str, Any],
-                    defaults: Defaults | None = None) -> dict[str, Any]:
-    """One pass over a custom resource as the API returned it; returns its new status."""
+async def _write_status(api: Client, ns: str, name: str, obs: Observed,
+                        old: dict[str, Any]) -> dict[str, Any]:
+    new = status.compute(obs, old.get("conditions"), _now())
+    if not _same(new, old):
+        await api.patch_status(wire.CRD_KIND, ns, name, _status_patch(new, old))
+    return new
+
+
+def _api_failure(e: Exception, ns: str, name: str) -> bool:
+    """Raise Retry for what may pass; True for a 404 (the object went while we worked)."""
+    if isinstance(e, _NETWORK):
+        raise Retry(f"{e.__class__.__name__}: {e}") from e
+    if isinstance(e, ApiError) and _transient(e):
+        raise Retry(str(e)) from e
+    if isinstance(e, ApiError) and e.status == 404:  # its children go with it
+        log.info("%s/%s: gone (%s)", ns, name, e)
+        return True
+    return False
+
+
+async def refresh(api: Client, ns: str, name: str, last: Outcome, view: Children) -> Outcome:
+    """The status again from the watched view and the last pass's findings (no reads)."""
+    if last.observed is None:
+        return last
+    key = (ns, name)
+    obs = dataclasses.replace(last.observed, deployments=view.of(key, "Deployment",
+                                                                 last.deployments),
+                              pods=view.of(key, "Pod"))
+    try:
+        new = await _write_status(api, ns, name, obs, last.status)
+    except (ApiError, *_NETWORK) as e:
+        if _api_failure(e, ns, name):
+            return last
+        raise
+    return Outcome(new, obs, last.deployments)
+
+
+async def reconcile(api: Client, body: dict[str, Any], defaults: Defaults | None = None,
+                    view: Children | None = None) -> Outcome:
+    """One pass over a custom resource as the API returned it; `view` (the watched
+    children) is seeded with what the pass read."""
     meta = body.get("metadata") or {}
     ns, name = meta.get("namespace") or "default", meta.get("name", "")
     old = dict(body.get("status") or {})
+    names: list[str] = []
     try:
         try:
             s = parse(body, defaults)
         except SpecError as e:
             obs = Observed(generation=int(meta.get("generation") or 1),
                            problems=[Problem("InvalidSpec", str(e), True)])
-        else:
-            problems = await preflight(api, s)
-            keda, why = await keda_installed(api, s)
-            problems += why
-            children = render.render_all(s, keda)
-            if not any(p.blocking for p in problems):
-                if s.disaggregated:
-                    await ensure_pd_key(api, s)
-                problems += await apply_children(api, s, children)
-                await prune(api, s, children)
-            obs = await observe(api, s, children, problems, keda)
-        new = status.compute(obs, old.get("conditions"), _now())
-        if not _same(new, old):
-            await api.patch_status(wire.CRD_KIND, ns, name, _status_patch(new, old))
-        return new
-    except ApiError as e:
-        if _transient(e):
-            raise Retry(str(e)) from e
-        if e.status == 404:  # deleted while we worked: its children go with it
-            log.info("%s/%s: gone (%s)", ns, name, e)
-            return old
+            return Outcome(await _write_status(api, ns, name, obs, old))
+        problems = await preflight(api, s)
+        keda, why = await keda_installed(api, s)
+        problems += why
+        children = render.render_all(s, keda)
+        names = [o["metadata"]["name"] for o in children if o["kind"] == "Deployment"]
+        applied = None
+        if not any(p.blocking for p in problems):
+            if s.disaggregated:
+                await ensure_pd_key(api, s)
+            more, applied = await apply_children(api, s, children)
+            problems += more
+            await prune(api, s, children)
+        obs = await observe(api, s, children, problems, keda, applied, view)
+        return Outcome(await _write_status(api, ns, name, obs, old), obs, names)
+    except (ApiError, *_NETWORK) as e:
+        if _api_failure(e, ns, name):
+            return Outcome(old)
         raise
-    except _NETWORK as e:
-        raise Retry(f"{e.__class__.__name__}: {e}") from e

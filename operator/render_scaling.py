@@ -12,7 +12,9 @@ role), which tell the EPP which demand to report, plus `ttftMs`/`tpotMs` from
 
 Not fighting KEDA: a pool with a ScaledObject is rendered without
 `spec.replicas` (render_workers.pool_replicas), so the operator's server-side
-apply never owns that field and KEDA's HPA writes it alone; the operator never
+apply does not own that field and KEDA's HPA writes it alone (when autoscaling is
+turned on, handover.py hands the live count over first, so the API server's
+default of 1 never applies in between); the operator never
 reads a pool's desired count back into a Deployment, and it never touches the
 HPA KEDA owns. Without KEDA installed (`keda=False`: the reconcile pass found no
 ScaledObject API) the pools run at fixed replicas and status says why.

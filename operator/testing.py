@@ -1,15 +1,26 @@
 """A Kubernetes API for the operator's tests: kmock's emulator plus what kvyard relies on.
 
-kmock stores objects, serves list/watch/get and discovery; on top of it this adds
-server-side apply (create-or-replace of the fields the applier sent, status kept),
-a status subresource, uid/resourceVersion/generation bookkeeping, finalizers, and
-the garbage collector's part (an object whose owners are all gone is deleted,
-recursively) that kube-controller-manager does in a real cluster. `settle()`
-plays the Deployment controller: it reports every Deployment as rolled out.
-Field ownership, simplified to what kvyard relies on: an apply sets every field the
-applier sends and drops those it sent last time and no longer sends; fields it
-never sent (written by another manager with a patch, as KEDA's HPA writes a
-Deployment's replicas) stay. Lists are atomic. Needs the test extra (kmock).
+kmock stores objects, serves list/watch/get and discovery; on top of it this does what
+a real API server does to the objects kvyard writes, so a test sees what a cluster
+would: pruning of undeclared fields (status included) and the Deployment's defaults
+(testing_schema.py, with what it leaves out), server-side apply with per-manager field
+ownership and 409 conflicts between managers, `metadata.managedFields` included
+(testing_ssa.py, with what it leaves out), the status and scale subresources (a write to
+one changes nothing else; the main resource ignores status), uid/resourceVersion/
+generation bookkeeping, finalizers, and the garbage collector's part (an object whose
+owners are all gone is deleted, recursively) that kube-controller-manager does.
+The controllers are played by the test: `settle()` reports every Deployment as rolled
+out (the Deployment controller); `put_pods()` reports a Deployment's pods; a test
+writes a Deployment's replicas through its scale subresource as KEDA's HPA does.
+Not emulated, so a test here cannot show a fault in these: admission (validation and
+CEL rules: schema_check.py runs those; unknown fields are pruned silently, never
+refused as with fieldValidation=Strict); CRD schema defaults, pod-template and Service
+defaults; merging of associative lists (`listType: map`: containers, env, ports are
+one atomic field each here, owned whole) and per-element ownership; server-side apply
+to a subresource (kvyard merge-patches status); resourceVersion preconditions other
+than a JSON patch's `test`; dry-run; the controllers' own work beyond the helpers
+above (ReplicaSets, rolling pods one by one, the HPA's decisions).
+Needs the test extra (kmock).
 """
 from __future__ import annotations
 
@@ -25,28 +36,11 @@ from kmock._internal.dicts import patch_dict
 
 from kvyard.common import wire
 
+from . import testing_schema, testing_ssa
 from .client import KINDS
 
 _SYSTEM_META = ("uid", "resourceVersion", "generation", "creationTimestamp",
                 "deletionTimestamp", "finalizers", "namespace", "name")
-
-
-def _drop_unsent(target: dict[str, Any], before: dict[str, Any], now: dict[str, Any]) -> None:
-    """Remove from `target` the fields the applier sent `before` and no longer sends."""
-    for k, v in before.items():
-        if k not in now:
-            target.pop(k, None)
-        elif isinstance(v, dict) and isinstance(now[k], dict) and isinstance(target.get(k), dict):
-            _drop_unsent(target[k], v, now[k])
-
-
-def _overlay(base: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    for k, v in new.items():
-        if isinstance(v, dict) and isinstance(base.get(k), dict):
-            _overlay(base[k], v)
-        else:
-            base[k] = copy.deepcopy(v)
-    return base
 
 
 def _merge_patch(old: Any, new: Any) -> Any:
@@ -68,7 +62,9 @@ class ApiServer(k8s.KubernetesEmulator):
         for kind, (api, plural) in KINDS.items():
             if (kind == "InferencePool" and not pools) or (kind == "ScaledObject" and not keda):
                 continue
-            subs = ["status"] if kind in (wire.CRD_KIND, "Deployment", "InferencePool") else []
+            subs = ["status"] if kind in (wire.CRD_KIND, "Deployment", "InferencePool",
+                                          "Pod") else []
+            subs += ["scale"] if kind == "Deployment" else []
             self.resources[f"{api}/{plural}"] = kmock.ResourceInfo(
                 kind=kind, namespaced=True, subresources=subs,
                 verbs=["get", "list", "watch", "create", "patch", "delete"])
@@ -137,6 +133,18 @@ class ApiServer(k8s.KubernetesEmulator):
             for key in orphans:
                 await self._remove(key)
 
+    def _owners(self, key: tuple, fresh: bool = False) -> testing_ssa.Ownership:
+        owners = self.__dict__.setdefault("_ownership", {})
+        if fresh or key not in owners:
+            owners[key] = testing_ssa.Ownership()
+        return owners[key]
+
+    def _written(self, key: tuple, obj: dict[str, Any]) -> dict[str, Any]:
+        """What the server stores: pruned, defaulted, with its managedFields."""
+        obj = testing_schema.default(testing_schema.prune(obj))
+        obj.setdefault("metadata", {})["managedFields"] = self._owners(key).managed_fields()
+        return obj
+
     def _new(self, data: dict[str, Any], namespace: str | None) -> dict[str, Any]:
         obj = copy.deepcopy(data)
         md = obj.setdefault("metadata", {})
@@ -166,16 +174,24 @@ class ApiServer(k8s.KubernetesEmulator):
         # emulator's own merge logic, which this class replaces.
         return await apps.RawHandler._handle(self, request)
 
+    @staticmethod
+    def _manager(request: Any) -> str:
+        agent = request.headers.get("User-Agent", "") or "unknown"
+        return request.params.get("fieldManager") or agent.split("/")[0].split(" ")[0]
+
     async def _mutate(self, request: Any) -> None:
         res, data = request.resource, request.data
         if not any(r == res for r in self.resources):
             raise k8s.KubernetesResourceNotFoundError()
+        manager = self._manager(request)
         if request.action == enums.action.CREATE:
             md = (data or {}).get("metadata", {})
             key = (res, request.namespace or md.get("namespace"), md.get("name"))
             if key in self._objects and not self._objects[key].deleted:
                 raise k8s.KubernetesObjectConflictError()
-            await self._store(key, self._new(data, key[1]), "ADDED")
+            new = self._new(testing_schema.prune(data), key[1])
+            self._owners(key, fresh=True).update({}, new, manager)
+            await self._store(key, self._written(key, new), "ADDED")
             return
         key = (res, request.namespace, request.name)
         exists = key in self._objects and not self._objects[key].deleted
@@ -185,47 +201,75 @@ class ApiServer(k8s.KubernetesEmulator):
             await self._remove(key)
             return
         if "apply-patch" in request.headers.get("Content-Type", ""):
-            applied = self.__dict__.setdefault("_applied", {})
-            sent = {k: v for k, v in (data or {}).items() if k != "status"}
-            if not exists:
-                applied[key] = copy.deepcopy(sent)
-                await self._store(key, self._new(data, request.namespace), "ADDED")
-                return
-            old = self._objects[key].raw
-            new = copy.deepcopy(old)
-            _drop_unsent(new, applied.get(key, {}), sent)
-            _overlay(new, sent)
-            applied[key] = copy.deepcopy(sent)
-            md = new.setdefault("metadata", {})
-            for k in _SYSTEM_META:
-                if k in old["metadata"]:
-                    md[k] = old["metadata"][k]
-            if "status" in old:
-                new["status"] = old["status"]
-            await self._store(key, self._next(old, new), "MODIFIED")
+            await self._apply(key, exists, request, manager)
             return
         if not exists:
             raise k8s.KubernetesObjectNotFoundError()
         old = self._objects[key].raw
-        if request.subresource == "status":
-            new = {**old, "status": patch_dict(old.get("status") or {},
-                                                (data or {}).get("status") or {})}
-            new = {**new, "metadata": {**old["metadata"], "resourceVersion": self._next_rv()}}
+        if request.subresource in ("status", "scale"):
+            new = self._subresource_write(old, request.subresource, data or {})
+            self._owners(key).update(old, new, manager, request.subresource)
+            self._owners(key).forget_unset(new)
+            new = self._written(key, new)
+            if request.subresource == "scale":
+                new = self._next(old, new)
         else:
             try:
                 new = dict(patch_dict(copy.deepcopy(old), data or {}))
             except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as e:
                 # A failed `test` op (kopf's optimistic concurrency on resourceVersion): 422.
                 raise k8s.KubernetesError(status=422, reason="Invalid", message=str(e)) from e
+            new.pop("status", None)
             if "status" in old:
                 new["status"] = old["status"]
-            new = self._next(old, new)
+            new = testing_schema.default(testing_schema.prune(new))
+            self._owners(key).update(old, new, manager)
+            new = self._next(old, self._written(key, new))
         md = new["metadata"]
         if md.get("deletionTimestamp") and not md.get("finalizers"):
             self._objects[key].delete()
             await self._emit(res, "DELETED", new)
             return
         await self._store(key, new, "MODIFIED")
+
+    def _subresource_write(self, old: dict[str, Any], sub: str, data: dict[str, Any]
+                           ) -> dict[str, Any]:
+        """A status write changes status only; a scale write, spec.replicas only."""
+        if sub == "status":
+            new = {**old, "status": patch_dict(old.get("status") or {},
+                                                (data or {}).get("status") or {})}
+        else:
+            replicas = ((data or {}).get("spec") or {}).get("replicas")
+            if not isinstance(replicas, int):
+                raise k8s.KubernetesError(status=422, reason="Invalid",
+                                          message="spec.replicas: an integer is required")
+            new = {**old, "spec": {**old.get("spec", {}), "replicas": replicas}}
+        return {**new, "metadata": {**old["metadata"], "resourceVersion": self._next_rv()}}
+
+    async def _apply(self, key: tuple, exists: bool, request: Any, manager: str) -> None:
+        """Server-side apply: the manager's fields become what it sent (testing_ssa)."""
+        sent = testing_schema.prune({k: v for k, v in (request.data or {}).items()
+                                     if k != "status"})
+        force = request.params.get("force") == "true"
+        old = self._objects[key].raw if exists else self._new(
+            {k: sent[k] for k in ("apiVersion", "kind") if k in sent}
+            | {"metadata": {"name": key[2]}}, key[1])
+        owners = self._owners(key, fresh=not exists)
+        try:
+            new = owners.apply(old, sent, manager, force)
+        except testing_ssa.Conflict as e:
+            raise k8s.KubernetesError(status=409, reason="Conflict", message=str(e)) from e
+        md = new["metadata"]
+        for k in _SYSTEM_META:
+            if k in old["metadata"]:
+                md[k] = old["metadata"][k]
+        if "status" in old:
+            new["status"] = old["status"]
+        new = self._written(key, new)
+        if exists:
+            await self._store(key, self._next(old, new), "MODIFIED")
+        else:
+            await self._store(key, new, "ADDED")
 
     async def _serve_list(self, request: Any) -> Any:
         doc = await super()._serve_list(request)
@@ -280,3 +324,33 @@ class ApiServer(k8s.KubernetesEmulator):
                     changed += 1
         return changed
 
+
+    # -- the scheduler's and kubelet's part -----------------------------------------------
+    async def put_pods(self, namespace: str, deployment: str,
+                       statuses: list[dict[str, Any]]) -> list[str]:
+        """The Deployment's pods become one per status given (named <deployment>-<i>, its
+        template's labels, owned by it); returns their names."""
+        async with self._lock:
+            dep = self.get_live("deployments", namespace, deployment)
+            if dep is None:
+                raise KeyError(deployment)
+            res = next(r for r in self.resources if r.plural == "pods")
+            names = [f"{deployment}-{i}" for i in range(len(statuses))]
+            for key, o in list(self._objects.items()):
+                if key[0] == res and key[1] == namespace and not o.deleted \
+                        and key[2].startswith(f"{deployment}-") and key[2] not in names:
+                    await self._remove(key)
+            labels = dep["spec"]["template"]["metadata"].get("labels") or {}
+            owner = {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment,
+                     "uid": dep["metadata"]["uid"], "controller": True}
+            for name, st in zip(names, statuses):
+                key = (res, namespace, name)
+                old = self._objects[key].raw if key in self._objects \
+                    and not self._objects[key].deleted else None
+                pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {
+                    **(old["metadata"] if old else self._new({}, namespace)["metadata"]),
+                    "name": name, "labels": labels, "ownerReferences": [owner],
+                    "resourceVersion": self._next_rv()},
+                    "spec": dep["spec"]["template"]["spec"], "status": st}
+                await self._store(key, pod, "MODIFIED" if old else "ADDED")
+        return names

@@ -16,6 +16,7 @@ from kvyard.operator.testing import ApiServer
 
 NS = "default"
 CRS = f"/apis/kvyard.io/v1alpha1/namespaces/{NS}/inferenceservices"
+DEPLOYMENTS = f"/apis/apps/v1/namespaces/{NS}/deployments"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -53,6 +54,12 @@ class Kube:
 
     async def patch(self, path: str, body: dict) -> dict:
         return await self.call("PATCH", path, body)
+
+    async def scale(self, deployment: str, replicas: int,
+                    manager: str = "kube-controller-manager") -> dict:
+        """What KEDA's HPA does: a write to the Deployment's scale subresource."""
+        return await self.call("PATCH", f"{DEPLOYMENTS}/{deployment}/scale?fieldManager={manager}",
+                               {"spec": {"replicas": replicas}})
 
     async def delete(self, path: str) -> dict:
         return await self.call("DELETE", path)

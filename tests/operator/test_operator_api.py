@@ -1,7 +1,7 @@
 """The operator (kopf, the real handlers) against an emulated Kubernetes API
 (kvyard.operator.testing: kmock + server-side apply, status subresource, garbage
 collection; `settle()` plays the Deployment controller). Create / update / delete,
-exact children and owner references, status that never says Ready mid-rollout,
+exact children and owner references, status (Ready = serving, Progressing = rollouts),
 drift repair within one resync, bad specs reported as Degraded, and an operator
 restart in the middle of a pass converging to the same children."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 
 from kvyard.operator.render import render_all
 from kvyard.operator.spec import parse
+from kvyard.operator.testing_schema import without_defaults
 
 CRS = "/apis/kvyard.io/v1alpha1/namespaces/default/inferenceservices"
 DEPS = "/apis/apps/v1/namespaces/default/deployments"
@@ -22,11 +23,14 @@ EXPECTED = {("Deployment", "demo-both"), ("Service", "demo-both"),
             ("ConfigMap", "demo-epp"), ("Deployment", "demo-epp"), ("Service", "demo-epp"),
             ("ConfigMap", "demo-gateway"), ("Deployment", "demo-gateway"),
             ("Service", "demo-gateway")}
-_SERVER_FIELDS = ("uid", "resourceVersion", "generation", "creationTimestamp")
+_SERVER_FIELDS = ("uid", "resourceVersion", "generation", "creationTimestamp", "managedFields")
 
 
-def content(obj: dict) -> dict:
-    """An object without what the server adds (metadata bookkeeping, status)."""
+def content(obj: dict, sent: dict | None = None) -> dict:
+    """An object without what the server adds (metadata bookkeeping, status, and the
+    defaults it filled in where `sent`, what the operator applied, left a field out)."""
+    if sent is not None:
+        obj = without_defaults(obj, sent)
     md = {k: v for k, v in obj["metadata"].items() if k not in _SERVER_FIELDS}
     if not md.get("annotations"):
         md.pop("annotations", None)
@@ -38,13 +42,18 @@ def rendered(kube, name: str = "demo") -> dict:
     return {(o["kind"], o["metadata"]["name"]): o for o in render_all(parse(cr))}
 
 
+def live_content(kube, name: str = "demo") -> dict:
+    want = rendered(kube, name)
+    return {k: content(v, want.get(k)) for k, v in kube.children(name).items()}
+
+
 def status(kube, kind: str) -> tuple[str, str]:
     c = kube.condition(kind)
     return c.get("status", ""), c.get("reason", "")
 
 
 async def test_create_then_ready_only_after_the_rollout(kube, operator, wait_for) -> None:
-    # A 30 s resync: Ready follows the rollout through the daemon's rollout polling.
+    # A 30 s resync: Ready follows the rollout through the Deployment watch.
     async with operator(resync_s=30.0):
         cr = await kube.create("demo", CPU)
         uid = cr["metadata"]["uid"]
@@ -53,7 +62,7 @@ async def test_create_then_ready_only_after_the_rollout(kube, operator, wait_for
             assert obj["metadata"]["ownerReferences"] == [{
                 "apiVersion": "kvyard.io/v1alpha1", "kind": "InferenceService", "name": "demo",
                 "uid": uid, "controller": True, "blockOwnerDeletion": True}]
-        assert {k: content(v) for k, v in kube.children().items()} == \
+        assert live_content(kube) == \
             {k: content(v) for k, v in rendered(kube).items()}
         await wait_for(lambda: status(kube, "Progressing") == ("True", "RollingOut"))
         assert status(kube, "Ready") == ("False", "RollingOut")
@@ -76,15 +85,18 @@ async def test_spec_changes_roll_out_and_prune(kube, operator, wait_for) -> None
         await wait_for(lambda: set(kube.children()) == EXPECTED)
         await kube.api.settle()
         await wait_for(lambda: status(kube, "Ready")[0] == "True")
-        # More replicas: the new generation is never reported Ready before its rollout.
+        # More replicas: the new generation is Progressing until its rollout is done, and
+        # the service keeps serving (Ready) from the replica it has meanwhile.
         await kube.patch(f"{CRS}/demo", {"spec": {"pools": {"both": {"maxReplicas": 3,
                                                                      "replicas": 3}}}})
         await wait_for(lambda: kube.children()[("Deployment", "demo-both")]["spec"]["replicas"]
                        == 3, what="scaled")
         await wait_for(lambda: kube.cr()["status"]["observedGeneration"] == 2)
-        assert status(kube, "Ready") == ("False", "RollingOut")
+        assert status(kube, "Progressing") == ("True", "RollingOut")
+        assert status(kube, "Ready") == ("True", "Serving")
         await kube.api.settle()
-        await wait_for(lambda: status(kube, "Ready")[0] == "True")
+        await wait_for(lambda: status(kube, "Progressing") == ("False", "RolledOut"))
+        assert status(kube, "Ready")[0] == "True"
         # Both -> prefill + decode: the both pool is pruned, the P/D key appears once.
         await kube.patch(f"{CRS}/demo", {"spec": {"pools": {"both": None, "prefill": {},
                                                             "decode": {}}}})
@@ -234,7 +246,7 @@ async def test_restart_mid_pass_converges_to_the_same_children(kube, operator, a
     async with operator(resync_s=30.0):
         await wait_for(lambda: set(kube.children()) == EXPECTED, what="converged")
         await wait_for(lambda: status(kube, "Progressing")[0] == "True")
-    assert {k: content(v) for k, v in kube.children().items()} == \
+    assert live_content(kube) == \
         {k: content(v) for k, v in rendered(kube).items()}
 
 
