@@ -18,8 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--all-namespaces", action="store_true", help="watch every namespace")
     p.add_argument("--resync-seconds", type=float, default=30.0,
                    help="every object is reconciled again this often (drift repair)")
-    p.add_argument("--rollout-poll-seconds", type=float, default=5.0,
-                   help="how often an object is reconciled while its rollout is in progress")
+    p.add_argument("--rollout-poll-seconds", type=float, default=1.0,
+                   help="how long watch events on an object's Deployments and pods are gathered "
+                        "into one status refresh")
     p.add_argument("--retry-seconds", type=float, default=5.0,
                    help="delay before a pass that hit an API error runs again")
     p.add_argument("--liveness", default="http://0.0.0.0:8081/healthz",

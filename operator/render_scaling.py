@@ -41,7 +41,7 @@ def pool_name(s: ServiceSpec) -> str:
 
 
 def scaler_address(s: ServiceSpec) -> str:
-    return f"{rc.name_of(s, 'epp')}.{s.namespace}.svc.cluster.local:{wire.EPP_SCALER_PORT}"
+    return f"{rc.service_host(s, rc.name_of(s, 'epp'))}:{wire.EPP_SCALER_PORT}"
 
 
 def min_replicas(s: ServiceSpec, pool: Pool) -> int:
