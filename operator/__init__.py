@@ -3,10 +3,13 @@
 Layout: `schema.py` (the CRD's OpenAPI schema, the one source of truth) and
 `crd.py` (the CRD manifest, defaults); `spec.py` (the spec as typed values);
 `render*.py` (pure: spec -> manifests); `status.py` (pure: children -> status);
-`client.py` (the few API calls, server-side apply); `reconcile.py` (one pass);
+`client.py` (the few API calls, server-side apply); `handover.py` (hands
+`spec.replicas` to KEDA's HPA without a gap); `watch.py` (owned Deployments and pods,
+seen through watches, for status); `reconcile.py` (one pass);
 `handlers.py` (kopf wiring); `rbac.py` (the permissions those calls need);
 `cli.py` (`kvyard operator`). For tests: `schema_check.py` (an object against the
-schema and its CEL rules), `testing.py` (an emulated API on kmock), `localrun.py`
+schema and its CEL rules), `testing.py` (an emulated API on kmock, with `testing_schema.py`'s pruning and
+defaults and `testing_ssa.py`'s server-side apply field ownership), `localrun.py`
 (rendered pods run as local processes). README.md has the contracts and decisions.
 It never imports the EPP or the workers: what they must agree on is in
 `kvyard.common.wire`, and their flags are checked by tests.
