@@ -42,7 +42,7 @@ def _stack(run_dir: Path):
 
     return start_stack(StackSpec(run_dir=run_dir, workers=1, gateway_port=None,
                                  worker_base_port=None, epp_ports=(None, None, None),
-                                 admin_port=None, dtype="float32", kv_tiers=False,
+                                 admin_port=None, scaler_port=None, dtype="float32", kv_tiers=False,
                                  ready_timeout_s=600.0))
 
 

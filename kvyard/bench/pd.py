@@ -153,7 +153,8 @@ def run_setup(name: str, a: argparse.Namespace, run_dir: Path, prompts: Prompts 
                   }.get(name, [])
     spec = StackSpec(run_dir=run_dir / name, workers=2, prefill=int(pd), decode=int(pd),
                      dtype=a.dtype, gateway_port=None, worker_base_port=None,
-                     epp_ports=(None, None, None), admin_port=None, ready_timeout_s=600.0,
+                     epp_ports=(None, None, None), admin_port=None, scaler_port=None,
+                     ready_timeout_s=600.0,
                      kv_tiers=redis, kv_pool_tier="redis" if redis else "ssd",
                      worker_args=["--max-model-len", "4096", "--kv-cache-memory-bytes",
                                   "768MiB", "--num-threads", "1", *transports])
