@@ -192,3 +192,19 @@ def test_request_keys_are_the_workers_tokens_bos_included() -> None:
                                "/v1/completions", {}, ["m"])
     assert EngineKeys(h.prompt(ids_prompt), BS).known() == block_hashes(array("I", [5] * 40),
                                                                          BS)
+
+
+def test_the_precise_example_config_builds_and_the_app_subscribes_for_it() -> None:
+    from pathlib import Path
+
+    import kvyard.epp
+    from kvyard.epp.app import EppApp, EppConfig
+    from kvyard.epp.scheduling.config import load_config
+
+    path = Path(kvyard.epp.__file__).parent / "scheduler.precise.example.yaml"
+    s = build_scheduler(load_config(path))
+    assert [(sc.name, w) for sc, w in s.scorers][:2] == [("precise-prefix-cache", 3.0),
+                                                         ("prefix-cache", 1.0)]
+    app = EppApp(EppConfig(config=str(path), model="none", kv_events_port=5557))
+    assert app.kv_events is not None and app.kv_events.port == 5557
+    assert EppApp(EppConfig(model="none")).kv_events is None   # the default: none
