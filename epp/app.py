@@ -145,6 +145,8 @@ class EppApp:
         sched = build_scheduler(sched_cfg, seed=c.seed)
         self.pool.on_remove(sched.forget)
         self.kv_events = _kv_event_sources(sched, self.pool, c.kv_events_port)
+        if self.kv_events is not None:
+            self.kv_events.register(self.metrics.registry)
         self.pool.on_remove(self.metrics.forget)
         self.finisher = Finisher(self.pool, sched)
         self.eds = EdsServicer(self.pool)

@@ -69,6 +69,7 @@ class KVBlockIndex:
     block_size: dict[str, int] = field(default_factory=dict)  # address -> engine block size
     global_engine: dict[int, int] = field(default_factory=dict, repr=False)  # engine key -> own (a hint)
     orphans: dict[str, _Orphans] = field(default_factory=dict, repr=False)
+    subscribed: set[str] = field(default_factory=set)  # addresses with an event stream
     holders: int = 0
     evicted: int = 0
     stored: int = 0

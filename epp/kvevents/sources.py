@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import zmq.asyncio
+from prometheus_client import CollectorRegistry, Gauge
 
 from ..pool.endpoints import Endpoint, EndpointPool
 from .index import KVBlockIndex
@@ -59,6 +60,7 @@ class KVEventSources:
         for url in [u for u in self.subs if u not in wanted or self.subs[u].replay
                     != wanted[u][0]]:
             self._drop(url)
+        self.index.subscribed = {a for _, ranks in wanted.values() for a in ranks.values()}
         for url, (replay, ranks) in wanted.items():
             sub = self.subs.get(url)
             if sub is None:
@@ -86,6 +88,20 @@ class KVEventSources:
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
+
+    def register(self, registry: CollectorRegistry) -> None:
+        """The index's size and the streams' repairs, read at scrape time."""
+        idx = self.index
+        for name, doc, fn in (
+                ("kvyard_epp_kv_index_bytes", "KV-event block index: estimated bytes",
+                 lambda: idx.bytes_used),
+                ("kvyard_epp_kv_index_blocks", "KV-event block index: blocks",
+                 lambda: len(idx.blocks)),
+                ("kvyard_epp_kv_event_gaps", "KV-event sequence gaps seen (all streams)",
+                 lambda: sum(s.gaps for s in self.subs.values())),
+                ("kvyard_epp_kv_event_lost", "KV-event gaps no replay could fill",
+                 lambda: sum(s.lost for s in self.subs.values()))):
+            Gauge(name, doc, registry=registry).set_function(fn)
 
     def snapshot(self) -> dict:
         return {"index": self.index.snapshot(),

@@ -65,6 +65,7 @@ def _matched(scorer: PrecisePrefixScorer, tokens: list[int], *eps: str) -> list[
 def test_map_and_array_events_index_the_same_own_keys_and_the_scorer_walks_them() -> None:
     toks = _tokens(1, 10 * BS + 5)
     scorer = PrecisePrefixScorer(speculative=Speculative(0.0))
+    scorer.index.subscribed = {A, B, "10.0.0.3:8000"}
     first = _stored_map(toks, salt=7, end=6)
     rest = _stored_map(toks, salt=99, start=6)  # another engine seed: other keys, same blocks
     payload_a = kve.encode_batch(1.0, [first])
@@ -91,6 +92,7 @@ def test_removals_mediums_and_clear_follow_the_engine_keys() -> None:
     toks = _tokens(3, 8 * BS)
     scorer = PrecisePrefixScorer()
     idx = scorer.index
+    idx.subscribed = {A}
     idx.apply(A, [_stored_map(toks, 5)])
     idx.apply(A, [_stored_map(toks, 5, medium="CPU")])  # offloaded as well
     keys = _engine_keys(toks, 5)
@@ -130,11 +132,24 @@ def test_own_picks_are_speculative_until_events_arrive() -> None:
                             seed=1)
     toks = _tokens(4, 6 * BS)
     eps = [Endpoint(a) for a in (A, B, "10.0.0.3:8000")]
+    scorer = sched.scorers[0][0]
+    scorer.index.subscribed = {e.address for e in eps}
     picks = {sched.schedule(_req(toks), eps).endpoint.address for _ in range(20)}
     assert len(picks) == 1              # a burst of one prefix sticks to its first pick
-    scorer = sched.scorers[0][0]
+    assert len(scorer.speculative) == 6 and scorer.fallback.index.size(picks.pop()) == 0
     scorer.speculative.purge(float("inf"))
     assert len(scorer.speculative) == 0
+
+
+def test_endpoints_without_events_are_scored_by_belief_as_today() -> None:
+    """Only A publishes: B and C keep the approximate index (fed by the picks)."""
+    scorer = PrecisePrefixScorer(speculative=Speculative(0.0))
+    scorer.index.subscribed = {A}
+    toks = _tokens(6, 8 * 64)
+    scorer.index.apply(A, [_stored_map(toks, 1, end=16)])   # A holds half, truly
+    scorer.fallback.learn(B, LazyPrompt.of_ids(toks, 64, 0).finish())  # B was sent it all
+    got = scorer.score(_req(toks), [Endpoint(A), Endpoint(B), Endpoint("10.0.0.3:8000")])
+    assert got == [16 / 32, 1.0, 0.0]
 
 
 def test_data_parallel_ranks_map_to_their_endpoints() -> None:
@@ -203,8 +218,9 @@ def test_the_precise_example_config_builds_and_the_app_subscribes_for_it() -> No
 
     path = Path(kvyard.epp.__file__).parent / "scheduler.precise.example.yaml"
     s = build_scheduler(load_config(path))
-    assert [(sc.name, w) for sc, w in s.scorers][:2] == [("precise-prefix-cache", 3.0),
-                                                         ("prefix-cache", 1.0)]
+    assert [(sc.name, w) for sc, w in s.scorers] == [
+        ("precise-prefix-cache", 3.0), ("queue", 2.0), ("kv-cache-utilization", 2.0)]
     app = EppApp(EppConfig(config=str(path), model="none", kv_events_port=5557))
     assert app.kv_events is not None and app.kv_events.port == 5557
+    assert app.metrics.registry.get_sample_value("kvyard_epp_kv_index_bytes") == 0
     assert EppApp(EppConfig(model="none")).kv_events is None   # the default: none

@@ -250,7 +250,7 @@ async def test_the_workers_overflow_clear_reaches_the_index(ctx) -> None:
                                   block_size=BS))   # until one arrives live (joining)
             assert time.monotonic() < deadline, src.snapshot()
             await asyncio.sleep(0.05)  # a poll interval under a deadline
-        assert wpub.metrics.dropped._value.get() == 6
+        assert wpub.metrics.dropped._value.get() >= 6   # (a first store may join them)
         sub = next(iter(src.subs.values()))
         assert sub.resets == 0 and sub.bad == 0
     finally:
@@ -277,3 +277,25 @@ async def test_subscriptions_follow_the_pool(ctx) -> None:
     finally:
         await src.close()
         await pub.close()
+
+
+async def test_idle_streams_cost_no_cpu(ctx) -> None:
+    """Subscriptions wait in the event loop (zmq.asyncio): 40 idle streams, ~no CPU."""
+    pubs = [ctx.socket(zmq.PUB) for _ in range(40)]
+    ports = [p.bind_to_random_port("tcp://127.0.0.1") for p in pubs]
+    pool = EndpointPool()
+    pool.set_source("static", [EndpointSpec(f"127.0.0.1:{10_000 + i}",
+                                            kv_events=f"tcp://127.0.0.1:{port}")
+                               for i, port in enumerate(ports)])
+    src = KVEventSources(KVBlockIndex(), pool)
+    src.sync()
+    try:
+        await asyncio.sleep(0.3)   # let every subscription connect (not a sync point)
+        t0 = time.process_time()
+        await asyncio.sleep(1.0)   # the idle second being measured
+        assert time.process_time() - t0 < 0.1
+        assert len(src.subs) == 40
+    finally:
+        await src.close()
+        for p in pubs:
+            p.close(linger=0)

@@ -11,9 +11,10 @@ pick's hit count read them as they read the approximate scorer's.
 
 Its own picks count as held (speculative entries, `speculativeTTL`) until events
 confirm them, so a burst of one prefix sticks to one endpoint from the start.
-Endpoints with no events score 0 here; pair it with `prefix-cache` to keep
-approximate routing for them (the `kvyard epp` app feeds the index; see
-docs/ARCHITECTURE.md).
+Endpoints with no event stream are scored as `prefix-cache` scores them (an
+approximate index of its own, fed by its picks), so a pool where only some
+workers publish routes as before for the others. The `kvyard epp` app feeds the
+index (`kvevents/sources.py`).
 """
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ from ...pool.endpoints import Endpoint
 from ..cycle import PREFIX_MATCHES, StateKey
 from ..hooks import PoolListener, PostResponse, PreRequest, Scorer
 from ..plugin_config import param
+from ..prefix_index import PrefixIndex
 from ..types import SchedRequest
+from .prefix_cache import PrefixCacheScorer
 
 # This request's engine-block-size keys, by block size (shared by score and pre_request).
 ENGINE_KEYS: StateKey[dict[int, EngineKeys]] = StateKey("precise-prefix-cache/engine-keys")
@@ -42,6 +45,8 @@ class PrecisePrefixParams:
                                doc="memory budget of the block index (LRU past it)")
     blockSize: int = param(16, min=1, doc="engine block size assumed before an endpoint's "
                                           "events or metrics tell it")
+    lruCapacityPerServer: int = param(31_250, min=1, doc="endpoints without events: as "
+                                                         "prefix-cache's parameter")
 
 
 @dataclass(slots=True)
@@ -52,12 +57,14 @@ class PrecisePrefixScorer(Scorer, PreRequest, PostResponse, PoolListener):
     index: KVBlockIndex = field(default_factory=KVBlockIndex)
     speculative: Speculative = field(default_factory=Speculative)
     default_block_size: int = 16
+    fallback: PrefixCacheScorer = field(default_factory=lambda: PrefixCacheScorer(PrefixIndex()))
     name: str = "precise-prefix-cache"
     _pending: deque = field(default_factory=deque)  # (expiry, keys view, address): not yet whole
 
     @classmethod
     def build(cls, p: PrecisePrefixParams) -> "PrecisePrefixScorer":
-        return cls(KVBlockIndex(p.maxIndexBytes), Speculative(p.speculativeTTL), p.blockSize)
+        return cls(KVBlockIndex(p.maxIndexBytes), Speculative(p.speculativeTTL), p.blockSize,
+                   PrefixCacheScorer(PrefixIndex(p.lruCapacityPerServer)))
 
     def _block_size(self, ep: Endpoint) -> int:
         return self.index.block_size.get(ep.address) or ep.block_size or self.default_block_size
@@ -72,6 +79,19 @@ class PrecisePrefixScorer(Scorer, PreRequest, PostResponse, PoolListener):
         return v
 
     def score(self, req: SchedRequest, eps: list[Endpoint]) -> list[float]:
+        live = self.index.subscribed
+        if all(e.address in live for e in eps):
+            return self._precise(req, eps)
+        out = [0.0] * len(eps)
+        split = ([i for i, e in enumerate(eps) if e.address in live],
+                 [i for i, e in enumerate(eps) if e.address not in live])
+        for idxs, fn in zip(split, (self._precise, self.fallback.score)):
+            if idxs:
+                for i, v in zip(idxs, fn(req, [eps[i] for i in idxs])):
+                    out[i] = v
+        return out
+
+    def _precise(self, req: SchedRequest, eps: list[Endpoint]) -> list[float]:
         now = time.monotonic()
         spec = self.speculative
         spec.purge(now)
@@ -117,6 +137,9 @@ class PrecisePrefixScorer(Scorer, PreRequest, PostResponse, PoolListener):
         return [w / t if t else 0.0 for w, t in zip(weighted, totals)]
 
     def pre_request(self, req: SchedRequest, ep: Endpoint) -> None:
+        if ep.address not in self.index.subscribed:
+            self.fallback.pre_request(req, ep)
+            return
         if self.speculative.ttl <= 0:
             return
         view = self._keys(req, self._block_size(ep))
@@ -131,6 +154,9 @@ class PrecisePrefixScorer(Scorer, PreRequest, PostResponse, PoolListener):
     def learn(self, address: str, hashes: list[int]) -> None:
         """The finisher tokenized a routed prompt whole: its speculative entries cover
         all of it now."""
+        if address not in self.index.subscribed:
+            self.fallback.learn(address, hashes)
+            return
         now = time.monotonic()
         keep = []
         for item in self._pending:
@@ -144,5 +170,6 @@ class PrecisePrefixScorer(Scorer, PreRequest, PostResponse, PoolListener):
         self._pending = deque(keep)
 
     def forget(self, address: str) -> None:
+        self.fallback.forget(address)
         self.index.forget(address)
         self.speculative.forget(address)

@@ -40,7 +40,8 @@ class PrefixCacheScorer(Scorer, PreRequest, PostResponse, PoolListener):
         seen = req.cycle.read(PREFIX_MATCHES)
         if seen is None:
             req.cycle.write(PREFIX_MATCHES, seen := {})
-        seen.update((e.address, n) for e, n in zip(eps, matched))
+        for e, n in zip(eps, matched):  # beside precise-prefix-cache: the longer match
+            seen[e.address] = max(seen.get(e.address, 0), n)
         return [n / total for n in matched]
 
     def pre_request(self, req: SchedRequest, ep: Endpoint) -> None:
