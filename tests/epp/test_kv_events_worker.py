@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 
 from kvyard.common.models import DEMO_SERVED_NAME
+from kvyard.epp.kvevents.index import KVBlockIndex
 from kvyard.epp.kvevents.sources import KVEventSources
 from kvyard.epp.pool.endpoints import Endpoint, EndpointPool, EndpointSpec
 from kvyard.epp.prompt import PromptHasher
@@ -87,5 +88,17 @@ async def test_the_precise_scorer_matches_what_the_worker_cached(worker) -> None
         (sub,) = src.subs.values()
         assert sub.topic == f"kv@{addr}@{DEMO_SERVED_NAME}"
         assert sub.lost == 0 and sub.bad == 0
+        # a second EPP subscribing now (an EPP restart, a new replica): no new batch comes,
+        # the replay socket alone brings it to the same index
+        late = KVEventSources(KVBlockIndex(), pool)
+        late.sync()
+        try:
+            deadline = time.monotonic() + 30
+            while late.index.blocks.keys() != scorer.index.blocks.keys():
+                assert time.monotonic() < deadline, late.snapshot()
+                await asyncio.sleep(0.05)  # a poll interval under a deadline
+            assert len(late.index.blocks) >= want
+        finally:
+            await late.close()
     finally:
         await src.close()

@@ -224,3 +224,45 @@ def test_the_precise_example_config_builds_and_the_app_subscribes_for_it() -> No
     assert app.kv_events is not None and app.kv_events.port == 5557
     assert app.metrics.registry.get_sample_value("kvyard_epp_kv_index_bytes") == 0
     assert EppApp(EppConfig(model="none")).kv_events is None   # the default: none
+
+
+def test_a_shared_prefix_stays_on_its_pod_until_its_queue_is_really_longer() -> None:
+    """Queue differences of a few requests no longer outweigh a cached prefix (here
+    half of each prompt: 3 x 0.5 against the queue scorer's 2)."""
+    from kvyard.common.hashing import block_hashes as bh
+    from kvyard.epp.pool.endpoints import EndpointPool, EndpointSpec
+
+    pool = EndpointPool()
+    pool.set_source("s", [EndpointSpec(f"10.0.0.{i}:8000") for i in range(4)])
+    sched = build_scheduler(seed=2)
+    shared = list(range(64 * 10))
+
+    def req(q: int) -> SchedRequest:
+        return SchedRequest("m", LazyPrompt.of_hashes(bh(shared + [q] * 640, 64)))
+    first = sched.schedule(req(0), pool.all()).endpoint
+    for q in range(1, 6):      # its queue grows by one a request; the others stay idle
+        first.pending = q
+        d = sched.schedule(req(q), pool.all())
+        assert d.endpoint is first and d.matched_blocks == 10, q
+    first.pending = 12         # really longer: now it spreads
+    assert sched.schedule(req(99), pool.all()).endpoint is not first
+
+
+def test_precise_matches_feed_the_pd_decider() -> None:
+    """Decode first: a prompt the decode pod truly holds is not sent to a prefill pod;
+    one it does not hold is."""
+    sched = build_scheduler({
+        "profileHandler": {"type": "disagg-profile-handler", "nonCachedTokens": 256},
+        "profiles": {
+            "decode": {"filters": ["role"], "scorers": [
+                {"type": "precise-prefix-cache", "weight": 1, "speculativeTTL": 0.0}]},
+            "prefill": {"filters": ["prefill-role"], "scorers": [{"type": "queue"}]}}})
+    decode, prefill = Endpoint(A, "decode"), Endpoint(B, "prefill")
+    scorer = sched.profiles["decode"].scorers[0][0]
+    scorer.index.subscribed = {A, B}
+    held, cold = _tokens(20, 40 * BS), _tokens(21, 40 * BS)
+    scorer.index.apply(A, [_stored_map(held, 3)])
+    d = sched.schedule(_req(held), [decode, prefill])
+    assert d.endpoint is decode and d.prefill is None and d.matched_blocks == 10
+    d = sched.schedule(_req(cold), [decode, prefill])
+    assert d.endpoint is decode and d.prefill is prefill and d.matched_blocks == 0
