@@ -41,6 +41,17 @@ MEDIUMS = ("GPU", "CPU", "KVSTORE")
 MEDIUM_WEIGHT = (1.0, 0.8, 0.5)
 
 
+def _seed(ev: dict[str, Any]) -> int:
+    """KEY_SEED for plain token blocks; an adapter's blocks, or blocks with extra keys
+    (multimodal inputs, cache salts), are another key space: a request's tokens alone
+    never match them."""
+    lora = ev.get("lora_name") or ev.get("lora_id")
+    extra = ev.get("extra_keys")
+    if not lora and not (extra and any(k is not None for k in extra)):
+        return KEY_SEED
+    return seed_for(f"lora:{lora}|extra:{extra!r}")
+
+
 def medium_bit(name: Any) -> int:
     """GPU (or unnamed) 1, CPU 2, anything else (disk, kvstore, LMCache tiers) 4."""
     if name is None or name == "GPU":
@@ -65,9 +76,11 @@ class KVBlockIndex:
     max_bytes: int = DEFAULT_MAX_BYTES
     # own key -> {address: [medium bits, engine key]}, least recently stored first
     blocks: OrderedDict = field(default_factory=OrderedDict, repr=False)
-    engine: dict[str, dict[int, int]] = field(default_factory=dict, repr=False)  # address -> engine -> own
+    # address -> engine key -> own key
+    engine: dict[str, dict[int, int]] = field(default_factory=dict, repr=False)
     block_size: dict[str, int] = field(default_factory=dict)  # address -> engine block size
-    global_engine: dict[int, int] = field(default_factory=dict, repr=False)  # engine key -> own (a hint)
+    # engine key -> own key, from any endpoint (a hint for unknown parents)
+    global_engine: dict[int, int] = field(default_factory=dict, repr=False)
     orphans: dict[str, _Orphans] = field(default_factory=dict, repr=False)
     subscribed: set[str] = field(default_factory=set)  # addresses with an event stream
     holders: int = 0
@@ -133,8 +146,7 @@ class KVBlockIndex:
             bits = medium_bit(ev.get("medium"))
             bs = int(ev["block_size"])
             ehashes = ev["block_hashes"]
-            # an adapter's blocks are another key space (requests for it never match base)
-            seed = seed_for("lora:" + str(ev["lora_name"])) if ev.get("lora_name") else KEY_SEED
+            seed = _seed(ev)
             keys = block_hashes(ev["token_ids"][: bs * len(ehashes)], bs, seed=seed,
                                 parent=parent)
             for ekey, key in zip(ehashes, keys):

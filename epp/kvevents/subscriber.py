@@ -74,6 +74,7 @@ class Subscription:
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVHWM, 100_000)  # vLLM's PUB side keeps as many
         sub.connect(self.endpoint)
         log.info("subscribed to KV events at %s (replay %s)", self.endpoint,
                  self.replay or "off")
@@ -186,6 +187,7 @@ class Subscription:
 
     def snapshot(self) -> dict:
         return {"endpoint": self.endpoint, "replay": self.replay,
-                "ranks": {str(k): v for k, v in self.ranks.items()}, "last_seq": self.last, "topic": self.topic,
+                "ranks": {str(k): v for k, v in self.ranks.items()}, "last_seq": self.last,
+                "topic": self.topic,
                 "batches": self.batches, "gaps": self.gaps, "repaired": self.repaired,
                 "lost": self.lost, "resets": self.resets, "bad": self.bad}

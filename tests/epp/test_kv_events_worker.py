@@ -102,3 +102,35 @@ async def test_the_precise_scorer_matches_what_the_worker_cached(worker) -> None
             await late.close()
     finally:
         await src.close()
+
+
+async def test_the_epp_routes_to_what_a_worker_cached_behind_its_back(worker, fake_vllm,
+                                                                      epp, xp) -> None:
+    """The whole EPP (ext_proc, precise example config): a prompt the worker cached for
+    someone else (not through this EPP, so no belief could know) draws the next request
+    with that prefix to the worker, away from an idle endpoint without events."""
+    from pathlib import Path
+
+    import kvyard.epp
+
+    w, pub, rep = worker
+    addr = f"127.0.0.1:{w.port}"
+    idle = await fake_vllm()
+    config = str(Path(kvyard.epp.__file__).parent / "scheduler.precise.example.yaml")
+    app = await epp([EndpointSpec(addr, kv_events=pub, kv_replay=rep), EndpointSpec(idle.address)],
+                    model="demo", served_model_names=[], config=config, seed=3)
+    await xp.wait_for(app.is_ready, timeout=60, what="tokenizer and endpoints")
+    system = "You are a geography tutor. " + "Rivers: Seine, Loire, Rhone, Garonne. " * 20
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Paris?"}]
+    await asyncio.to_thread(_post, w.base_url, "/v1/chat/completions",
+                            {"model": DEMO_SERVED_NAME, "messages": msgs, "max_tokens": 1})
+    idx = app.kv_events.index
+    await xp.wait_for(lambda: idx.size(addr) >= 20, timeout=30, what="the worker's events")
+    body = {"model": DEMO_SERVED_NAME,
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": "Lyon?"}]}
+    r = await xp.exchange(app.ports["ext_proc"], [xp.headers_msg(xp.chat_headers()),
+                                                  xp.body_msg(json.dumps(body).encode())])
+    assert xp.set_headers(r[0])["x-gateway-destination-endpoint"] == addr
+    assert app.metrics.registry.get_sample_value("kvyard_epp_prefix_matched_blocks_total") > 0
+    assert app._debug()["kv_events"]["streams"][0]["last_seq"] is not None

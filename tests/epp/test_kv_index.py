@@ -266,3 +266,20 @@ def test_precise_matches_feed_the_pd_decider() -> None:
     assert d.endpoint is decode and d.prefill is None and d.matched_blocks == 10
     d = sched.schedule(_req(cold), [decode, prefill])
     assert d.endpoint is decode and d.prefill is prefill and d.matched_blocks == 0
+
+
+def test_bytes_engine_hashes_adapters_and_extra_keys() -> None:
+    """vLLM's default engine keys are bytes (sha256); an adapter's blocks and blocks with
+    extra keys (images) are never matched by a plain prompt's tokens."""
+    toks = _tokens(30, 4 * BS)
+    scorer = PrecisePrefixScorer(speculative=Speculative(0.0))
+    scorer.index.subscribed = {A, B}
+    keys = [bytes([i]) * 32 for i in range(4)]
+    ev = {"type": "BlockStored", "block_hashes": keys, "parent_block_hash": None,
+          "token_ids": toks, "block_size": BS, "medium": None}
+    scorer.index.apply(A, [ev])
+    scorer.index.apply(B, [dict(ev, lora_name="sql-adapter")])
+    scorer.index.apply(B, [dict(ev, extra_keys=[("img", 1), None, None, None])])
+    assert _matched(scorer, toks, A, B) == [1.0, 0.0]
+    scorer.index.apply(A, [{"type": "BlockRemoved", "block_hashes": keys[2:]}])
+    assert _matched(scorer, toks, A) == [0.5]
