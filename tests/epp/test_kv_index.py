@@ -283,3 +283,14 @@ def test_bytes_engine_hashes_adapters_and_extra_keys() -> None:
     assert _matched(scorer, toks, A, B) == [1.0, 0.0]
     scorer.index.apply(A, [{"type": "BlockRemoved", "block_hashes": keys[2:]}])
     assert _matched(scorer, toks, A) == [0.5]
+
+
+def test_many_endpoints_each_get_their_own_longest_prefix() -> None:
+    toks = _tokens(40, 8 * BS)
+    eps = [f"10.1.0.{i}:8000" for i in range(50)]
+    scorer = PrecisePrefixScorer(speculative=Speculative(0.0))
+    scorer.index.subscribed = set(eps)
+    for i, a in enumerate(eps):
+        scorer.index.apply(a, [_stored_map(toks, 1, end=i % 9)] if i % 9 else [])
+    got = _matched(scorer, toks, *eps)
+    assert got == [(i % 9) / 8 for i in range(50)]

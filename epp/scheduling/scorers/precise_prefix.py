@@ -33,6 +33,7 @@ from ..prefix_index import PrefixIndex
 from ..types import SchedRequest
 from .prefix_cache import PrefixCacheScorer
 
+_NONE: dict = {}
 # This request's engine-block-size keys, by block size (shared by score and pre_request).
 ENGINE_KEYS: StateKey[dict[int, EngineKeys]] = StateKey("precise-prefix-cache/engine-keys")
 
@@ -109,22 +110,27 @@ class PrecisePrefixScorer(Scorer, PreRequest, PostResponse, PoolListener):
                 key = view.get(n)
                 if key is None:
                     break
-                hs = self.index.holders_of(key)
-                sp = spec.holders(key, now) if len(spec) else None
-                for addr in list(alive):
-                    cur = hs.get(addr) if hs is not None else None
+                hs = self.index.holders_of(key) or _NONE
+                sp = (spec.holders(key, now) if len(spec) else None) or _NONE
+                # only endpoints holding this block go on: iterate the smaller side, so a
+                # long prompt over many endpoints costs blocks × holders, not × endpoints
+                nxt: dict[str, int] = {}
+                for addr in (alive if len(alive) <= len(hs) + len(sp) else (*hs, *sp)):
+                    i = alive.get(addr)
+                    if i is None or addr in nxt:
+                        continue
+                    cur = hs.get(addr)
                     if cur is not None:
                         w = best_weight(cur[0])
-                        if sp is not None:
+                        if addr in sp:
                             spec.confirm(key, addr)
                     else:
-                        w = 1.0 if sp is not None and addr in sp else 0.0
-                    if w == 0.0:
-                        del alive[addr]
-                        continue
-                    i = alive[addr]
-                    weighted[i] += w
-                    matched[i] = n + 1
+                        w = 1.0 if addr in sp else 0.0
+                    if w:
+                        nxt[addr] = i
+                        weighted[i] += w
+                        matched[i] = n + 1
+                alive = nxt
                 n += 1
             total = view.estimated_blocks()
             seen = req.cycle.read(PREFIX_MATCHES)
