@@ -162,8 +162,9 @@ class Subscription:
                 if not await d.poll(int(self.replay_timeout_s * 1000)):
                     log.warning("KV-event replay from %s did not answer", self.replay)
                     return "lost"
+                frames = await d.recv_multipart()
                 try:
-                    seq, payload = replay_reply(await d.recv_multipart())
+                    seq, payload = replay_reply(frames)
                 except ValueError:
                     self.bad += 1
                     continue
@@ -176,6 +177,8 @@ class Subscription:
                     continue
                 if seq < 0:
                     break
+                if len(frames) == 4:
+                    self.topic = frames[1].decode(errors="replace")
                 if seq >= upto:
                     continue  # arrives live
                 if self.last is not None and seq != self.last + 1:

@@ -98,6 +98,8 @@ async def test_the_precise_scorer_matches_what_the_worker_cached(worker) -> None
                 assert time.monotonic() < deadline, late.snapshot()
                 await asyncio.sleep(0.05)  # a poll interval under a deadline
             assert len(late.index.blocks) >= want
+            # the replay's frames carry the topic (vLLM >= 0.26)
+            assert next(iter(late.subs.values())).topic == f"kv@{addr}@{DEMO_SERVED_NAME}"
         finally:
             await late.close()
     finally:
