@@ -16,11 +16,13 @@ Layout, by role (one job per module):
 * `flow/` — flow control (the saturation queue and the waiting room) and the
   demand it reports.
 * `pool/` — the live endpoints: discovery, scraping.
+* `kvevents/` — the workers' KV events: subscriptions, gap repair, the block
+  index the `precise-prefix-cache` scorer reads.
 * `scaler/` — KEDA's external scaler.
 * `health`, `observability`, `xds` — gRPC health, Prometheus + /debug, EDS.
 * `app` wires it all; `cli` is `kvyard epp`.
 
 docs/ARCHITECTURE.md's EPP section says how to add a plugin and where the next
-pieces (SLO-aware admission, a KV-event prefix scorer, LoRA affinity, shared
-picks across replicas) plug in.
+pieces (SLO-aware admission, LoRA affinity, shared picks across replicas) plug
+in.
 """
