@@ -224,6 +224,10 @@ class SimEngine:
                 r.progress.set()
         self._flush()
 
+    def flush_events(self) -> None:
+        """Publish what the pool reported outside a step (a cache reset)."""
+        self._flush()
+
     def _flush(self) -> None:
         if self._events:
             events, self._events[:] = list(self._events), []

@@ -97,7 +97,8 @@ async def test_metrics_parse_with_the_epps_parser(start_pods) -> None:
 async def test_the_probes_peers_send(start_pods) -> None:
     async with start_pods(1) as g, aiohttp.ClientSession() as s:
         base = f"http://{g.pods[0].address}"
-        for path in ("/health", "/v1/models", "/get_model_info", "/get_server_info", "/get_load"):
+        for path in ("/health", "/v1/models", "/get_model_info", "/get_server_info", "/get_load",
+                     "/server_info", "/get_loads", "/version"):
             async with s.get(base + path) as r:
                 assert r.status == 200, path
                 doc = await r.json()
@@ -107,6 +108,15 @@ async def test_the_probes_peers_send(start_pods) -> None:
                 assert doc["page_size"] == 16 and doc["max_running_requests"] > 0
             if path == "/get_load":
                 assert doc[0]["num_reqs"] == 0
+        for path in ("/ping", "/health_generate"):
+            async with s.get(base + path) as r:
+                assert r.status == 200, path
+        async with s.post(base + "/v1/completions", json={"prompt": "x " * 40, "max_tokens": 1}):
+            pass
+        assert g.pods[0].engine.pool.lru
+        async with s.post(base + "/flush_cache") as r:
+            assert r.status == 200
+        assert not g.pods[0].engine.pool.lru
 
 
 def test_the_simulator_imports_no_torch_and_no_worker() -> None:
