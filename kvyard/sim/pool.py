@@ -23,7 +23,8 @@ from kvyard.sim.engine import SimEngine
 from kvyard.sim.events import SimPublisher
 from kvyard.sim.latency import LatencyModel
 from kvyard.sim.profiles import LatencyProfile
-from kvyard.sim.server import Pod, make_app
+from kvyard.sim.pod import Pod
+from kvyard.sim.server import make_app
 
 log = logging.getLogger("kvyard.sim")
 FILLER_TEXT = " The quick brown fox jumps over the lazy dog."

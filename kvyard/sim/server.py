@@ -13,48 +13,18 @@ then pays the transfer time instead of the prefill (pd.py).
 from __future__ import annotations
 
 import itertools
-import time
-from dataclasses import dataclass, field
-from typing import Any
 
 from aiohttp import web
 
 from kvyard.common import pd_auth, wire
 from kvyard.common.openai_shapes import DONE, Shaper, Usage
-from kvyard.common.tokenizer import ChatTokenizer
 from kvyard.sim import metrics
-from kvyard.sim.engine import SimEngine, SimRequest
-from kvyard.sim.events import SimPublisher
+from kvyard.sim.engine import SimRequest
+from kvyard.sim.pod import Pod
 from kvyard.sim.requests import ApiError, GenerateSpec, parse_generate
 
 POD: web.AppKey["Pod"] = web.AppKey("kvyard_sim_pod")
 _ids = itertools.count(1)
-
-
-@dataclass(slots=True)
-class Pod:
-    address: str
-    role: str
-    engine: SimEngine
-    tokenizer: ChatTokenizer
-    served: list[str]
-    max_model_len: int
-    profile_name: str
-    text_of: Any                         # token id -> the text it adds (filler ids only)
-    publisher: SimPublisher | None = None
-    pd_key: bytes | None = None
-    session: Any = None                  # aiohttp.ClientSession for P/D prefill legs
-    handoffs: int = 0
-    fallbacks: int = 0
-    rejected: int = 0
-    started: float = field(default_factory=time.time)
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {wire.ENDPOINT_HEADER: self.address}
-
-    def text(self, ids: list[int]) -> str:
-        return "".join(self.text_of(i) for i in ids)
 
 
 def _error(pod: Pod, e: ApiError) -> web.Response:
