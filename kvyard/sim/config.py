@@ -114,8 +114,10 @@ def kv_events_of(a: argparse.Namespace) -> KVEventsConfig | None:
         cfg = KVEventsConfig.parse(a.kv_events_config)
         return cfg if cfg.active else None
     if a.zmq_endpoint:
+        # llm-d's topic: the subscriber reads the pod and the model from it
         return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
-                              endpoint=a.zmq_endpoint, replay_endpoint=a.kv_events_replay_endpoint)
+                              endpoint=a.zmq_endpoint, replay_endpoint=a.kv_events_replay_endpoint,
+                              topic="kv@{address}@{model}")
     return None
 
 

@@ -16,6 +16,7 @@ max_tokens, so two runs of a trace produce the same bytes.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from kvyard.sim.cache import BlockPool, SeqBlocks
 from kvyard.sim.latency import LatencyModel
 
 REASONS = ("stop", "length", "abort")
+log = logging.getLogger("kvyard.sim.engine")
 
 
 @dataclass(slots=True, eq=False)
@@ -115,7 +117,12 @@ class SimEngine:
                 self._wake.clear()
                 await self._wake.wait()
             self._drop_aborted()
-            await self.step()
+            try:
+                await self.step()
+            except Exception:  # noqa: BLE001 - a bug must not leave clients waiting forever
+                log.exception("simulated step failed; aborting its requests")
+                for r in [*self.running, *self.waiting]:
+                    r.aborted = True
 
     async def step(self) -> None:
         """Admit, sleep the step's simulated duration, hand out tokens."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import sys
 
@@ -70,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(kvyard sim calibrate)")
     p.add_argument("--sim-kv-cache-size", type=int, default=4096, metavar="BLOCKS",
                    help="each simulated pod's KV cache, in blocks of 16 tokens")
+    p.add_argument("--sim-args", default="", metavar="'FLAGS'",
+                   help="more `kvyard sim serve` flags for every pod, e.g. '--time-scale 10 "
+                        "--zmq-endpoint tcp://*:5557' (endpoint ports go up by one per pod)")
     # Model-free workers, for tests and routing benchmarks.
     p.add_argument("--standin-workers", action="store_true", help=argparse.SUPPRESS)
     add_run_dir(p)
@@ -197,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
 
         spec.sim, spec.sim_profile = args.sim, args.sim_profile
         spec.sim_kv_cache_size, spec.kv_tiers = args.sim_kv_cache_size, False
+        spec.sim_args = shlex.split(args.sim_args)
         spec.epp_args = epp_args(args.sim)
     what = f"{args.prefill} prefill + {args.decode} decode worker(s)" if spec.disaggregated \
         else f"{args.workers} worker(s)" + (
