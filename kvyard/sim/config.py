@@ -6,7 +6,7 @@
 --kv-cache-transfer-latency, --kv-cache-transfer-time-per-token,
 --kv-cache-transfer-time-std-dev, --seed. Durations are llm-d's: "100ms", "250us", "1.5s"
 (a bare number is milliseconds, as llm-d's deprecated integer form).
-kvyard's own: --profile, --itl-per-running-seq (ITL growth per extra running sequence),
+vLLM's --max-num-batched-tokens; kvyard's own: --profile, --itl-per-running-seq (ITL growth per extra running sequence),
 --time-scale, --min-step, --pods/--ports/--roles (many pods in one process) and vLLM's
 --kv-events-config (the worker's flag; its endpoints' ports are offset per pod).
 """
@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(`kvyard sim calibrate` writes one)")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="running sequences per step at most (default: the profile's)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step at most, prefill chunks included (default: the "
+                        "profile's)")
     g.add_argument("--kv-cache-size", type=int, default=4096, help="KV blocks per pod")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the engine's 16)")
     g.add_argument("--enable-kvcache", action=argparse.BooleanOptionalAction, default=True,
@@ -106,6 +109,8 @@ def profile_of(a: argparse.Namespace) -> LatencyProfile:
             setattr(prof, attr, v)
     if a.max_num_seqs is not None:
         prof.max_num_seqs = a.max_num_seqs
+    if a.max_num_batched_tokens is not None:
+        prof.max_num_batched_tokens = a.max_num_batched_tokens
     return prof
 
 

@@ -62,7 +62,8 @@ def build_pod(plan: PodPlan, i: int, s: PodSettings, tok: ChatTokenizer,
         topic = plan.kv_events.topic.replace("{address}", plan.address).replace("{model}", served)
         pub = SimPublisher(plan.kv_events, topic.encode(), s.event_batch_size)
     engine = SimEngine(pool, model, s.profile.max_num_seqs, ids, s.min_step_s,
-                       publish=pub.publish if pub is not None else None)
+                       publish=pub.publish if pub is not None else None,
+                       max_num_batched_tokens=s.profile.max_num_batched_tokens)
     return Pod(address=plan.address, role=plan.role, engine=engine, tokenizer=tok,
                served=s.served or [tok.name], max_model_len=s.max_model_len,
                profile_name=s.profile.name, text_of=lambda t: texts.get(t) or tok.token_text(t),

@@ -5,7 +5,10 @@ All durations are seconds of simulated time. The model (`latency.py`):
   ITL   = inter_token_latency + (running sequences - 1) x itl_per_running_seq
   P/D   = kv_transfer_latency + transferred tokens x kv_transfer_time_per_token
 each with a normal jitter of the given standard deviation (clamped as llm-d-inference-sim
-clamps it: never more than 70% off the mean).
+clamps it: never more than 70% off the mean). A step's token budget
+(`max_num_batched_tokens`) splits long prompts into chunks, as vLLM's and kvyard's chunked
+prefill do: cpu-demo keeps `kvyard worker`'s default (1,024), the GPU profiles vLLM's
+default for `vllm serve` on 70+ GiB GPUs (8,192).
 
 Built-in profiles:
 - `cpu-demo`: the demo model on kvyard's CPU worker (2 cores), measured by `kvyard sim
@@ -47,6 +50,7 @@ class LatencyProfile:
     kv_transfer_time_per_token: float = 0.0
     kv_transfer_std_dev: float = 0.0
     max_num_seqs: int = 128
+    max_num_batched_tokens: int = 8192  # the step's token budget (chunked prefill)
     source: str = ""
 
     def to_json(self) -> dict:
@@ -76,6 +80,7 @@ BUILTIN: dict[str, LatencyProfile] = {
         inter_token_latency=0.0162, itl_per_running_seq=0.00076,
         prefill_time_std_dev=0.02, inter_token_latency_std_dev=0.0053,
         kv_transfer_latency=0.005, kv_transfer_time_per_token=0.00002, max_num_seqs=32,
+        max_num_batched_tokens=1024,
         source="kvyard sim calibrate, demo model on the 2-core dev box, 2026-12-05"),
     "h100": LatencyProfile(
         name="h100", prefill_overhead=0.030, prefill_time_per_token=0.000250,

@@ -101,3 +101,25 @@ async def test_batching_respects_max_num_seqs_and_preempts_when_short() -> None:
     assert eng.counters.success["length"] == 4
     assert pool.usage == 0.0 and eng.prompt_tokens_pending == 0
     await asyncio.sleep(0)
+
+
+async def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode() -> None:
+    prof = load_profile("h200")
+    eng = SimEngine(BlockPool(256, 16), LatencyModel(prof, time_scale=1000.0, seed=0),
+                    max_num_seqs=8, filler=[5], min_step_s=0.0, max_num_batched_tokens=64)
+    short = SimRequest("short", list(range(10)), max_tokens=50)
+    eng.submit(short)
+    await eng.step()                       # short's prefill: its first token
+    assert short.prefilled and len(short.output_ids) == 1
+    long = SimRequest("long", [1000 + t for t in range(300)], max_tokens=2)
+    eng.submit(long)
+    steps = 0
+    while not long.prefilled:
+        before = len(short.output_ids)
+        await eng.step()
+        steps += 1
+        assert len(short.output_ids) == before + 1  # the decode never waits for the prefill
+        assert eng.prompt_tokens_pending == long.prefill_left
+    assert steps == -(-300 // 63)            # 63 prompt tokens a step beside one decode
+    m = eng.model
+    assert m.prefill_mean(63, overhead=False) < m.prefill_mean(63)  # overhead once a prompt
