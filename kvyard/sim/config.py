@@ -7,8 +7,10 @@
 --kv-cache-transfer-time-std-dev, --seed. Durations are llm-d's: "100ms", "250us", "1.5s"
 (a bare number is milliseconds, as llm-d's deprecated integer form).
 vLLM's --max-num-batched-tokens; kvyard's own: --profile, --itl-per-running-seq (ITL growth per extra running sequence),
---time-scale, --min-step, --pods/--ports/--roles (many pods in one process) and vLLM's
---kv-events-config (the worker's flag; its endpoints' ports are offset per pod).
+--time-scale, --min-step, --pods/--ports/--roles/--first-pod (many pods in one process) and
+vLLM's --kv-events-config (the worker's flag). A bound KV-event endpoint (a wildcard, as the
+worker's) and the replay endpoint get port + the pod's index in the pool; a connected one
+(llm-d's central listener) is shared by every pod.
 """
 from __future__ import annotations
 
@@ -54,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--roles", default=None,
                    help="comma-separated roles, one per pod (both|prefill|decode)")
     g.add_argument("--role", choices=ROLES, default="both", help="every pod's role")
+    g.add_argument("--first-pod", type=int, default=0, metavar="I",
+                   help="the first pod's index in the whole pool (KV-event ports and seeds are "
+                        "offset by the index, so several processes share one flag set)")
     g.add_argument("--advertise-address", default=None,
                    help="one pod: the address it names itself by (x-kvyard-endpoint)")
     g.add_argument("--pd-key-file", default=None,
@@ -128,7 +133,7 @@ def kv_events_of(a: argparse.Namespace) -> KVEventsConfig | None:
 
 def plan_pods(a: argparse.Namespace) -> list[PodPlan]:
     """Each pod's port, role, address and KV-event endpoints (offset by the pod's index)."""
-    from kvyard.sim.events import offset_endpoint
+    from kvyard.sim.events import binds, offset_endpoint
 
     ports = [int(x) for x in a.ports.split(",")] if a.ports else \
         [a.port + i for i in range(a.pods)]
@@ -141,11 +146,14 @@ def plan_pods(a: argparse.Namespace) -> list[PodPlan]:
         raise ValueError("--advertise-address names one pod")
     base = kv_events_of(a)
     out = []
-    for i, (port, role) in enumerate(zip(ports, roles)):
+    for i, (port, role) in enumerate(zip(ports, roles), start=a.first_pod):
         addr = a.advertise_address or f"{a.host}:{port}"
         ev = None
         if base is not None and a.enable_kvcache:
-            ev = replace(base, endpoint=offset_endpoint(base.endpoint, i),
+            # a bound endpoint is each pod's own (port + index); a connected one is a
+            # central subscriber that every pod publishes to (llm-d's --zmq-endpoint)
+            ev = replace(base, endpoint=offset_endpoint(base.endpoint, i)
+                         if binds(base.endpoint) else base.endpoint,
                          replay_endpoint=base.replay_endpoint and
                          offset_endpoint(base.replay_endpoint, i))
         out.append(PodPlan(port, role, addr, ev))

@@ -46,6 +46,7 @@ class PodSettings:
     time_scale: float = 1.0
     min_step_s: float = 0.002
     seed: int | None = None
+    first_pod: int = 0                   # this process's first pod in the pool (seeds)
     event_batch_size: int = 0
     served: list[str] = field(default_factory=list)
     pd_key: bytes | None = None
@@ -54,7 +55,8 @@ class PodSettings:
 def build_pod(plan: PodPlan, i: int, s: PodSettings, tok: ChatTokenizer,
               filler: tuple[list[int], dict[int, str]]) -> Pod:
     ids, texts = filler
-    model = LatencyModel(s.profile, s.time_scale, None if s.seed is None else s.seed + i)
+    model = LatencyModel(s.profile, s.time_scale,
+                         None if s.seed is None else s.seed + s.first_pod + i)
     pool = BlockPool(s.kv_cache_size, s.block_size, s.enable_kvcache)
     pub = None
     if plan.kv_events is not None:
@@ -118,6 +120,7 @@ def settings_of(a: Any, profile: LatencyProfile) -> PodSettings:
     return PodSettings(profile=profile, kv_cache_size=a.kv_cache_size, block_size=a.block_size,
                        enable_kvcache=a.enable_kvcache, max_model_len=a.max_model_len,
                        time_scale=a.time_scale, min_step_s=a.min_step, seed=a.seed,
+                       first_pod=a.first_pod,
                        event_batch_size=a.event_batch_size, served=list(a.served_model_name),
                        pd_key=key)
 

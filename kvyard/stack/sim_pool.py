@@ -66,7 +66,8 @@ def spawn_sim_pods(spec: StackSpec, roles: list[str], taken: set[int], logs: Pat
         mine = list(range(k * per, min(len(ports), (k + 1) * per)))
         if not mine:
             continue
-        cmd = _sim_cmd("serve", "--ports", ",".join(str(ports[i]) for i in mine),
+        cmd = _sim_cmd("serve", "--first-pod", str(mine[0]),
+                       "--ports", ",".join(str(ports[i]) for i in mine),
                         "--roles", ",".join(roles[i] for i in mine),
                         *(["--pd-key-file", str(pd_key)] if pd_key else []), *sim_args(spec))
         name = f"{SIM_PREFIX}{k}"
