@@ -71,3 +71,21 @@ async def test_64_pods_in_one_process_start_and_answer(start_pods) -> None:
                           json={"prompt": "last pod", "max_tokens": 2}) as r:
             assert r.status == 200
             assert r.headers["x-kvyard-endpoint"] == g.pods[-1].address
+
+
+def test_up_sim_with_prefill_pods_hands_off(tmp_path: Path) -> None:
+    rd = str(tmp_path / "run")
+    up = kvyard("up", "--sim", "3", "--prefill", "1", "--sim-profile", "h200",
+                "--port", str(procs.free_port()), "--run-dir", rd)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        status, headers, body = _chat(StackState.load(Path(rd)).gateway_url,
+                                      " ".join(f"word{i}" for i in range(300)))  # > 256 tokens
+        assert status == 200, body
+        doc = json.loads(kvyard("status", "--json", "--run-dir", rd).stdout)
+        roles = sorted(e["role"] for e in doc["endpoints"])
+        assert roles == ["decode", "decode", "prefill"]
+        served = next(e for e in doc["endpoints"] if e["address"] == headers["x-kvyard-endpoint"])
+        assert served["role"] == "decode" and served["pd"]["handoffs"] == {"sim": 1}
+    finally:
+        assert kvyard("down", "--run-dir", rd).returncode == 0
