@@ -170,6 +170,10 @@ class SimEngine:
         while self.waiting and len(self.running) < self.max_num_seqs:
             r = self.waiting[0]
             cached = self.pool.acquire(r.all_ids, r.blocks, count_query=not r.output_ids)
+            if cached is None and not self.running:  # grew past the whole pool: never fits
+                self.waiting.popleft()
+                self._finish(r, "length")
+                continue
             if cached is None:
                 break  # first come, first served: the head waits for blocks
             self.waiting.popleft()

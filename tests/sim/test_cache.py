@@ -123,3 +123,16 @@ async def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode() -> Non
     assert steps == -(-300 // 63)            # 63 prompt tokens a step beside one decode
     m = eng.model
     assert m.prefill_mean(63, overhead=False) < m.prefill_mean(63)  # overhead once a prompt
+
+
+async def test_a_sequence_outgrowing_the_whole_pool_ends_instead_of_spinning() -> None:
+    eng = SimEngine(BlockPool(2, 16), LatencyModel(load_profile("h200"), time_scale=1000.0),
+                    max_num_seqs=4, filler=[1], min_step_s=0.0)
+    r = SimRequest("big", list(range(20)), max_tokens=100)   # 120 tokens > 32 in the pool
+    eng.submit(r)
+    for _ in range(100):
+        if r.finished:
+            break
+        await eng.step()
+    assert r.finish_reason == "length" and 0 < len(r.output_ids) < 100
+    assert eng.pool.usage == 0.0
