@@ -9,7 +9,8 @@ and the simulator's own CPU cost per step (HTTP, JSON, the event loop) does not 
 so at high S a busy pool falls behind its model (steps shorter than `min_step` are merged,
 several tokens per wake-up, which coarsens ITL to that granularity). Use it when only the
 model's dynamics matter (cache hit rates, queueing under a trace), not for timings
-against real components.
+against real components. Each pod exports `kvyard:sim_time_scale`: client-measured wall
+times times S are simulated times.
 """
 from __future__ import annotations
 

@@ -35,6 +35,8 @@ def render(pod: Pod) -> bytes:
         f"# TYPE {wire.M_WORKER_INFO} gauge",
         f'{wire.M_WORKER_INFO}{{{m},role="{pod.role}",simulated="true",'
         f'profile="{pod.profile_name}"}} 1.0',
+        # wall seconds x this = simulated seconds: what a client's timings mean here
+        "# TYPE kvyard:sim_time_scale gauge", f"kvyard:sim_time_scale {e.model.time_scale:g}",
     ]
     if pod.publisher is not None:
         lines += [f"# TYPE {wire.M_KV_EVENT_BATCHES} counter",

@@ -92,6 +92,7 @@ async def test_metrics_parse_with_the_epps_parser(start_pods) -> None:
     assert m.waiting == 0 and m.running == 0 and m.kv_usage == 0.0
     assert m.generation_tokens == 3 and m.finished == 1 and m.prompt_tokens > 0
     assert m.prompt_tokens_pending == 0
+    assert "kvyard:sim_time_scale 100" in text
 
 
 async def test_the_probes_peers_send(start_pods) -> None:
