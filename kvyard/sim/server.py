@@ -5,7 +5,9 @@ Routes: POST /v1/completions and /v1/chat/completions (JSON or SSE, `usage`, str
 usage with `stream_options.include_usage`), GET /health, /metrics, /v1/models, and what
 SGLang's router (smg 1.13) and vllm-router 0.1.17 probe, per the paths in their wheels:
 /get_model_info, /get_server_info, /server_info, /get_load(s), /version, /ping,
-/health_generate, /flush_cache (and vLLM's /reset_prefix_cache). Every answer carries
+/health_generate, /flush_cache (and vLLM's /reset_prefix_cache); `smg launch --policy
+cache_aware` registers simulated pods and routes chat and streamed completions to them.
+Every answer carries
 `x-kvyard-endpoint`. P/D: a decode pod given a signed `x-prefiller-host-port` asks
 that prefill pod for the prefill (`max_tokens` 1, `kv_transfer_params.do_remote_decode`),
 then pays the transfer time instead of the prefill (pd.py).
