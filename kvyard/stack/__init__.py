@@ -5,5 +5,6 @@ run, `launch` starts them in dependency order (`readiness`: when each is ready;
 `scaling`: the scale-to-zero part) and stops them, `state` is the record it
 leaves in the run dir, `procs` does the process-group work, `endpoints_file` is
 the EPP's endpoints file. `up`/`down`/`status` are the CLI, `supervise` restarts
-and resizes, `standin` is the stand-in worker, `demo` is what `make demo` runs.
+and resizes, `standin` is the stand-in worker, `sim_pool` runs simulated pods (kvyard.sim,
+`kvyard up --sim N`), `demo` is what `make demo` runs.
 """
