@@ -105,6 +105,12 @@ def parse_request(body: bytes, path: str, headers: dict[str, str],
             if role not in CHAT_ROLES:
                 raise _bad(f"messages[{i}].role must be one of {', '.join(sorted(CHAT_ROLES))}, "
                            f"got {str(role)[:40]!r}", "invalid_role", f"messages[{i}].role")
+    elif route.endswith("/detokenize"):
+        # vLLM's /detokenize takes token ids; they route like a completions prompt of ids
+        prompt = obj.get("tokens")
+        if not isinstance(prompt, list) or not prompt:
+            raise _bad("'tokens' must be a non-empty list of token ids", "missing_tokens",
+                       "tokens")
     else:
         prompt = obj.get("prompt", obj.get("input"))
         if prompt is None or prompt == "" or prompt == []:
