@@ -39,6 +39,7 @@ from .scheduling.config import build_scheduler, load_config, with_fallbacks
 from .scheduling.scheduler import Scheduler
 from .scheduling.scorers.precise_prefix import PrecisePrefixScorer
 from .server import ExtProcServicer
+from .tls import tls_files
 from .xds import EdsServicer
 
 log = logging.getLogger("kvyard.epp")
@@ -76,6 +77,10 @@ class EppConfig:
     # KEDA's external scaler (scaler/server.py); None: not served (`kvyard epp` defaults to 9004).
     scaler_port: int | None = None
     seed: int | None = None
+    # TLS for ext_proc and the scaler (tls.py); None: plaintext. A client CA: mutual TLS.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
 
 
 def _flow_config(sched_cfg: dict, c: EppConfig) -> FlowConfig:
@@ -186,6 +191,12 @@ class EppApp:
                 "kv_events": self.kv_events.snapshot() if self.kv_events is not None else None,
                 "scaler": self.scaler.snapshot() if self.scaler is not None else None}
 
+    def _credentials(self) -> grpc.ServerCredentials | None:
+        """One per server: each follows the files on its own (tls.py)."""
+        c = self.cfg
+        files = tls_files(c.tls_cert_file, c.tls_key_file, c.tls_client_ca_file)
+        return None if files is None else files.credentials()
+
     async def start(self) -> None:
         c = self.cfg
         self._grpc = grpc.aio.server(options=SERVER_OPTIONS)
@@ -193,7 +204,8 @@ class EppApp:
                                         pd_auth.load_key(c.pd_key_file))
         ep_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
         eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self.eds, self._grpc)
-        self.ports["ext_proc"] = bind(self._grpc, c.host, c.ext_proc_port, "ext_proc")
+        self.ports["ext_proc"] = bind(self._grpc, c.host, c.ext_proc_port, "ext_proc",
+                                      self._credentials())
         await self._grpc.start()
         self._health = HealthServer(c.health_port, self.is_ready, host=c.host)
         await self._health.start()
@@ -205,7 +217,8 @@ class EppApp:
         await site.start()
         self.ports["metrics"] = self._web.addresses[0][1]
         if self.scaler is not None:
-            self.ports["scaler"] = await self.scaler.start(c.host, c.scaler_port)
+            self.ports["scaler"] = await self.scaler.start(c.host, c.scaler_port,
+                                                          self._credentials())
         if c.endpoints:
             self.pool.set_source("static", c.endpoints)
         if c.endpoints_file:
@@ -229,8 +242,9 @@ class EppApp:
         if c.model.lower() != "none":
             self.tokenizer_state = "loading"
             self._tasks.append(asyncio.create_task(self._load_tokenizer()))
-        log.info("EPP serving: ext_proc :%d, health :%d, metrics :%d",
-                 self.ports["ext_proc"], c.health_port, self.ports["metrics"])
+        log.info("EPP serving: ext_proc :%d%s, health :%d, metrics :%d",
+                 self.ports["ext_proc"], " (TLS)" if c.tls_cert_file else "", c.health_port,
+                 self.ports["metrics"])
 
     async def _load_tokenizer(self) -> None:
         def load():

@@ -29,6 +29,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Prometheus /metrics and /debug/endpoints")
     g.add_argument("--scaler-port", type=int, default=wire.EPP_SCALER_PORT,
                    help="KEDA's external scaler (gRPC externalscaler.ExternalScaler); -1: off")
+    g = p.add_argument_group("TLS (ext_proc and the scaler; the health port stays plaintext)")
+    g.add_argument("--tls-cert-file", default=None,
+                   help="PEM certificate chain: serve ext_proc and the scaler over TLS (the files "
+                        "are read again when they change)")
+    g.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
+    g.add_argument("--tls-client-ca-file", default=None,
+                   help="PEM CA: clients must present a certificate it signed (mutual TLS)")
     g = p.add_argument_group("endpoints")
     g.add_argument("--endpoint", action="append", default=[], type=_endpoint,
                    metavar="IP:PORT[=ROLE]", help="a fixed endpoint (repeatable)")
@@ -90,7 +97,8 @@ def config_from_args(args: argparse.Namespace):
         pd_key_file=args.pd_key_file, pool_name=args.pool_name,
         scaler_port=None if args.scaler_port < 0 else args.scaler_port,
         no_endpoint_ttl_s=args.no_endpoint_ttl, queue_ttl_s=args.queue_ttl,
-        flow_control=not args.no_flow_control)
+        flow_control=not args.no_flow_control, tls_cert_file=args.tls_cert_file,
+        tls_key_file=args.tls_key_file, tls_client_ca_file=args.tls_client_ca_file)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,6 +117,12 @@ def run(args: argparse.Namespace) -> int:
         app = EppApp(config_from_args(args))
     except (ConfigError, OSError) as e:  # a bad --config: say where, don't start
         print(f"kvyard epp: bad scheduler config {args.config}: {e}", file=sys.stderr)
+        return 2
+    from .tls import tls_files
+    try:
+        tls_files(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
+    except ValueError as e:
+        print(f"kvyard epp: {e}", file=sys.stderr)
         return 2
 
     async def main() -> None:

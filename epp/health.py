@@ -25,10 +25,13 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
 
 
-def bind(server: grpc.aio.Server, host: str, port: int, what: str) -> int:
-    """The bound port, or OSError naming `what` (grpcio returns 0 or raises, by version)."""
+def bind(server: grpc.aio.Server, host: str, port: int, what: str,
+         credentials: grpc.ServerCredentials | None = None) -> int:
+    """The bound port (TLS with `credentials`), or OSError naming `what` (grpcio returns 0
+    or raises, by version)."""
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = (server.add_insecure_port(f"{host}:{port}") if credentials is None
+                 else server.add_secure_port(f"{host}:{port}", credentials))
     except RuntimeError as e:
         raise OSError(f"cannot bind {what} port {port}: {e}") from None
     if bound == 0:

@@ -60,3 +60,35 @@ def demo_gguf() -> Path:
     from kvyard.common.models import demo_gguf_path
 
     return demo_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def tls_certs(tmp_path_factory) -> dict[str, Path]:
+    """A throwaway CA, a server certificate for localhost/127.0.0.1 and a client
+    certificate, made with the openssl CLI (paths: ca, server_cert, server_key,
+    client_cert, client_key, other_ca: a CA that signed none of them)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl CLI")
+    d = tmp_path_factory.mktemp("tls")
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    for ca in ("ca", "other_ca"):
+        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+            "-subj", f"/CN=kvyard test {ca}", "-keyout", f"{ca}.key", "-out", f"{ca}.crt")
+    exts = {"server": "subjectAltName=DNS:localhost,IP:127.0.0.1\n"
+                      "extendedKeyUsage=serverAuth\n",
+            "client": "extendedKeyUsage=clientAuth\n"}
+    for who, ext in exts.items():
+        (d / f"{who}.ext").write_text(ext)
+        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={who}",
+            "-keyout", f"{who}.key", "-out", f"{who}.csr")
+        run("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", "2", "-extfile", f"{who}.ext", "-out", f"{who}.crt")
+    return {"ca": d / "ca.crt", "other_ca": d / "other_ca.crt",
+            "server_cert": d / "server.crt", "server_key": d / "server.key",
+            "client_cert": d / "client.crt", "client_key": d / "client.key"}

@@ -174,12 +174,13 @@ class ScalerServer:
     def observe(self, ep: Endpoint, m: WorkerMetrics, now: float | None = None) -> None:
         self.capacity.observe(ep, m, time.monotonic() if now is None else now)
 
-    async def start(self, host: str, port: int) -> int:
-        """Binds (a taken port fails, as the EPP's other servers do) and serves; returns
-        the bound port (`port` 0: any free one)."""
+    async def start(self, host: str, port: int,
+                    credentials: grpc.ServerCredentials | None = None) -> int:
+        """Binds (a taken port fails, as the EPP's other servers do) and serves, over TLS
+        with `credentials`; returns the bound port (`port` 0: any free one)."""
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
         pb2_grpc.add_ExternalScalerServicer_to_server(self.servicer, self._server)
-        self.port = bind(self._server, host, port, "scaler")
+        self.port = bind(self._server, host, port, "scaler", credentials)
         self.host = host
         await self._server.start()
         return self.port

@@ -91,6 +91,14 @@ class GatewayConfig:
     max_connections: int = 20000
     # A fixed upstream instead of the EPP: the baseline for `kvyard bench epp`.
     direct_upstream: str | None = None
+    # TLS to the EPP (ext_proc and EDS): the CA its certificate must chain to; None: plaintext.
+    epp_tls_ca_file: str | None = None
+    # The name sent as SNI and required among the certificate's DNS names; None: the
+    # host of epp_address (in a pod, the EPP Service's name).
+    epp_tls_sni: str | None = None
+    # Envoy's own certificate, for an EPP that asks for one (mutual TLS).
+    epp_tls_cert_file: str | None = None
+    epp_tls_key_file: str | None = None
 
 
 def _duration(seconds: float) -> str:
@@ -315,12 +323,46 @@ def _connection_manager(cfg: GatewayConfig) -> dict[str, Any]:
     }
 
 
+def epp_tls_sni(cfg: GatewayConfig) -> str:
+    return cfg.epp_tls_sni or cfg.epp_address.rpartition(":")[0].strip("[]")
+
+
+def _epp_transport_socket(cfg: GatewayConfig) -> dict[str, Any]:
+    """TLS to the EPP: its chain checked against the CA and its name against the SNI
+    (Envoy checks no name unless told to); h2 by ALPN, as gRPC servers expect."""
+    sni = epp_tls_sni(cfg)
+    common: dict[str, Any] = {
+        "alpn_protocols": ["h2"],
+        "validation_context": {
+            "trusted_ca": {"filename": cfg.epp_tls_ca_file},
+            "match_typed_subject_alt_names": [{
+                "san_type": "IP_ADDRESS" if _is_ip(sni) else "DNS",
+                "matcher": {"exact": sni}}]}}
+    if cfg.epp_tls_cert_file:
+        common["tls_certificates"] = [{
+            "certificate_chain": {"filename": cfg.epp_tls_cert_file},
+            "private_key": {"filename": cfg.epp_tls_key_file}}]
+    tls: dict[str, Any] = {
+        "@type": _T + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+        "common_tls_context": common}
+    if not _is_ip(sni):  # SNI carries host names only
+        tls["sni"] = sni
+    return {"name": "envoy.transport_sockets.tls", "typed_config": tls}
+
+
+def _epp_cluster(cfg: GatewayConfig) -> dict[str, Any]:
+    cluster = _static_cluster(EPP_CLUSTER, cfg.epp_address, cfg.epp_connect_timeout_s,
+                              http2=True)
+    if cfg.epp_tls_ca_file:
+        cluster["transport_socket"] = _epp_transport_socket(cfg)
+    return cluster
+
+
 def render(cfg: GatewayConfig) -> dict[str, Any]:
     """The full bootstrap as plain data (dump it as YAML or JSON)."""
     clusters = [_workers_cluster(cfg)]
     if not cfg.direct_upstream:
-        clusters.append(_static_cluster(EPP_CLUSTER, cfg.epp_address,
-                                        cfg.epp_connect_timeout_s, http2=True))
+        clusters.append(_epp_cluster(cfg))
     listener = {
         "name": "kvyard_gateway",
         "address": _socket_address(f"{cfg.listen_address}:{cfg.listen_port}"),
