@@ -93,7 +93,7 @@ async def _worker(port: int) -> web.AppRunner:
 
 
 @pytest.fixture
-async def tls_stack(free_port, tmp_path, tls_certs):
+async def tls_stack(free_port, tmp_path, tls_certs, gateway_ready):
     """start(mutual, gateway_ca) -> (session, gateway URL, admin port, EPP)."""
     try:
         envoy_binary()
@@ -124,16 +124,7 @@ async def tls_stack(free_port, tmp_path, tls_certs):
         started.append(proc)
         s = aiohttp.ClientSession()
         started.append(s)
-        deadline = time.monotonic() + 30  # Envoy starts slowly on a busy machine
-        while True:
-            try:
-                async with s.get(f"http://127.0.0.1:{admin}/ready") as r:
-                    if r.status == 200 and epp.is_ready():
-                        break
-            except aiohttp.ClientError:
-                pass
-            assert time.monotonic() < deadline, "gateway or EPP never became ready"
-            await asyncio.sleep(0.05)  # the readiness probe's poll period
+        await gateway_ready(s, admin, epp)
         return s, f"http://127.0.0.1:{port}", admin
 
     yield start

@@ -4,10 +4,8 @@ with the P/D peer endpoint, sleep, version) are 404 at the gateway, in OpenAI's 
 and never reach the EPP or a worker."""
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
-import time
 
 import aiohttp
 import pytest
@@ -47,7 +45,7 @@ class _Worker:
 
 
 @pytest.fixture
-async def stack(free_port, tmp_path):
+async def stack(free_port, tmp_path, gateway_ready):
     try:
         envoy_binary()
     except EnvoyNotFound as e:
@@ -65,16 +63,7 @@ async def stack(free_port, tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         async with aiohttp.ClientSession() as s:
-            deadline = time.monotonic() + 30  # Envoy starts slowly on a busy machine
-            while True:
-                try:
-                    async with s.get(f"http://127.0.0.1:{admin}/ready") as r:
-                        if r.status == 200 and epp.is_ready():
-                            break
-                except aiohttp.ClientError:
-                    pass
-                assert time.monotonic() < deadline, "gateway or EPP never became ready"
-                await asyncio.sleep(0.05)  # the readiness probe's poll period
+            await gateway_ready(s, admin, epp)
             yield s, f"http://127.0.0.1:{port}", worker
     finally:
         proc.terminate()
