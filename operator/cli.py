@@ -49,7 +49,58 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster-domain", default=os.environ.get("KVYARD_CLUSTER_DOMAIN")
                    or "cluster.local", help="the cluster's DNS domain (default: "
                                             "$KVYARD_CLUSTER_DOMAIN, else cluster.local)")
+    g = p.add_argument_group("TLS on the EPPs' ext_proc and scaler (render_tls.py; off by default)")
+    g.add_argument("--epp-tls-secret", default=os.environ.get("KVYARD_EPP_TLS_SECRET") or None,
+                   metavar="NAME", help="a Secret (tls.crt, tls.key, ca.crt) in each service's "
+                                        "namespace (default: $KVYARD_EPP_TLS_SECRET)")
+    g.add_argument("--epp-tls-issuer", default=os.environ.get("KVYARD_EPP_TLS_ISSUER") or None,
+                   metavar="[GROUP/]KIND/NAME",
+                   help="cert-manager issuer for a Certificate per service, its Secret "
+                        "<service>-epp-tls (default: $KVYARD_EPP_TLS_ISSUER), e.g. "
+                        "ClusterIssuer/kvyard-ca")
+    g.add_argument("--epp-tls-mutual", action="store_true",
+                   default=os.environ.get("KVYARD_EPP_TLS_MUTUAL", "").lower() in ("1", "true"),
+                   help="the EPP asks clients (the gateway, KEDA) for a certificate of the CA")
+    g.add_argument("--epp-tls-trigger-auth",
+                   default=os.environ.get("KVYARD_EPP_TLS_TRIGGER_AUTH") or None,
+                   metavar="[KIND/]NAME",
+                   help="KEDA's authenticationRef on every ScaledObject trigger: the "
+                        "(Cluster)TriggerAuthentication with caCert (and tlsClientCert/Key); "
+                        "kind default ClusterTriggerAuthentication")
     p.add_argument("--log-level", default="info")
+
+
+def _ref(value: str | None, fields: tuple[str, ...], default_kind: str) -> dict[str, str] | None:
+    """'[group/]kind/name' (or 'name' with the default kind) as a reference object."""
+    if not value:
+        return None
+    parts = value.split("/")
+    if len(parts) == 1:
+        parts = [default_kind, *parts]
+    if len(parts) > len(fields) or not all(parts):
+        raise SystemExit(f"kvyard operator: bad reference {value!r}: want "
+                         f"{'/'.join(reversed(fields)).upper()}")
+    return dict(zip(fields, reversed(parts)))
+
+
+def epp_tls(args: argparse.Namespace):
+    """The Defaults' EppTls from the flags; None when neither a Secret nor an issuer."""
+    from .spec import EppTls
+
+    if not (args.epp_tls_secret or args.epp_tls_issuer):
+        if args.epp_tls_mutual or args.epp_tls_trigger_auth:
+            raise SystemExit("kvyard operator: --epp-tls-mutual/--epp-tls-trigger-auth need "
+                             "--epp-tls-secret or --epp-tls-issuer")
+        return None
+    if args.epp_tls_secret and args.epp_tls_issuer:
+        raise SystemExit("kvyard operator: --epp-tls-secret or --epp-tls-issuer, not both (with "
+                         "an issuer each service's Secret is <service>-epp-tls)")
+    issuer = _ref(args.epp_tls_issuer, ("name", "kind", "group"), "ClusterIssuer")
+    if issuer is not None:
+        issuer.setdefault("group", "cert-manager.io")
+    return EppTls(secret_name=args.epp_tls_secret, issuer=issuer, mutual=args.epp_tls_mutual,
+                  trigger_auth=_ref(args.epp_tls_trigger_auth, ("name", "kind"),
+                                    "ClusterTriggerAuthentication"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
                                                                args.image_pull_secret],
                                            service_account=args.pod_service_account,
                                            kv_peer_port=args.kv_peer_port,
-                                           cluster_domain=args.cluster_domain))
+                                           cluster_domain=args.cluster_domain,
+                                           epp_tls=epp_tls(args)))
     asyncio.run(run_operator(cfg, namespaces, clusterwide=not namespaces,
                              liveness=args.liveness or None))
     return 0

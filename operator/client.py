@@ -32,6 +32,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "InferencePool": (f"{wire.INFERENCE_POOL_GROUP}/{wire.INFERENCE_POOL_VERSION}",
                       "inferencepools"),
     "ScaledObject": ("keda.sh/v1alpha1", "scaledobjects"),
+    "Certificate": ("cert-manager.io/v1", "certificates"),
     wire.CRD_KIND: (f"{wire.K8S_GROUP}/{wire.CRD_VERSION}", wire.CRD_PLURAL),
 }
 

@@ -33,6 +33,9 @@ RULES: list[dict[str, Any]] = [
     # prune), pruned. Never read one by name, never watched.
     {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"],
      "verbs": ["list", "create", "patch", "delete"]},
+    # cert-manager Certificates for the EPPs' TLS (render_tls.py): applied, listed, pruned.
+    {"apiGroups": ["cert-manager.io"], "resources": ["certificates"],
+     "verbs": ["list", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     # kopf posts warnings about the objects it handles as Events. It watches no CRDs

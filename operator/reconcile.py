@@ -36,7 +36,7 @@ log = logging.getLogger("kvyard.operator")
 # Kinds a pass may leave behind when the spec changes (a pool removed, the pool disabled).
 _NETWORK = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 PRUNED_KINDS = ("Deployment", "Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding",
-                "InferencePool", "ScaledObject")
+                "InferencePool", "ScaledObject", "Certificate")
 _NO_KEDA = ("pools run at fixed replicas (spec.pools.*.replicas, at least 1) until KEDA "
             "is installed")
 
@@ -142,6 +142,10 @@ async def apply_children(api: Client, s: ServiceSpec, children: list[dict[str, A
             elif obj["kind"] == "ScaledObject" and e.status == 404:
                 problems.append(Problem("KEDANotInstalled", "KEDA's ScaledObject CRD went away "
                                         "during the pass"))
+            elif obj["kind"] == "Certificate" and e.status == 404:
+                problems.append(Problem("CertManagerNotInstalled", "the EPP's TLS certificate "
+                                        "needs cert-manager's Certificate CRD (cert-manager.io/v1)"
+                                        ", which is not installed"))
             else:
                 problems.append(Problem("ApplyFailed", f"{obj['kind']}/{obj['metadata']['name']}:"
                                         f" {e.message}"))

@@ -15,6 +15,7 @@ import yaml
 from kvyard.common import wire
 
 from . import render_common as rc
+from . import render_tls
 from .render_scaling import pool_name
 from .render_workers import PD_KEY_DIR, PD_KEY_FILE, pd_secret_name
 from .spec import ServiceSpec
@@ -84,7 +85,7 @@ def epp_args(s: ServiceSpec, model_arg: str) -> list[str]:
         args += ["--served-model-name", s.model.served_name]
     if s.disaggregated:
         args += ["--pd-key-file", PD_KEY_FILE]
-    return args
+    return args + render_tls.epp_args(s)
 
 
 def _rbac(s: ServiceSpec) -> list[dict[str, Any]]:
@@ -117,6 +118,9 @@ def render_epp(s: ServiceSpec) -> list[dict[str, Any]]:
         vols.append({"name": "pd-key", "secret": {"secretName": pd_secret_name(s),
                                                   "defaultMode": 0o440}})
         mounts.append({"name": "pd-key", "mountPath": PD_KEY_DIR, "readOnly": True})
+    tvols, tmounts = render_tls.volume(s, gateway=False)
+    vols += tvols
+    mounts += tmounts
     grpc = {"grpc": {"port": wire.EPP_HEALTH_PORT}, "timeoutSeconds": 2}
     container = {
         "name": "epp", "image": rc.default_image(s), "imagePullPolicy": s.defaults.pull_policy,
@@ -143,5 +147,10 @@ def render_epp(s: ServiceSpec) -> list[dict[str, Any]]:
                                             ("health", wire.EPP_HEALTH_PORT),
                                             ("metrics", wire.EPP_METRICS_PORT),
                                             ("scaler", wire.EPP_SCALER_PORT)])
-    return [*_rbac(s), cm, rc.deployment(s, name, "epp", None, pod, 1, annotations), svc]
+    if render_tls.epp_tls(s) is not None:  # TLS, no longer cleartext HTTP/2 (h2c)
+        for port in svc["spec"]["ports"]:
+            port.pop("appProtocol", None)
+    cert = render_tls.certificate(s)
+    return [*_rbac(s), cm, *([cert] if cert else []),
+            rc.deployment(s, name, "epp", None, pod, 1, annotations), svc]
 

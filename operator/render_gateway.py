@@ -21,6 +21,7 @@ from kvyard.gateway.config import GatewayConfig, render_yaml
 from kvyard.gateway.envoy import envoy_command
 
 from . import render_common as rc
+from . import render_tls
 from .spec import ServiceSpec
 
 CONFIG_DIR = f"{rc.CONFIG_MOUNT}/gateway"
@@ -37,7 +38,8 @@ def epp_host(s: ServiceSpec) -> str:
 def gateway_config(s: ServiceSpec) -> GatewayConfig:
     return GatewayConfig(listen_port=wire.GATEWAY_HTTP_PORT, listen_address="0.0.0.0",
                          epp_address=f"{epp_host(s)}:{wire.EPP_EXT_PROC_PORT}",
-                         admin_port=wire.GATEWAY_ADMIN_PORT)
+                         admin_port=wire.GATEWAY_ADMIN_PORT,
+                         **render_tls.gateway_options(s, epp_host(s)))
 
 
 def envoy_args(concurrency: int = 2) -> list[str]:
@@ -53,6 +55,9 @@ def render_gateway(s: ServiceSpec) -> list[dict[str, Any]]:
     vols, mounts = rc.scratch_volumes({"tmp": "/tmp"})
     vols.append({"name": "config", "configMap": {"name": name}})
     mounts.append({"name": "config", "mountPath": CONFIG_DIR, "readOnly": True})
+    tvols, tmounts = render_tls.volume(s, gateway=True)
+    vols += tvols
+    mounts += tmounts
     ready = {"exec": {"command": ["python3", "-c", _READY]}, "timeoutSeconds": 3}
     container = {
         "name": "envoy", "image": rc.default_image(s), "imagePullPolicy": s.defaults.pull_policy,

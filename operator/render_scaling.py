@@ -26,6 +26,7 @@ from typing import Any
 from kvyard.common import wire
 
 from . import render_common as rc
+from . import render_tls
 from .spec import Pool, ServiceSpec
 
 KEDA_API = "keda.sh/v1alpha1"
@@ -58,6 +59,16 @@ def trigger_metadata(s: ServiceSpec, pool: Pool) -> dict[str, str]:
     return meta
 
 
+def trigger(s: ServiceSpec, pool: Pool) -> dict[str, Any]:
+    """With TLS on the EPP, KEDA reads the CA (and its client certificate) through the
+    chart's (Cluster)TriggerAuthentication (render_tls.py)."""
+    out: dict[str, Any] = {"type": TRIGGER, "metadata": trigger_metadata(s, pool)}
+    auth = render_tls.authentication_ref(s)
+    if auth:
+        out["authenticationRef"] = auth
+    return out
+
+
 def scaled_object(s: ServiceSpec, pool: Pool) -> dict[str, Any]:
     name = rc.name_of(s, "worker", pool.role)
     return {"apiVersion": KEDA_API, "kind": "ScaledObject",
@@ -69,7 +80,7 @@ def scaled_object(s: ServiceSpec, pool: Pool) -> dict[str, Any]:
                 "cooldownPeriod": s.idle_seconds,
                 "minReplicaCount": min_replicas(s, pool),
                 "maxReplicaCount": pool.max_replicas,
-                "triggers": [{"type": TRIGGER, "metadata": trigger_metadata(s, pool)}],
+                "triggers": [trigger(s, pool)],
             }}
 
 

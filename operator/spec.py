@@ -32,6 +32,20 @@ def quantity_bytes(text: str) -> int:
 
 
 @dataclass(slots=True)
+class EppTls:
+    """TLS on every EPP's ext_proc and scaler (the chart's `tls`; render_tls.py). The
+    certificate is a Secret (tls.crt, tls.key, ca.crt) in each service's namespace: the
+    user's `secret_name`, or one cert-manager writes from `issuer` for a Certificate the
+    operator renders per service. KEDA reads the CA (and its client certificate when
+    `mutual`) through `trigger_auth`, a (Cluster)TriggerAuthentication the chart writes."""
+
+    secret_name: str | None = None
+    issuer: dict[str, str] | None = None   # cert-manager issuerRef: {name, kind, group}
+    mutual: bool = False                   # the EPP asks for client certificates
+    trigger_auth: dict[str, str] | None = None   # KEDA authenticationRef: {name, kind}
+
+
+@dataclass(slots=True)
 class Defaults:
     """What the operator's deployment decides for every service (the chart's values)."""
 
@@ -45,6 +59,7 @@ class Defaults:
     service_account: str | None = None
     kv_peer_port: int = WORKER_KV_PEER_PORT   # P/D KV transfers; the chart's NetworkPolicy opens it
     cluster_domain: str = "cluster.local"     # for the fully qualified Service names it writes
+    epp_tls: EppTls | None = None             # None: the EPP's gRPC ports are plaintext
 
 
 @dataclass(slots=True)
