@@ -153,3 +153,39 @@ def test_operator_flags_and_environment(monkeypatch) -> None:
     monkeypatch.setenv("KVYARD_EPP_TLS_MUTUAL", "true")
     monkeypatch.setenv("KVYARD_EPP_TLS_TRIGGER_AUTH", "kvyard-epp-tls")
     assert _flags() == EppTls(secret_name="from-env", mutual=True, trigger_auth=AUTH)
+
+
+# --- through the real handlers against the emulated API ------------------------------------
+
+async def test_the_certificate_is_applied_and_pruned_with_tls(api, kube, wait_for) -> None:
+    import asyncio
+    import contextlib
+
+    from kvyard.operator.handlers import OperatorConfig, run_operator
+
+    @contextlib.asynccontextmanager
+    async def operator(tls: EppTls | None):
+        stop = asyncio.Event()
+        cfg = OperatorConfig(resync_s=0.3, retry_s=0.2, rollout_poll_s=0.2, server=str(api.url),
+                             defaults=Defaults(epp_tls=tls))
+        task = asyncio.create_task(run_operator(cfg, ["default"], clusterwide=False,
+                                                stop_flag=stop))
+        try:
+            yield task
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 20)
+
+    certs = lambda: {o["metadata"]["name"]: o for o in api.live("certificates")}  # noqa: E731
+    async with operator(EppTls(issuer=ISSUER, trigger_auth=AUTH)):
+        await kube.create("demo", STZ)
+        await wait_for(lambda: "demo-epp-tls" in certs(), what="Certificate applied")
+        assert certs()["demo-epp-tls"]["spec"]["dnsNames"][-1] == \
+            "demo-epp.default.svc.cluster.local"
+        so = await wait_for(lambda: api.get_live("scaledobjects", "default", "demo-decode"))
+        assert so["spec"]["triggers"][0]["authenticationRef"] == AUTH
+    async with operator(None):  # TLS turned off: the Certificate goes, the EPP is plaintext
+        await wait_for(lambda: not certs(), what="Certificate pruned")
+        await wait_for(lambda: "--tls-cert-file" not in api.get_live(
+            "deployments", "default", "demo-epp")["spec"]["template"]["spec"]["containers"][0][
+            "args"], what="EPP without TLS")
