@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
                         stream_idle_timeout_s=args.stream_idle_timeout,
                         epp_tls_ca_file=args.epp_tls_ca, epp_tls_sni=args.epp_tls_sni,
                         epp_tls_cert_file=args.epp_tls_cert, epp_tls_key_file=args.epp_tls_key)
-    if (cfg.epp_tls_sni or cfg.epp_tls_cert_file or cfg.epp_tls_key_file) and not cfg.epp_tls_ca_file:
+    tls_options = (cfg.epp_tls_sni, cfg.epp_tls_cert_file, cfg.epp_tls_key_file)
+    if any(tls_options) and not cfg.epp_tls_ca_file:
         raise SystemExit("kvyard gateway-config: --epp-tls-* need --epp-tls-ca")
     if bool(cfg.epp_tls_cert_file) != bool(cfg.epp_tls_key_file):
         raise SystemExit("kvyard gateway-config: --epp-tls-cert and --epp-tls-key go together")
