@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from kvyard.epp.app import EppApp, EppConfig
-from kvyard.epp.endpoints import EndpointSpec
+from kvyard.epp.pool.endpoints import EndpointSpec
 from kvyard.gateway.config import API_PATHS, GatewayConfig
 from kvyard.gateway.envoy import EnvoyNotFound, envoy_binary, envoy_command, write_config
 
