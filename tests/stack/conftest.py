@@ -62,7 +62,7 @@ def chat_body(user: str, system: str | None = None, stream: bool = False) -> dic
 def make_spec(run_dir: Path, workers: int, standin_args: list[str] | None = None) -> StackSpec:
     return StackSpec(run_dir=run_dir, workers=workers, standin=True, gateway_port=None,
                      worker_base_port=None, epp_ports=(None, None, None), admin_port=None,
-                     ready_timeout_s=90.0, standin_args=standin_args or [])
+                     scaler_port=None, ready_timeout_s=90.0, standin_args=standin_args or [])
 
 
 def epp_rows(state: StackState) -> dict[str, dict]:
@@ -97,7 +97,7 @@ def real_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackState]
     state = start_stack(StackSpec(run_dir=tmp_path_factory.mktemp("real"), workers=1,
                                   gateway_port=None, worker_base_port=None,
                                   epp_ports=(None, None, None), admin_port=None,
-                                  ready_timeout_s=300.0))
+                                  scaler_port=None, ready_timeout_s=300.0))
     try:
         yield state
     finally:

@@ -109,7 +109,8 @@ def pd_stack(request, tmp_path_factory):
         pytest.skip(str(e))
     spec = StackSpec(run_dir=tmp_path_factory.mktemp(f"pd-{request.param}"), prefill=1, decode=1,
                      dtype=request.param, gateway_port=None, worker_base_port=None,
-                     epp_ports=(None, None, None), admin_port=None, ready_timeout_s=300.0,
+                     epp_ports=(None, None, None), admin_port=None, scaler_port=None,
+                     ready_timeout_s=300.0,
                      worker_args=["--max-model-len", "2048", "--kv-cache-memory-bytes", "128MiB",
                                   "--num-threads", "1"])
     state = start_stack(spec)
