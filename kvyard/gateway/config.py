@@ -7,7 +7,7 @@ then fallbacks). The workers cluster gets its hosts from the EPP's EDS
 service and is balanced by Envoy's override-host policy, which sends the
 request to the first listed host and each retry (connect failure, reset or
 refused stream before the response starts) to the next; only pool members
-can ever be reached. Four things matter for correctness and are easy to get
+can ever be reached. Five things matter for correctness and are easy to get
 wrong, so they are spelled out here:
 
 * Client-supplied routing headers are removed by the connection manager's
@@ -24,6 +24,9 @@ wrong, so they are spelled out here:
   Those routes stay reachable pod to pod where the NetworkPolicies allow.
 * Responses are never sent to the EPP and never buffered, and generation can
   be long, so the route has no overall timeout, only a stream idle timeout.
+* Retries along the EPP's list are not capped cluster-wide: Envoy's default
+  circuit breaker allows 3 concurrent retries, fewer than the requests a dying
+  worker fails at once.
 
 Body handling (checked with Envoy 1.40): the EPP answers the *headers*
 message with its routing mutation, but only after it has read the body (it
@@ -60,6 +63,7 @@ from kvyard.common.wire import DESTINATION_HEADER, MAX_HOLD_S, ROUTING_HEADERS, 
 
 _T = "type.googleapis.com/"
 EPP_CLUSTER = "kvyard_epp"
+_UNCAPPED = 2**32 - 1  # the largest circuit-breaker threshold Envoy takes (uint32)
 
 
 @dataclass(slots=True)
@@ -150,6 +154,14 @@ def _workers_cluster(cfg: GatewayConfig) -> dict[str, Any]:
         "name": WORKERS_CLUSTER,
         "type": "EDS",
         "connect_timeout": _duration(cfg.upstream_connect_timeout_s),
+        # Envoy's default cap of 3 concurrent retries per cluster turns failover into
+        # 503s: when a worker dies, every request on it or just routed to it retries at
+        # once (each holds a slot from its back-off until the retried attempt answers),
+        # and those past the third get the connect error instead. A retry only goes to
+        # the next host the EPP listed, at most `upstream_retries` per request, so there
+        # is no storm to guard against: at most one retry per request in flight.
+        "circuit_breakers": {"thresholds": [{"priority": "DEFAULT",
+                                             "max_retries": _UNCAPPED}]},
         "eds_cluster_config": {"eds_config": {
             "resource_api_version": "V3",
             "api_config_source": {

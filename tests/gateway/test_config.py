@@ -5,7 +5,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from kvyard.common.wire import DESTINATION_HEADER, PREFILLER_AUTH_HEADER, PREFILLER_HEADER
+from kvyard.common.wire import (DESTINATION_HEADER, PREFILLER_AUTH_HEADER, PREFILLER_HEADER,
+                                 WORKERS_CLUSTER)
 from kvyard.gateway.config import GatewayConfig, render
 from kvyard.gateway.envoy import envoy_binary, write_config
 
@@ -78,3 +79,13 @@ def test_cli_prints_the_config() -> None:
     out = subprocess.run([sys.executable, "-m", "kvyard.cli", "gateway-config", "--port", "18123",
                           "--format", "json"], capture_output=True, text=True, timeout=60, check=True)
     assert '"port_value": 18123' in out.stdout
+
+
+def test_failover_retries_are_not_capped_cluster_wide() -> None:
+    # Envoy's default allows 3 concurrent retries per cluster: a worker dying under
+    # load fails over more requests than that at once, and the rest would get 503s.
+    workers = render(GatewayConfig())["static_resources"]["clusters"][0]
+    assert workers["name"] == WORKERS_CLUSTER
+    (default,) = [t for t in workers["circuit_breakers"]["thresholds"]
+                  if t["priority"] == "DEFAULT"]
+    assert default["max_retries"] >= GatewayConfig().max_connections
