@@ -4,15 +4,15 @@ manager) reads.
 
 A ZMQ PUB message is three frames: the topic, an 8-byte big-endian sequence number
 (from 0, one per batch), and a msgpack `EventBatch`. The batch and its events are
-encoded as current vLLM does (msgspec structs with `omit_defaults`, tagged):
-  {"ts": <float>, "events": [...], "data_parallel_rank": 0}
-  {"type": "BlockStored", "block_hashes": [...], "parent_block_hash": h | None,
-   "token_ids": [...], "block_size": 16, "lora_id": None, "medium": "GPU",
-   "lora_name": None}
-  {"type": "BlockRemoved", "block_hashes": [...], "medium": "GPU"}
-  {"type": "AllBlocksCleared"}
-`decode_batch` also reads the older positional form (arrays whose first element is
-the tag). Block hashes are unsigned 64-bit integers, as vLLM's external hashes
+encoded as vLLM's msgspec structs are (`array_like=True`, events tagged): positional
+arrays, the tag first:
+  [<ts float>, [...events], 0]                       (the last: data_parallel_rank)
+  ["BlockStored", [hashes], parent | None, [token_ids], 16, None, "GPU", None]
+      (block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name)
+  ["BlockRemoved", [hashes], "GPU"]
+  ["AllBlocksCleared"]
+`decode_batch` also reads the map form ({"ts", "events", ...} and events tagged
+"type"), which some publishers write. Events are built and read as dicts with "type". Block hashes are unsigned 64-bit integers, as vLLM's external hashes
 (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`): the low 64 bits of kvyard's chained hashes
 (kvyard.common.hashing). Consumers should key blocks by `token_ids` with a hash of
 their own and use these only to match removals, as llm-d does: they identify a
@@ -70,7 +70,18 @@ def default_topic(address: str, model: str) -> str:
 
 
 def encode_batch(ts: float, events: list[dict[str, Any]], dp_rank: int = 0) -> bytes:
-    return msgpack.packb({"ts": ts, "events": events, "data_parallel_rank": dp_rank})
+    """The positional form vLLM's msgspec structs (`array_like=True`, `tag=True`) write:
+    [ts, [[tag, field, ...], ...], dp_rank]; consumers that decode into vLLM's structs
+    (vllm-router, llm-d) read only this form."""
+    rows = [[ev["type"], *(ev.get(f) for f in _POSITIONAL[ev["type"]][:_width(ev)])]
+            for ev in events]
+    return msgpack.packb([ts, rows, dp_rank])
+
+
+def _width(ev: dict[str, Any]) -> int:
+    """How many positional fields `ev` fills: up to its last key in vLLM's order."""
+    names = _POSITIONAL[ev["type"]]
+    return max((i + 1 for i, f in enumerate(names) if f in ev), default=0)
 
 
 # The positional (array_like) form's field order, as vLLM declares the structs.

@@ -196,6 +196,11 @@ def run(args: argparse.Namespace) -> int:
                      kv_redis_max_memory=args.kv_redis_max_memory,
                      scale_to_zero=args.scale_to_zero, idle_seconds=args.idle_seconds,
                      polling_seconds=args.polling_seconds, prestart=args.prestart)
+    if args.standin_workers:
+        # Test stacks share a machine: a preferred port could be taken between the
+        # free-port check and the bind, so every port is any free one.
+        spec.worker_base_port = spec.admin_port = spec.scaler_port = None
+        spec.epp_ports = (None, None, None)
     if args.sim:
         from kvyard.stack.sim_pool import epp_args
 
