@@ -27,6 +27,7 @@ from .flow.controller import FlowController
 from .flow.demand import Demand
 from .flow.metrics import FlowMetrics
 from .health import SERVER_OPTIONS, HealthServer, bind
+from .kvevents.sources import KVEventSources
 from .observability import EppMetrics, debug_app
 from .pool.discovery_file import FileDiscovery
 from .pool.discovery_k8s import K8sDiscovery
@@ -35,6 +36,8 @@ from .pool.scraper import Scraper
 from .prompt import PromptHasher
 from .scaler.server import ScalerServer
 from .scheduling.config import build_scheduler, load_config, with_fallbacks
+from .scheduling.scheduler import Scheduler
+from .scheduling.scorers.precise_prefix import PrecisePrefixScorer
 from .server import ExtProcServicer
 from .xds import EdsServicer
 
@@ -52,6 +55,7 @@ class EppConfig:
     k8s_namespace: str | None = None
     k8s_selector: str = ""
     target_port: int = 8000
+    kv_events_port: int | None = None  # the KV-event port convention (kvevents/sources.py)
     scrape_interval: float = 0.05
     scrape_timeout: float = 0.3
     stale_after: float = 2.0
@@ -96,6 +100,19 @@ def _served_names(cfg: EppConfig) -> list[str]:
         return []
 
 
+def _kv_event_sources(sched: Scheduler, pool: EndpointPool,
+                      port: int | None) -> KVEventSources | None:
+    """The event streams behind the config's precise-prefix-cache scorers (one index,
+    shared by every profile's); None when the config has none."""
+    precise = [s for prof in sched.profiles.values() for s, _ in prof.scorers
+               if isinstance(s, PrecisePrefixScorer)]
+    if not precise:
+        return None
+    for s in precise[1:]:
+        s.index = precise[0].index
+    return KVEventSources(precise[0].index, pool, port)
+
+
 @dataclass(slots=True)
 class EppApp:
     cfg: EppConfig
@@ -108,6 +125,7 @@ class EppApp:
     flow: FlowController | None = field(init=False)
     scraper: Scraper | None = None
     scaler: ScalerServer | None = field(init=False)
+    kv_events: KVEventSources | None = field(init=False)  # with a precise-prefix-cache scorer
     tokenizer_state: str = "none"  # none | loading | loaded | failed
     servicer: ExtProcServicer | None = None  # ext_proc; calls `director`
     _grpc: grpc.aio.Server | None = None
@@ -126,6 +144,7 @@ class EppApp:
             sched_cfg = with_fallbacks(sched_cfg, c.destination_fallbacks)
         sched = build_scheduler(sched_cfg, seed=c.seed)
         self.pool.on_remove(sched.forget)
+        self.kv_events = _kv_event_sources(sched, self.pool, c.kv_events_port)
         self.pool.on_remove(self.metrics.forget)
         self.finisher = Finisher(self.pool, sched)
         self.eds = EdsServicer(self.pool)
@@ -162,6 +181,7 @@ class EppApp:
                 "served_models": self.director.served_models,
                 "index_backlog": self.finisher.backlog, "index_skipped": self.finisher.skipped,
                 "flow": self.flow.snapshot() if self.flow is not None else None,
+                "kv_events": self.kv_events.snapshot() if self.kv_events is not None else None,
                 "scaler": self.scaler.snapshot() if self.scaler is not None else None}
 
     async def start(self) -> None:
@@ -194,6 +214,9 @@ class EppApp:
             self._k8s = K8sDiscovery(c.k8s_namespace, c.k8s_selector, c.target_port, self.pool,
                                      asyncio.get_running_loop())
             self._k8s.start()
+        if self.kv_events is not None:  # discovery has run: subscribe, then follow changes
+            self.kv_events.sync()
+            self.pool.on_change(self.kv_events.sync)
         scraper = Scraper(self.pool, c.scrape_interval, c.scrape_timeout, c.fail_threshold)
         if self.flow is not None:
             scraper.on_scraped = self.flow.release
@@ -227,6 +250,8 @@ class EppApp:
             self.flow.close()
         if self._k8s is not None:
             self._k8s.stop()
+        if self.kv_events is not None:
+            await self.kv_events.close()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--k8s-namespace", help="watch Ready pods in this namespace")
     g.add_argument("--k8s-selector", default="", help="pod label selector key=value,...")
     g.add_argument("--target-port", type=int, default=8000, help="worker port on each pod")
+    g.add_argument("--kv-events-port", type=int, default=None, metavar="PORT",
+                   help="endpoints that name no KV-event stream publish on tcp://<host>:PORT "
+                        "(replay PORT+1); read by the precise-prefix-cache scorer")
     g = p.add_argument_group("scraping")
     g.add_argument("--scrape-interval", type=float, default=0.05, help="seconds")
     g.add_argument("--scrape-timeout", type=float, default=0.3, help="seconds")
@@ -79,6 +82,7 @@ def config_from_args(args: argparse.Namespace):
         metrics_port=args.metrics_port, endpoints=list(args.endpoint),
         endpoints_file=args.endpoints_file, k8s_namespace=args.k8s_namespace,
         k8s_selector=selector_string(args.k8s_selector), target_port=args.target_port,
+        kv_events_port=args.kv_events_port,
         scrape_interval=args.scrape_interval, scrape_timeout=args.scrape_timeout,
         stale_after=args.stale_after, fail_threshold=args.fail_threshold, model=args.model,
         served_model_names=list(args.served_model_name), max_body_bytes=args.max_body_bytes,

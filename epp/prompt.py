@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from kvyard.common.hashing import NONE_HASH, block_hashes, seed_for
+from kvyard.common.prompt_tokens import special_prefix
 
 from .request import ParsedRequest, Rejection
 
@@ -123,6 +124,10 @@ class LazyPrompt:
     hasher: "PromptHasher | None" = None
     chars_per_token: float = 4.0
     tokens: int = 0  # tokens seen so far
+    # Ids the worker puts before these tokens (a completions prompt's BOS; see
+    # kvyard.common.prompt_tokens): not in `hashes`, read by the precise scorer.
+    lead: array = field(default_factory=lambda: array("I"))
+    ids: array = field(default_factory=lambda: array("I"))  # every token id seen so far
     _pos: int = 0
     _tail: array = field(default_factory=lambda: array("I"))  # ids not yet in a full block
 
@@ -143,6 +148,7 @@ class LazyPrompt:
 
     def _add(self, ids: array) -> None:
         self.tokens += len(ids)
+        self.ids.extend(ids)
         self._tail.extend(ids)
         bs = self.block_size
         full = len(self._tail) // bs * bs
@@ -180,6 +186,13 @@ class LazyPrompt:
         self._add(ids)
         if self.tokens:  # this prompt's own ratio beats the pool-wide guess
             self.chars_per_token = self._pos / self.tokens
+
+    def more(self) -> bool:
+        """Tokenizes the next chunk (with cached lookahead); False when all is done."""
+        if self.done:
+            return False
+        self._extend(1)
+        return True
 
     def get(self, i: int) -> int | None:
         """Hash of block i, tokenizing further if needed; None past the end."""
@@ -223,6 +236,7 @@ class PromptHasher:
     chars_per_token: float = 4.0  # running estimate, for the lazy denominator
     _cache: _ChunkCache = field(init=False)
     _seeds: dict[str, int] = field(default_factory=dict)
+    _lead: array = field(default_factory=lambda: array("I"))  # special ids before text prompts
 
     def __post_init__(self) -> None:
         self._cache = _ChunkCache(self.cache_tokens)
@@ -233,6 +247,7 @@ class PromptHasher:
 
     def set_tokenizer(self, tok: Tokenizer, template_error: type[BaseException] | None) -> None:
         self.tokenizer, self.template_error = tok, template_error
+        self._lead = array("I", special_prefix(tok))
         self._cache = _ChunkCache(self.cache_tokens)
         self._seeds.clear()
 
@@ -300,8 +315,11 @@ class PromptHasher:
             ids = array("I")
             ids.frombytes(data[: len(data) // 4 * 4])
             return LazyPrompt.of_ids(ids, self.block_size, seed)
+        # chat text carries its own BOS (the template's); completions text gets the
+        # tokenizer's special prefix, as the worker encodes it
+        lead = self._lead if req.messages is None else array("I")
         return LazyPrompt(self.block_size, seed, text=rendered, hasher=self,
-                          chars_per_token=self.chars_per_token)
+                          chars_per_token=self.chars_per_token, lead=lead)
 
     def hashes(self, req: ParsedRequest) -> tuple[list[int], int]:
         """(all block hashes, token count), eagerly."""

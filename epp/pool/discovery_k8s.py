@@ -21,6 +21,10 @@ from kvyard.common.wire import ROLE_LABEL, ROLES
 from .endpoints import EndpointPool, EndpointSpec
 
 log = logging.getLogger("kvyard.epp.k8s")
+# Where a pod publishes its KV events (--kv-events-config endpoint / replay_endpoint ports);
+# the EPP subscribes to the pod IP at these ports (epp/kvevents/sources.py).
+KV_EVENTS_PORT_ANNOTATION = "kvyard.io/kv-events-port"
+KV_REPLAY_PORT_ANNOTATION = "kvyard.io/kv-events-replay-port"
 
 
 def pod_endpoint(pod: Any, target_port: int) -> EndpointSpec | None:
@@ -36,7 +40,11 @@ def pod_endpoint(pod: Any, target_port: int) -> EndpointSpec | None:
     if role not in ROLES:
         role = "both"
     host = f"[{st.pod_ip}]" if ":" in st.pod_ip else st.pod_ip
-    return EndpointSpec(f"{host}:{target_port}", role)
+    ann = md.annotations or {}
+    pub, rep = ann.get(KV_EVENTS_PORT_ANNOTATION), ann.get(KV_REPLAY_PORT_ANNOTATION)
+    return EndpointSpec(f"{host}:{target_port}", role,
+                        kv_events=f"tcp://{host}:{pub}" if pub and pub.isdigit() else None,
+                        kv_replay=f"tcp://{host}:{rep}" if rep and rep.isdigit() else None)
 
 
 def selector_string(selector: str) -> str:

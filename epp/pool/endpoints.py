@@ -16,10 +16,14 @@ from kvyard.common.wire import ROLES
 
 @dataclass(slots=True, frozen=True)
 class EndpointSpec:
-    """What discovery knows: an address and a role."""
+    """What discovery knows: an address, a role and where its KV events are published
+    (`epp/kvevents/sources.py`)."""
 
     address: str  # ip:port
     role: str = "both"
+    kv_events: str | None = None  # the worker's PUB socket, tcp://host:port
+    kv_replay: str | None = None  # its replay (ROUTER) socket
+    dp_rank: int | None = None    # the data-parallel rank this address serves
 
 
 @dataclass(slots=True)
@@ -42,6 +46,9 @@ class Endpoint:
     pending: int = 0  # picks since the last good scrape (not yet in `waiting`)
     picks: int = 0
     prefix_hits: int = 0  # picks that matched at least one cached block
+    kv_events: str | None = None  # from the spec: where its KV events are published
+    kv_replay: str | None = None
+    dp_rank: int | None = None
 
     def fresh(self, now: float, stale_after: float) -> bool:
         return self.last_ok > 0.0 and now - self.last_ok <= stale_after
@@ -59,11 +66,14 @@ class Endpoint:
 
 
 def parse_spec(entry: object) -> EndpointSpec:
-    """Accepts `"ip:port"` or `{address: ip:port, role: ...}`; raises ValueError."""
+    """Accepts `"ip:port"` or `{address: ip:port, role: ..., kv_events: tcp://ip:5557,
+    kv_events_replay: tcp://ip:5558, data_parallel_rank: 0}`; raises ValueError."""
+    events: dict = {}
     if isinstance(entry, str):
         address, role = entry, "both"
     elif isinstance(entry, dict) and isinstance(entry.get("address"), str):
         address, role = entry["address"], str(entry.get("role", "both"))
+        events = _event_fields(entry)
     else:
         raise ValueError(f"endpoint entry {entry!r}: want 'ip:port' or {{address, role}}")
     host, sep, port = address.rpartition(":")
@@ -71,7 +81,23 @@ def parse_spec(entry: object) -> EndpointSpec:
         raise ValueError(f"endpoint address {address!r}: want ip:port")
     if role not in ROLES:
         raise ValueError(f"endpoint {address}: role {role!r} not in {ROLES}")
-    return EndpointSpec(address, role)
+    return EndpointSpec(address, role, **events)
+
+
+def _event_fields(entry: dict) -> dict:
+    out: dict = {}
+    for key, attr in (("kv_events", "kv_events"), ("kv_events_replay", "kv_replay")):
+        v = entry.get(key)
+        if v is not None:
+            if not isinstance(v, str) or not v.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"endpoint {entry['address']}: {key} {v!r}: want tcp://host:port")
+            out[attr] = v
+    rank = entry.get("data_parallel_rank")
+    if rank is not None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"endpoint {entry['address']}: data_parallel_rank {rank!r}")
+        out["dp_rank"] = rank
+    return out
 
 
 @dataclass(slots=True)
@@ -108,10 +134,13 @@ class EndpointPool:
         for addr, spec in wanted.items():
             ep = self._endpoints.get(addr)
             if ep is None:
-                self._endpoints[addr] = Endpoint(addr, spec.role)
+                ep = self._endpoints[addr] = Endpoint(addr, spec.role)
                 changed = True
-            else:
-                ep.role = spec.role
+            elif (ep.kv_events, ep.kv_replay, ep.dp_rank) != (spec.kv_events, spec.kv_replay,
+                                                            spec.dp_rank):
+                changed = True  # the KV-event subscriptions follow
+            ep.role = spec.role
+            ep.kv_events, ep.kv_replay, ep.dp_rank = spec.kv_events, spec.kv_replay, spec.dp_rank
         if changed:
             self.generation += 1
             for fn in self._on_change:

@@ -19,8 +19,13 @@ their own and use these only to match removals, as llm-d does: they identify a
 block on this worker, not its content anywhere else.
 
 The replay socket (ROUTER): a DEALER sends b"" + the start sequence number (8 bytes
-big-endian); each buffered batch from it comes back as (b"", seq, payload), then
-(b"", END_SEQ, b"").
+big-endian); each buffered batch from it comes back as (b"", topic, seq, payload),
+then (b"", topic, END_SEQ, b"") — vLLM >= 0.26's frames (vllm#45177), which llm-d's
+replay consumer reads. `replay_reply` also reads the older topic-less
+(b"", seq, payload).
+
+The topic defaults to `kv@<ip:port>@<model>` (`default_topic`): llm-d's consumer reads
+the pod and the model from it.
 
 `medium` is "GPU" for the engine's own KV cache on any device: vLLM's name for that
 tier, which consumers such as llm-d score as the primary one.
@@ -28,7 +33,7 @@ tier, which consumers such as llm-d score as the primary one.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import msgpack
@@ -59,26 +64,48 @@ def all_blocks_cleared() -> dict[str, Any]:
     return {"type": "AllBlocksCleared"}
 
 
+def default_topic(address: str, model: str) -> str:
+    """`kv@<ip:port>@<model>`, the topic llm-d parses (pod and model)."""
+    return f"kv@{address}@{model}"
+
+
 def encode_batch(ts: float, events: list[dict[str, Any]], dp_rank: int = 0) -> bytes:
     return msgpack.packb({"ts": ts, "events": events, "data_parallel_rank": dp_rank})
 
 
+# The positional (array_like) form's field order, as vLLM declares the structs.
 _POSITIONAL = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
-                               "lora_id", "medium", "lora_name"),
-               "BlockRemoved": ("block_hashes", "medium"),
+                               "lora_id", "medium", "lora_name", "extra_keys", "group_idx",
+                               "kv_cache_spec_kind", "kv_cache_spec_sliding_window"),
+               "BlockRemoved": ("block_hashes", "medium", "group_idx"),
                "AllBlocksCleared": ()}
+
+
+@dataclass(slots=True)
+class EventBatch:
+    ts: float
+    events: list[dict[str, Any]]
+    data_parallel_rank: int | None = None
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[dict[str, Any]]]:
     """(ts, events as dicts with "type"); ValueError for what is not an EventBatch."""
+    b = decode_event_batch(payload)
+    return b.ts, b.events
+
+
+def decode_event_batch(payload: bytes) -> EventBatch:
+    """The batch, its data-parallel rank included; ValueError for what is not one."""
     try:
         doc = msgpack.unpackb(payload, strict_map_key=False)
     except (ValueError, msgpack.UnpackException) as e:
         raise ValueError(f"not msgpack: {e}") from None
+    rank: Any = None
     if isinstance(doc, dict):
-        ts, events = doc.get("ts"), doc.get("events")
+        ts, events, rank = doc.get("ts"), doc.get("events"), doc.get("data_parallel_rank")
     elif isinstance(doc, list) and len(doc) >= 2:
         ts, events = doc[0], doc[1]
+        rank = doc[2] if len(doc) > 2 else None
     else:
         raise ValueError("not an EventBatch")
     if not isinstance(events, list):
@@ -90,7 +117,18 @@ def decode_batch(payload: bytes) -> tuple[float, list[dict[str, Any]]]:
         if not isinstance(ev, dict) or ev.get("type") not in _POSITIONAL:
             raise ValueError(f"unknown event {str(ev)[:80]}")
         out.append(ev)
-    return float(ts or 0.0), out
+    return EventBatch(float(ts or 0.0), out,
+                      rank if isinstance(rank, int) and not isinstance(rank, bool) else None)
+
+
+def replay_reply(frames: list[bytes]) -> tuple[int, bytes]:
+    """(seq, payload) of one frame set a DEALER reads from the replay socket, with or
+    without the topic; seq -1 ends the replay. ValueError for anything else."""
+    if len(frames) == 4:
+        frames = [frames[0], frames[2], frames[3]]
+    if len(frames) != 3 or len(frames[1]) != 8:
+        raise ValueError(f"not a replay reply ({len(frames)} frames)")
+    return int.from_bytes(frames[1], "big", signed=True), frames[2]
 
 
 @dataclass(slots=True)
@@ -109,6 +147,10 @@ class KVEventsConfig:
     @property
     def active(self) -> bool:
         return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    def with_default_topic(self, address: str, model: str) -> "KVEventsConfig":
+        """This config, its empty topic replaced by `kv@<address>@<model>`."""
+        return self if self.topic else replace(self, topic=default_topic(address, model))
 
     @classmethod
     def parse(cls, text: str) -> "KVEventsConfig":

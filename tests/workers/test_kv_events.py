@@ -66,7 +66,8 @@ class _Sub:
         self.sock.close(linger=0)
 
 
-def _replay(endpoint: str, start: int) -> list[tuple[int, list[dict]]]:
+def _replay(endpoint: str, start: int, topic: bytes | None = None) -> list[tuple[int, list[dict]]]:
+    """The replayed batches; vLLM >= 0.26's frames (b"", topic, seq, payload)."""
     d = zmq.Context.instance().socket(zmq.DEALER)
     d.connect(endpoint)
     try:
@@ -74,7 +75,12 @@ def _replay(endpoint: str, start: int) -> list[tuple[int, list[dict]]]:
         out = []
         while True:
             assert d.poll(30_000), "the replay did not answer"
-            _, seq, payload = d.recv_multipart()
+            frames = d.recv_multipart()
+            assert len(frames) == 4 and frames[0] == b""
+            if topic is not None:
+                assert frames[1] == topic
+            _, _, seq, payload = frames
+            assert kve.replay_reply(frames)[1] == payload
             if seq == kve.END_SEQ:
                 assert payload == b""
                 return out
@@ -120,7 +126,7 @@ def test_publisher_sends_batches_in_sequence_and_replays_them() -> None:
         _, seq2, events = sub.recv()
         assert seq2 == nxt + 1 and events == [{"type": "BlockRemoved", "block_hashes": [7],
                                                "medium": "GPU"}]
-        got = _replay(replay, nxt)
+        got = _replay(replay, nxt, b"kv@10.0.0.7@m")
         assert [s for s, _ in got] == [nxt, nxt + 1]
         assert got[1][1][0]["type"] == "BlockRemoved"
         assert [s for s, _ in _replay(replay, 0)] == list(range(nxt + 2))

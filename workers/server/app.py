@@ -125,7 +125,8 @@ def build_app(engine: Any, *, advertise: str, served_names: list[str] | None = N
     if kv_events is not None and kv_events.active:
         from .kv_events import KVEventMetrics, KVEventPublisher
 
-        publisher = KVEventPublisher(kv_events, KVEventMetrics(state.metrics.registry))
+        publisher = KVEventPublisher(kv_events.with_default_topic(advertise, names[0]),
+                                     KVEventMetrics(state.metrics.registry))
     app[STATE] = state
     app.on_response_prepare.append(_stamp_endpoint)
     app.router.add_get("/v1/models", _models)

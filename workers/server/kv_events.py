@@ -132,7 +132,7 @@ class KVEventPublisher:
         try:
             while self._running:
                 if replay is not None and replay.poll(0):
-                    self._serve_replay(replay)
+                    self._serve_replay(replay, topic)
                 try:
                     first = self._queue.get(timeout=0.05)
                 except queue.Empty:
@@ -174,7 +174,8 @@ class KVEventPublisher:
         # events were refused at the cap: a view built from the rest would have holes
         return [wire_events.all_blocks_cleared()], lost + len(items)
 
-    def _serve_replay(self, replay: Any) -> None:
+    def _serve_replay(self, replay: Any, topic: bytes) -> None:
+        """vLLM >= 0.26's replies: (b"", topic, seq, payload), then the END_SEQ marker."""
         frames = replay.recv_multipart()
         if len(frames) != 3:
             log.warning("invalid KV-event replay request (%d frames)", len(frames))
@@ -183,5 +184,5 @@ class KVEventPublisher:
         first = int.from_bytes(start, "big")
         for seq, payload in list(self._buffer):
             if seq >= first:
-                replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        replay.send_multipart((client, b"", wire_events.END_SEQ, b""))
+                replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((client, b"", topic, wire_events.END_SEQ, b""))

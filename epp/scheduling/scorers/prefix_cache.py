@@ -14,13 +14,16 @@ from ..types import SchedRequest
 @dataclass(slots=True, frozen=True)
 class PrefixCacheParams:
     lruCapacityPerServer: int = param(31_250, min=1,
-                                      doc="block hashes remembered per endpoint (LRU)")
+                                      doc="block hashes remembered per endpoint (LRU) until its "
+                                          "metrics give its KV-cache size")
 
 
 @dataclass(slots=True)
 class PrefixCacheScorer(Scorer, PreRequest, PostResponse, PoolListener):
-    """Matched leading blocks / total blocks; learns from each pick. Writes the
-    matches per endpoint to the cycle state (`PREFIX_MATCHES`)."""
+    """Matched leading blocks / total blocks; learns from each pick, remembering per
+    endpoint as many blocks as its KV cache holds (`vllm:cache_config_info`; else
+    lruCapacityPerServer). Writes the matches per endpoint to the cycle state
+    (`PREFIX_MATCHES`)."""
 
     index: PrefixIndex
     name: str = "prefix-cache"
@@ -41,6 +44,9 @@ class PrefixCacheScorer(Scorer, PreRequest, PostResponse, PoolListener):
         return [n / total for n in matched]
 
     def pre_request(self, req: SchedRequest, ep: Endpoint) -> None:
+        if ep.block_size and ep.num_gpu_blocks:  # its real cache, from its metrics
+            self.index.set_capacity(ep.address,
+                                    ep.block_size * ep.num_gpu_blocks // req.prompt.block_size)
         # What is hashed so far; the rest arrives via `learn` after the answer.
         if req.prompt.hashes:
             self.index.record(ep.address, req.prompt.hashes)
