@@ -44,7 +44,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pods", type=int, default=8)
     g.add_argument("--backend", choices=("sim", "standin"), default=None,
                    help="simulated pods (default when available) or stand-ins")
-    g.add_argument("--profile", default="h100", help="the simulator's hardware profile")
+    g.add_argument("--profile", default="h100", help="the simulator's latency profile")
+    g.add_argument("--cache-ratio", type=float, default=0.73,
+                   help="the workload's distinct prompt tokens / the pool's KV capacity: "
+                        "sizes each simulated pod's cache (llm-d's experiment: ~0.73)")
+    g.add_argument("--kv-blocks", type=int, default=None,
+                   help="KV blocks per simulated pod (instead of --cache-ratio)")
+    g.add_argument("--time-scale", type=float, default=1.0,
+                   help="the simulator's simulated seconds per wall second")
     g = p.add_argument_group("workload (shared-prefix groups)")
     g.add_argument("--groups", type=int, default=150)
     g.add_argument("--prefix-tokens", type=int, default=6000)
@@ -122,11 +129,33 @@ def build_workload(args: argparse.Namespace):
     return work, desc
 
 
+def pods_for(args: argparse.Namespace, work, desc: dict):
+    """The pool: each simulated pod's cache sized so that the workload's distinct
+    tokens are `--cache-ratio` of the pool's (unless `--kv-blocks` says)."""
+    from kvyard.bench.route_stack import Pods
+    from kvyard.bench.route_trace import ENGINE_BLOCK
+
+    longest = max((r.prompt_tokens + r.output_tokens for rung in work.rungs for r in rung),
+                  default=0)
+    pods = Pods(_backend(args), args.pods, args.profile, args.kv_blocks,
+                max(8192, longest + 64), args.seed, args.time_scale)
+    if pods.backend == "sim":
+        if pods.kv_blocks is None:
+            # Never below room for a few of the longest requests at once (a tiny workload).
+            pods.kv_blocks = max(4 * math.ceil(longest / ENGINE_BLOCK), 256,
+                                 math.ceil(desc["cache_demand_tokens"] / args.cache_ratio
+                                           / args.pods / ENGINE_BLOCK))
+        capacity = pods.kv_blocks * ENGINE_BLOCK * args.pods
+        desc["pool_capacity_tokens"] = capacity
+        desc["cache_demand_ratio"] = desc["cache_demand_tokens"] / capacity
+    return pods
+
+
 def run(args: argparse.Namespace) -> int:
     from kvyard.bench import route_cost, route_peers
     from kvyard.bench.route_metrics import KEYS, Slo
     from kvyard.bench.route_policies import select
-    from kvyard.bench.route_run import Pods, run_target
+    from kvyard.bench.route_run import run_target
 
     if args.quick:
         _apply_quick(args)
@@ -134,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         route_peers.install(["smg", "vllm-router"])
     t0 = time.monotonic()
     work, desc = build_workload(args)
-    pods = Pods(_backend(args), args.pods, args.profile)
+    pods = pods_for(args, work, desc)
     slo = Slo(args.slo_ttft, args.slo_tpot)
     peers = [p for p in route_peers.PEERS if args.peers is None or p.name in args.peers]
     run_root = Path(args.run_dir or tempfile.mkdtemp(prefix="kvyard-bench-route-"))
@@ -150,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
                if "epp_cpu_s_per_req" in r and not math.isnan(r["epp_cpu_s_per_req"])}
     cost["cpu_s_per_request"] = per_req
     config = {"pods": args.pods, "backend": pods.backend, "profile": args.profile,
+              "kv_blocks_per_pod": pods.kv_blocks,
               "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, "quick": args.quick,
               "run_dir": str(run_root), "wall_s": None, **desc}
     config["wall_s"] = time.monotonic() - t0
@@ -189,6 +219,7 @@ def table(doc: dict, keys: tuple[str, ...]) -> str:
             continue
         for row in r["by_rate"]:
             rep.add(policy=name, **{k: row.get(k) for k in ("rate", *keys)})
+        rep.notes += [f"{name}: {n}" for n in r.get("notes", [])]
     c = doc["epp_cost"]
     for i, d in zip(c["idle"], c["decisions"]):
         rep.notes.append(f"EPP at {i['pods']} pods: idle {i['idle_cpu_cores']:.3f} cores, "

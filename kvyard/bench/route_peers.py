@@ -33,18 +33,23 @@ class Peer:
         return str(local.resolve()) if local.exists() else shutil.which(self.binary)
 
     def command(self, exe: str, port: int, prom_port: int, addresses: list[str],
-                kv_events: dict[str, str] | None = None) -> list[str]:
+                kv_events: dict[str, str] | None = None, model: str | None = None) -> list[str]:
         urls = [f"http://{a}" for a in addresses]
         # Both bind a Prometheus port of their own (a fixed default: two peers collide).
         cmd = [exe, *(["launch"] if self.package == "smg" else []), "--host", "127.0.0.1",
                "--port", str(port), "--prometheus-port", str(prom_port),
                "--worker-urls", *urls, *self.args]
-        for addr, endpoint in (kv_events or {}).items():
-            cmd += ["--kv-event-source", f"http://{addr}={endpoint}"]
+        if self.needs_kv_events:
+            for addr, endpoint in (kv_events or {}).items():
+                cmd += ["--kv-event-source", f"http://{addr}={endpoint}"]
+            if model:
+                cmd += ["--kv-event-model", model]
         return cmd
 
 
 PEERS: tuple[Peer, ...] = (
+    # smg's event-driven index (--kv-index) has no flag naming a vLLM ZMQ publisher, so
+    # its cache_aware here is the approximate radix tree it builds from its own routing.
     Peer("smg:cache_aware", "smg", "smg", ("--policy", "cache_aware", "--backend", "vllm")),
     Peer("vllm-router:cache_aware", "vllm-router", "vllm-router", ("--policy", "cache_aware")),
     # Fed by the pods' KV events (ZMQ): only when the pods publish them.
@@ -80,7 +85,7 @@ class RunningPeer:
 
 
 def start(peer: Peer, addresses: list[str], log_dir: Path, kv_events: dict[str, str] | None,
-          timeout_s: float = 120.0) -> RunningPeer | str:
+          model: str | None = None, timeout_s: float = 120.0) -> RunningPeer | str:
     """The peer running in front of `addresses`, ready to route; or why it is not."""
     exe = peer.executable()
     if exe is None:
@@ -90,7 +95,7 @@ def start(peer: Peer, addresses: list[str], log_dir: Path, kv_events: dict[str, 
     taken: set[int] = set()
     port, prom = procs.free_port(None, taken), procs.free_port(None, taken)
     p = procs.spawn(peer.name.replace(":", "-"),
-                    peer.command(exe, port, prom, addresses, kv_events),
+                    peer.command(exe, port, prom, addresses, kv_events, model),
                     log_dir / f"{peer.name.replace(':', '-')}.log")
     url = f"http://127.0.0.1:{port}"
     try:
@@ -100,6 +105,24 @@ def start(peer: Peer, addresses: list[str], log_dir: Path, kv_events: dict[str, 
         procs.stop([p.pid])
         return f"failed to start: {str(e)[-300:]}"
     return RunningPeer(peer, p, url)
+
+
+# Log lines that say a peer ran without what its policy needs, and what they mean.
+LOG_SIGNS = {
+    "KV event batch must be an array": "it could not decode the pods' KV-event batches "
+                                       "(it wants vLLM's positional msgpack form), so its "
+                                       "KV index stayed empty",
+}
+
+
+def log_notes(running: RunningPeer) -> list[str]:
+    """What the peer's log says went wrong, once per kind (counted)."""
+    try:
+        text = Path(running.proc.log).read_text(errors="replace")
+    except OSError:
+        return []
+    return [f"{meaning} ({text.count(sign)} log lines)" for sign, meaning in LOG_SIGNS.items()
+            if sign in text]
 
 
 def stop(running: RunningPeer) -> None:

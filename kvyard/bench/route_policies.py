@@ -59,8 +59,9 @@ def policies() -> list[Policy]:
 
 
 def select(names: list[str] | None) -> list[Policy]:
+    """None: every policy; [] none."""
     every = policies()
-    if not names:
+    if names is None:
         return every
     known = {p.name: p for p in every}
     unknown = [n for n in names if n not in known]

@@ -1,9 +1,8 @@
 """One `kvyard bench route` target (an EPP policy or a peer router) over a workload.
 
-Every target gets a fresh pool of pods (cold caches) started by
-`kvyard.stack.launch.start_stack`, exactly as `kvyard up` starts it: pods, the
-EPP with the policy's scheduler config, Envoy. A peer router is started in front
-of the same pods and is sent the traffic instead of Envoy. Each rung of the rate
+Every target gets a fresh pool (cold caches; `route_stack`): pods, the EPP with the
+policy's scheduler config, Envoy. A peer router is started in front of the same
+pods and is sent the traffic instead of Envoy. Each rung of the rate
 ladder is replayed open loop (requests leave at their arrival times whatever the
 answers do), and the pods' counters are read before and after it.
 """
@@ -24,34 +23,9 @@ from kvyard.bench.client import RequestResult, completion_body, stream
 from kvyard.bench.route_metrics import RungResult, Slo, pool_delta, scrape
 from kvyard.bench.route_peers import Peer
 from kvyard.bench.route_policies import Policy
+from kvyard.bench.route_stack import Pods
 from kvyard.bench.route_workload import RouteRequest
 from kvyard.stack import procs
-
-
-@dataclass(slots=True)
-class Pods:
-    """The pool every target fronts: `backend` "standin" (no model, instant answers;
-    tests and development) or "sim" (the cluster simulator, `profile` its hardware)."""
-
-    backend: str = "standin"
-    count: int = 8
-    profile: str = "h100"
-    standin_args: list[str] = field(default_factory=lambda: ["--tokens", "8",
-                                                             "--token-delay", "0.002"])
-
-    def stack_spec(self, run: Path, epp_config: Path | None):
-        from kvyard.stack.spec import StackSpec
-
-        spec = StackSpec(run_dir=run, workers=self.count, gateway_port=None,
-                         worker_base_port=None, epp_ports=(None, None, None), admin_port=None,
-                         scaler_port=None, kv_tiers=False, prestart=False,
-                         envoy_concurrency=2, body_limit_bytes=16 * 1024 * 1024,
-                         epp_args=["--config", str(epp_config)] if epp_config else [])
-        if self.backend == "standin":
-            spec.standin, spec.standin_args = True, list(self.standin_args)
-        else:
-            raise SystemExit(f"pods backend {self.backend!r} is not available in this build")
-        return spec
 
 
 @dataclass(slots=True)
@@ -98,6 +72,7 @@ class TargetRun:
     rungs: list[RungResult] = field(default_factory=list)
     unavailable: str | None = None
     epp_cpu_s_per_req: float = math.nan
+    notes: list[str] = field(default_factory=list)
 
     def summary(self, slo: Slo) -> dict:
         if self.unavailable:
@@ -105,15 +80,17 @@ class TargetRun:
         rows = [r.summary(slo) for r in self.rungs]
         top = dict(rows[-1]) if rows else {}
         top["by_rate"] = rows
-        top["epp_cpu_s_per_req"] = self.epp_cpu_s_per_req
+        if not math.isnan(self.epp_cpu_s_per_req):  # a peer's traffic skips the EPP
+            top["epp_cpu_s_per_req"] = self.epp_cpu_s_per_req
+        if self.notes:
+            top["notes"] = self.notes
         return top
 
 
 def run_target(name: str, pods: Pods, work: Workload, run_root: Path, timeout_s: float,
                policy: Policy | None = None, peer: Peer | None = None) -> TargetRun:
     """One target over every rung, on a pool of its own."""
-    from kvyard.bench import route_peers
-    from kvyard.stack.launch import start_stack, stop_stack
+    from kvyard.bench import route_peers, route_stack
 
     out = TargetRun(name)
     if policy is not None and policy.unavailable:
@@ -125,30 +102,30 @@ def run_target(name: str, pods: Pods, work: Workload, run_root: Path, timeout_s:
     run = run_root / name.replace(":", "-")
     shutil.rmtree(run, ignore_errors=True)
     run.mkdir(parents=True)
-    state = start_stack(pods.stack_spec(run, policy.write(run) if policy else None))
+    stack = route_stack.start(pods, run, policy.write(run) if policy else None)
     front = None
     try:
-        url = state.gateway_url
+        url = stack.url
+        model = _served_model(stack.addresses[0])
         if peer is not None:
-            front = route_peers.start(peer, state.endpoints, run / "logs", kv_events=None)
+            front = route_peers.start(peer, stack.addresses, run / "logs", stack.kv_events, model)
             if isinstance(front, str):
                 out.unavailable = front
                 return out
             url = front.url
-        model = _served_model(state.endpoints[0])
-        epp = next(p for p in state.procs if p.name == "epp")
-        cpu0, sent = procs.cpu_seconds(epp.pid), 0
+        cpu0, sent = procs.cpu_seconds(stack.epp.pid), 0
         for rate, reqs, texts, ideal in zip(work.rates, work.rungs, work.texts, work.ideal):
-            before = asyncio.run(scrape(state.endpoints))
+            before = asyncio.run(scrape(stack.addresses))
             results, wall = asyncio.run(replay(url, model, reqs, texts, timeout_s))
-            after = asyncio.run(scrape(state.endpoints))
+            after = asyncio.run(scrape(stack.addresses))
             hit, imbalance = pool_delta(before, after)
             out.rungs.append(RungResult(rate, results, wall, hit, imbalance, ideal))
             sent += len(reqs)
         if peer is None:
-            out.epp_cpu_s_per_req = (procs.cpu_seconds(epp.pid) - cpu0) / max(1, sent)
+            out.epp_cpu_s_per_req = (procs.cpu_seconds(stack.epp.pid) - cpu0) / max(1, sent)
     finally:
         if front is not None and not isinstance(front, str):
             route_peers.stop(front)
-        stop_stack(state)
+            out.notes += route_peers.log_notes(front)
+        route_stack.stop(stack)
     return out
