@@ -137,6 +137,7 @@ class BlockPool:
                 run, run_start = [], i + 1
                 continue
             seq.private -= 1
+            self.private -= 1
             self.in_use[h] = 1
             seq.refs.append(h)
             run.append(h)

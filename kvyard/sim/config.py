@@ -6,9 +6,11 @@
 --kv-cache-transfer-latency, --kv-cache-transfer-time-per-token,
 --kv-cache-transfer-time-std-dev, --seed. Durations are llm-d's: "100ms", "250us", "1.5s"
 (a bare number is milliseconds, as llm-d's deprecated integer form).
-kvyard's own: --profile, --itl-per-running-seq (ITL growth per extra running sequence),
---time-scale, --min-step, --pods/--ports/--roles (many pods in one process) and vLLM's
---kv-events-config (the worker's flag; its endpoints' ports are offset per pod).
+vLLM's --max-num-batched-tokens; kvyard's own: --profile, --itl-per-running-seq (ITL growth per extra running sequence),
+--time-scale, --min-step, --pods/--ports/--roles/--first-pod (many pods in one process) and
+vLLM's --kv-events-config (the worker's flag). A bound KV-event endpoint (a wildcard, as the
+worker's) and the replay endpoint get port + the pod's index in the pool; a connected one
+(llm-d's central listener) is shared by every pod.
 """
 from __future__ import annotations
 
@@ -54,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--roles", default=None,
                    help="comma-separated roles, one per pod (both|prefill|decode)")
     g.add_argument("--role", choices=ROLES, default="both", help="every pod's role")
+    g.add_argument("--first-pod", type=int, default=0, metavar="I",
+                   help="the first pod's index in the whole pool (KV-event ports and seeds are "
+                        "offset by the index, so several processes share one flag set)")
     g.add_argument("--advertise-address", default=None,
                    help="one pod: the address it names itself by (x-kvyard-endpoint)")
     g.add_argument("--pd-key-file", default=None,
@@ -67,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(`kvyard sim calibrate` writes one)")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="running sequences per step at most (default: the profile's)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step at most, prefill chunks included (default: the "
+                        "profile's)")
     g.add_argument("--kv-cache-size", type=int, default=4096, help="KV blocks per pod")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the engine's 16)")
     g.add_argument("--enable-kvcache", action=argparse.BooleanOptionalAction, default=True,
@@ -106,6 +114,8 @@ def profile_of(a: argparse.Namespace) -> LatencyProfile:
             setattr(prof, attr, v)
     if a.max_num_seqs is not None:
         prof.max_num_seqs = a.max_num_seqs
+    if a.max_num_batched_tokens is not None:
+        prof.max_num_batched_tokens = a.max_num_batched_tokens
     return prof
 
 
@@ -114,14 +124,16 @@ def kv_events_of(a: argparse.Namespace) -> KVEventsConfig | None:
         cfg = KVEventsConfig.parse(a.kv_events_config)
         return cfg if cfg.active else None
     if a.zmq_endpoint:
+        # llm-d's topic: the subscriber reads the pod and the model from it
         return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
-                              endpoint=a.zmq_endpoint, replay_endpoint=a.kv_events_replay_endpoint)
+                              endpoint=a.zmq_endpoint, replay_endpoint=a.kv_events_replay_endpoint,
+                              topic="kv@{address}@{model}")
     return None
 
 
 def plan_pods(a: argparse.Namespace) -> list[PodPlan]:
     """Each pod's port, role, address and KV-event endpoints (offset by the pod's index)."""
-    from kvyard.sim.events import offset_endpoint
+    from kvyard.sim.events import binds, offset_endpoint
 
     ports = [int(x) for x in a.ports.split(",")] if a.ports else \
         [a.port + i for i in range(a.pods)]
@@ -134,11 +146,14 @@ def plan_pods(a: argparse.Namespace) -> list[PodPlan]:
         raise ValueError("--advertise-address names one pod")
     base = kv_events_of(a)
     out = []
-    for i, (port, role) in enumerate(zip(ports, roles)):
+    for i, (port, role) in enumerate(zip(ports, roles), start=a.first_pod):
         addr = a.advertise_address or f"{a.host}:{port}"
         ev = None
         if base is not None and a.enable_kvcache:
-            ev = replace(base, endpoint=offset_endpoint(base.endpoint, i),
+            # a bound endpoint is each pod's own (port + index); a connected one is a
+            # central subscriber that every pod publishes to (llm-d's --zmq-endpoint)
+            ev = replace(base, endpoint=offset_endpoint(base.endpoint, i)
+                         if binds(base.endpoint) else base.endpoint,
                          replay_endpoint=base.replay_endpoint and
                          offset_endpoint(base.replay_endpoint, i))
         out.append(PodPlan(port, role, addr, ev))

@@ -16,6 +16,7 @@ max_tokens, so two runs of a trace produce the same bytes.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from kvyard.sim.cache import BlockPool, SeqBlocks
 from kvyard.sim.latency import LatencyModel
 
 REASONS = ("stop", "length", "abort")
+log = logging.getLogger("kvyard.sim.engine")
 
 
 @dataclass(slots=True, eq=False)
@@ -36,6 +38,7 @@ class SimRequest:
     output_ids: list[int] = field(default_factory=list)
     blocks: SeqBlocks = field(default_factory=SeqBlocks)
     cached_tokens: int = 0
+    prefill_left: int = 0             # tokens still to compute before the first token
     prefilled: bool = False
     finish_reason: str | None = None
     aborted: bool = False
@@ -65,10 +68,12 @@ class EngineCounters:
 class SimEngine:
     def __init__(self, pool: BlockPool, model: LatencyModel, max_num_seqs: int,
                  filler: list[int], min_step_s: float = 0.002,
-                 publish: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
+                 publish: Callable[[list[dict[str, Any]]], None] | None = None,
+                 max_num_batched_tokens: int = 8192) -> None:
         self.pool = pool
         self.model = model
         self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max(1, max_num_batched_tokens)
         self.filler = filler or [0]
         self.min_step_s = min_step_s
         self.publish = publish
@@ -106,7 +111,7 @@ class SimEngine:
     def prompt_tokens_pending(self) -> int:
         """Prompt tokens admitted but not computed yet (queued or mid-prefill)."""
         return sum(len(r.prompt_ids) + len(r.output_ids) for r in self.waiting) + \
-            sum(len(r.prompt_ids) - r.cached_tokens for r in self.running if not r.prefilled)
+            sum(r.prefill_left for r in self.running if not r.prefilled)
 
     # ---- the loop ------------------------------------------------------------------------
     async def run(self) -> None:
@@ -115,40 +120,47 @@ class SimEngine:
                 self._wake.clear()
                 await self._wake.wait()
             self._drop_aborted()
-            await self.step()
+            try:
+                await self.step()
+            except Exception:  # noqa: BLE001 - a bug must not leave clients waiting forever
+                log.exception("simulated step failed; aborting its requests")
+                for r in [*self.running, *self.waiting]:
+                    r.aborted = True
 
     async def step(self) -> None:
-        """Admit, sleep the step's simulated duration, hand out tokens."""
+        """Admit, plan the step (decodes first, then prefill chunks within the token budget),
+        sleep its simulated duration, hand out tokens."""
+        loop = asyncio.get_running_loop()
+        began = loop.time()  # the step's own work counts towards its duration
         admitted = self._admit()
         decoding = [r for r in self.running if r.prefilled]
-        k = self._tokens_per_wake(decoding, admitted)
+        k = self._tokens_per_wake(decoding)
         decoding = self._make_room(decoding, k)
+        chunks = self._plan_prefill(self.max_num_batched_tokens - len(decoding))
+        remote = [r for r in admitted if r.remote_prefill]
         dur = 0.0
-        local = [r for r in admitted if not r.remote_prefill]
-        if local:
-            dur += self.model.prefill(sum(len(r.all_ids) - r.cached_tokens for r in local))
-        for r in admitted:
-            if r.remote_prefill:
-                dur += self.model.transfer(len(r.all_ids) - r.cached_tokens)
+        if chunks:  # the fixed cost once per step that starts a prompt (TTFT's overhead)
+            first = any(r.prefill_left == len(r.all_ids) - r.cached_tokens for r, _ in chunks)
+            dur += self.model.prefill(sum(n for _, n in chunks), overhead=first)
+        for r in remote:
+            dur += self.model.transfer(len(r.all_ids) - r.cached_tokens)
         if decoding:
             dur += sum(self.model.itl(len(self.running)) for _ in range(k))
-        if dur > 0:
-            await asyncio.sleep(self.model.real(dur))
-        else:
-            await asyncio.sleep(0)
+        await asyncio.sleep(max(0.0, began + self.model.real(dur) - loop.time()))
         self.sim_time += dur
-        for r in admitted:
-            if r.aborted or r not in self.running:
-                continue
-            r.prefilled = True
-            self.pool.register(r.all_ids, r.blocks)
-            self.counters.prompt_tokens += len(r.prompt_ids)
-            self._emit(r, 1)
+        live = set(self.running)
+        for r, n in chunks:
+            if r in live and not r.aborted:
+                r.prefill_left -= n
+                if r.prefill_left <= 0:
+                    self._prefilled(r)
+        for r in remote:
+            if r in live and not r.aborted:
+                self._prefilled(r)
         for r in decoding:
-            if r in self.running and not r.aborted:
+            if r in live and not r.aborted:
                 self._emit(r, min(k, r.remaining))
-        done = [r for r in self.running if r.remaining <= 0]
-        for r in done:
+        for r in [r for r in self.running if r.remaining <= 0]:
             self._finish(r, "length")
         self._flush()
 
@@ -162,14 +174,37 @@ class SimEngine:
                 break  # first come, first served: the head waits for blocks
             self.waiting.popleft()
             r.cached_tokens = cached
+            r.prefill_left = 0 if r.remote_prefill else len(r.all_ids) - cached
             self.running.append(r)
             admitted.append(r)
         return admitted
 
-    def _tokens_per_wake(self, decoding: list[SimRequest], admitted: list[SimRequest]) -> int:
+    def _plan_prefill(self, budget: int) -> list[tuple[SimRequest, int]]:
+        """Prefill chunks for this step, first come first served, within `budget` tokens
+        (vLLM's chunked prefill: a long prompt no longer stalls every decode for its
+        whole prefill)."""
+        out: list[tuple[SimRequest, int]] = []
+        for r in self.running:
+            if budget <= 0:
+                break
+            if not r.prefilled and r.prefill_left > 0:
+                n = min(r.prefill_left, budget)
+                out.append((r, n))
+                budget -= n
+        return out
+
+    def _prefilled(self, r: SimRequest) -> None:
+        """The prompt is computed: its blocks are cached and its first token sampled."""
+        r.prefilled = True
+        r.prefill_left = 0
+        self.pool.register(r.all_ids, r.blocks)
+        self.counters.prompt_tokens += len(r.prompt_ids)
+        self._emit(r, 1)
+
+    def _tokens_per_wake(self, decoding: list[SimRequest]) -> int:
         """Decode steps merged into one wake-up when a step is shorter than `min_step_s` of
         wall time (high --time-scale): bounded CPU, ITL coarsened to that granularity."""
-        if not decoding or admitted or self.waiting:
+        if not decoding or self.waiting or len(decoding) < len(self.running):
             return 1
         real = self.model.real(self.model.itl_mean(len(self.running)))
         if real <= 0 or real >= self.min_step_s:
@@ -190,7 +225,7 @@ class SimEngine:
             self.pool.register(r.all_ids, r.blocks)
         self.pool.release(r.blocks)
         r.prefilled = False
-        r.cached_tokens = 0
+        r.cached_tokens = r.prefill_left = 0
         self.waiting.appendleft(r)
         self.counters.preemptions += 1
 
@@ -222,6 +257,10 @@ class SimEngine:
                 r.finish_reason = "abort"
                 self.counters.success["abort"] += 1
                 r.progress.set()
+        self._flush()
+
+    def flush_events(self) -> None:
+        """Publish what the pool reported outside a step (a cache reset)."""
         self._flush()
 
     def _flush(self) -> None:

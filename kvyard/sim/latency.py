@@ -34,9 +34,12 @@ class LatencyModel:
         self.rng = random.Random(self.seed)
 
     # ---- means (deterministic: what tests assert on) -------------------------------
-    def prefill_mean(self, uncached_tokens: int) -> float:
+    def prefill_mean(self, uncached_tokens: int, overhead: bool = True) -> float:
+        """TTFT's compute: the fixed cost (once per step that starts a prompt) plus the
+        uncached tokens; a chunk that continues a prompt pays only its tokens."""
         p = self.profile
-        return p.prefill_overhead + max(0, uncached_tokens) * p.prefill_time_per_token
+        return (p.prefill_overhead if overhead else 0.0) + \
+            max(0, uncached_tokens) * p.prefill_time_per_token
 
     def itl_mean(self, running: int) -> float:
         p = self.profile
@@ -53,8 +56,9 @@ class LatencyModel:
         v = self.rng.gauss(mean, std)
         return min(mean * (1 + _MAX_DEVIATION), max(mean * (1 - _MAX_DEVIATION), v))
 
-    def prefill(self, uncached_tokens: int) -> float:
-        return self._jitter(self.prefill_mean(uncached_tokens), self.profile.prefill_time_std_dev)
+    def prefill(self, uncached_tokens: int, overhead: bool = True) -> float:
+        return self._jitter(self.prefill_mean(uncached_tokens, overhead),
+                            self.profile.prefill_time_std_dev)
 
     def itl(self, running: int) -> float:
         return self._jitter(self.itl_mean(running), self.profile.inter_token_latency_std_dev)

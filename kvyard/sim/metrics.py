@@ -3,15 +3,11 @@ hand from the engine's counters at scrape time. The EPP scrapes every pod every 
 a prometheus_client registry per pod would cost more than the whole simulated step."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvyard.common import wire
-
-if TYPE_CHECKING:
-    from kvyard.sim.server import Pod
+from kvyard.sim.pod import Pod
 
 
-def render(pod: "Pod") -> bytes:
+def render(pod: Pod) -> bytes:
     e = pod.engine
     c = e.counters
     m = f'model_name="{pod.served[0]}"'

@@ -10,17 +10,14 @@ falls back to a local prefill, counted, as the worker does.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from kvyard.common import wire
-
-if TYPE_CHECKING:
-    from kvyard.sim.server import Pod
+from kvyard.sim.pod import Pod
 
 log = logging.getLogger("kvyard.sim.pd")
 
 
-async def remote_prefill(pod: "Pod", target: str, prompt_ids: list[int]) -> bool:
+async def remote_prefill(pod: Pod, target: str, prompt_ids: list[int]) -> bool:
     import aiohttp
 
     if pod.session is None:

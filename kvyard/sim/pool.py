@@ -23,7 +23,8 @@ from kvyard.sim.engine import SimEngine
 from kvyard.sim.events import SimPublisher
 from kvyard.sim.latency import LatencyModel
 from kvyard.sim.profiles import LatencyProfile
-from kvyard.sim.server import Pod, make_app
+from kvyard.sim.pod import Pod
+from kvyard.sim.server import make_app
 
 log = logging.getLogger("kvyard.sim")
 FILLER_TEXT = " The quick brown fox jumps over the lazy dog."
@@ -45,6 +46,7 @@ class PodSettings:
     time_scale: float = 1.0
     min_step_s: float = 0.002
     seed: int | None = None
+    first_pod: int = 0                   # this process's first pod in the pool (seeds)
     event_batch_size: int = 0
     served: list[str] = field(default_factory=list)
     pd_key: bytes | None = None
@@ -53,7 +55,8 @@ class PodSettings:
 def build_pod(plan: PodPlan, i: int, s: PodSettings, tok: ChatTokenizer,
               filler: tuple[list[int], dict[int, str]]) -> Pod:
     ids, texts = filler
-    model = LatencyModel(s.profile, s.time_scale, None if s.seed is None else s.seed + i)
+    model = LatencyModel(s.profile, s.time_scale,
+                         None if s.seed is None else s.seed + s.first_pod + i)
     pool = BlockPool(s.kv_cache_size, s.block_size, s.enable_kvcache)
     pub = None
     if plan.kv_events is not None:
@@ -61,7 +64,8 @@ def build_pod(plan: PodPlan, i: int, s: PodSettings, tok: ChatTokenizer,
         topic = plan.kv_events.topic.replace("{address}", plan.address).replace("{model}", served)
         pub = SimPublisher(plan.kv_events, topic.encode(), s.event_batch_size)
     engine = SimEngine(pool, model, s.profile.max_num_seqs, ids, s.min_step_s,
-                       publish=pub.publish if pub is not None else None)
+                       publish=pub.publish if pub is not None else None,
+                       max_num_batched_tokens=s.profile.max_num_batched_tokens)
     return Pod(address=plan.address, role=plan.role, engine=engine, tokenizer=tok,
                served=s.served or [tok.name], max_model_len=s.max_model_len,
                profile_name=s.profile.name, text_of=lambda t: texts.get(t) or tok.token_text(t),
@@ -116,6 +120,7 @@ def settings_of(a: Any, profile: LatencyProfile) -> PodSettings:
     return PodSettings(profile=profile, kv_cache_size=a.kv_cache_size, block_size=a.block_size,
                        enable_kvcache=a.enable_kvcache, max_model_len=a.max_model_len,
                        time_scale=a.time_scale, min_step_s=a.min_step, seed=a.seed,
+                       first_pod=a.first_pod,
                        event_batch_size=a.event_batch_size, served=list(a.served_model_name),
                        pd_key=key)
 

@@ -5,13 +5,20 @@ All durations are seconds of simulated time. The model (`latency.py`):
   ITL   = inter_token_latency + (running sequences - 1) x itl_per_running_seq
   P/D   = kv_transfer_latency + transferred tokens x kv_transfer_time_per_token
 each with a normal jitter of the given standard deviation (clamped as llm-d-inference-sim
-clamps it: never more than 70% off the mean).
+clamps it: never more than 70% off the mean). A step's token budget
+(`max_num_batched_tokens`) splits long prompts into chunks, as vLLM's and kvyard's chunked
+prefill do: cpu-demo keeps `kvyard worker`'s default (1,024), the GPU profiles vLLM's
+default for `vllm serve` on 70+ GiB GPUs (8,192).
 
 Built-in profiles:
-- `cpu-demo`: the demo model on kvyard's CPU worker (2 cores). Defaults from
-  docs/benchmarks.md (a cold 2,000-token prompt 1.59 s vs 0.062 s on a prefix hit; float32
-  decode 62.6 tok/s at 1 stream, 215.8 tok/s at 32); `kvyard sim calibrate` measures a real
-  worker on this machine and writes a profile JSON to load with `--profile FILE`.
+- `cpu-demo`: the demo model on kvyard's CPU worker (2 cores), measured by `kvyard sim
+  calibrate` (defaults: prompts of 16/256/1,024 tokens x3, 1 and 4 streams of 32 tokens) on
+  the 2-core dev box on 2026-12-05: TTFT 92 ms + 0.89 ms per prompt token (docs/benchmarks.md
+  agrees: a cold 2,000-token prompt 1.59 s), ITL 16.2 ms + 0.76 ms per extra stream. The
+  prefill jitter is set to 20 ms, not the fit's 0.14 s residual (other jobs shared the box
+  during the run). P/D transfer is not measured (no peer): 5 ms + 20 us per token, a
+  loopback-TCP guess. Re-measure with `kvyard sim calibrate --out F`, load with
+  `--profile F`.
 - `h100`: llm-d-inference-sim's "8B-class model on H100, balanced load" per-token profile
   (docs/latency-profiles.md, manifests/latency-profiles/8b-h100-balanced-per-token.yaml):
   prefill-overhead 30 ms, prefill-time-per-token 250 us (std 5 ms), inter-token-latency 12 ms
@@ -43,6 +50,7 @@ class LatencyProfile:
     kv_transfer_time_per_token: float = 0.0
     kv_transfer_std_dev: float = 0.0
     max_num_seqs: int = 128
+    max_num_batched_tokens: int = 8192  # the step's token budget (chunked prefill)
     source: str = ""
 
     def to_json(self) -> dict:
@@ -68,11 +76,12 @@ class LatencyProfile:
 
 BUILTIN: dict[str, LatencyProfile] = {
     "cpu-demo": LatencyProfile(
-        name="cpu-demo", prefill_overhead=0.05, prefill_time_per_token=0.00077,
-        inter_token_latency=0.016, itl_per_running_seq=0.0043,
-        prefill_time_std_dev=0.01, inter_token_latency_std_dev=0.002,
+        name="cpu-demo", prefill_overhead=0.092, prefill_time_per_token=0.00089,
+        inter_token_latency=0.0162, itl_per_running_seq=0.00076,
+        prefill_time_std_dev=0.02, inter_token_latency_std_dev=0.0053,
         kv_transfer_latency=0.005, kv_transfer_time_per_token=0.00002, max_num_seqs=32,
-        source="docs/benchmarks.md (CPU box, demo model); `kvyard sim calibrate` re-measures"),
+        max_num_batched_tokens=1024,
+        source="kvyard sim calibrate, demo model on the 2-core dev box, 2026-12-05"),
     "h100": LatencyProfile(
         name="h100", prefill_overhead=0.030, prefill_time_per_token=0.000250,
         inter_token_latency=0.012, itl_per_running_seq=0.0008,

@@ -2,9 +2,10 @@
 its engine, block pool and KV-event publisher.
 
 Routes: POST /v1/completions and /v1/chat/completions (JSON or SSE, `usage`, stream
-usage with `stream_options.include_usage`), GET /health, /metrics, /v1/models, and the
-probes of SGLang's router (`/get_model_info`, `/get_server_info`, `/get_load`) and
-vllm-router (`/health`, `/v1/models`, `/metrics`). Every answer carries
+usage with `stream_options.include_usage`), GET /health, /metrics, /v1/models, and what
+SGLang's router (smg 1.13) and vllm-router 0.1.17 probe, per the paths in their wheels:
+/get_model_info, /get_server_info, /server_info, /get_load(s), /version, /ping,
+/health_generate, /flush_cache (and vLLM's /reset_prefix_cache). Every answer carries
 `x-kvyard-endpoint`. P/D: a decode pod given a signed `x-prefiller-host-port` asks
 that prefill pod for the prefill (`max_tokens` 1, `kv_transfer_params.do_remote_decode`),
 then pays the transfer time instead of the prefill (pd.py).
@@ -12,48 +13,18 @@ then pays the transfer time instead of the prefill (pd.py).
 from __future__ import annotations
 
 import itertools
-import time
-from dataclasses import dataclass, field
-from typing import Any
 
 from aiohttp import web
 
 from kvyard.common import pd_auth, wire
 from kvyard.common.openai_shapes import DONE, Shaper, Usage
-from kvyard.common.tokenizer import ChatTokenizer
 from kvyard.sim import metrics
-from kvyard.sim.engine import SimEngine, SimRequest
-from kvyard.sim.events import SimPublisher
+from kvyard.sim.engine import SimRequest
+from kvyard.sim.pod import Pod
 from kvyard.sim.requests import ApiError, GenerateSpec, parse_generate
 
 POD: web.AppKey["Pod"] = web.AppKey("kvyard_sim_pod")
 _ids = itertools.count(1)
-
-
-@dataclass(slots=True)
-class Pod:
-    address: str
-    role: str
-    engine: SimEngine
-    tokenizer: ChatTokenizer
-    served: list[str]
-    max_model_len: int
-    profile_name: str
-    text_of: Any                         # token id -> the text it adds (filler ids only)
-    publisher: SimPublisher | None = None
-    pd_key: bytes | None = None
-    session: Any = None                  # aiohttp.ClientSession for P/D prefill legs
-    handoffs: int = 0
-    fallbacks: int = 0
-    rejected: int = 0
-    started: float = field(default_factory=time.time)
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {wire.ENDPOINT_HEADER: self.address}
-
-    def text(self, ids: list[int]) -> str:
-        return "".join(self.text_of(i) for i in ids)
 
 
 def _error(pod: Pod, e: ApiError) -> web.Response:
@@ -214,6 +185,24 @@ async def _load(request: web.Request) -> web.Response:
                              headers=pod.headers)
 
 
+async def _ok(request: web.Request) -> web.Response:
+    """/ping and /health_generate: alive (a simulated pod has no model to fail)."""
+    return web.Response(text="ok", headers=request.app[POD].headers)
+
+
+async def _version(request: web.Request) -> web.Response:
+    return web.json_response({"version": "kvyard-sim"}, headers=request.app[POD].headers)
+
+
+async def _flush(request: web.Request) -> web.Response:
+    """SGLang's /flush_cache, vLLM's /reset_prefix_cache: unreferenced cached blocks go
+    (AllBlocksCleared on the KV-event stream)."""
+    pod = request.app[POD]
+    pod.engine.pool.clear()
+    pod.engine.flush_events()
+    return web.Response(text="ok", headers=pod.headers)
+
+
 def make_app(pod: Pod) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[POD] = pod
@@ -223,6 +212,14 @@ def make_app(pod: Pod) -> web.Application:
     app.router.add_get("/get_model_info", _model_info)
     app.router.add_get("/get_server_info", _server_info)
     app.router.add_get("/get_load", _load)
+    app.router.add_get("/get_loads", _load)
+    app.router.add_get("/server_info", _server_info)
+    app.router.add_get("/version", _version)
+    app.router.add_get("/ping", _ok)
+    app.router.add_get("/health_generate", _ok)
+    for path in ("/flush_cache", "/reset_prefix_cache"):
+        app.router.add_post(path, _flush)
+    app.router.add_get("/flush_cache", _flush)
     app.router.add_post("/v1/completions", _generate)
     app.router.add_post("/v1/chat/completions", _generate)
     return app

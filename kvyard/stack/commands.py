@@ -49,6 +49,10 @@ def worker_cmd(spec: StackSpec, port: int | str, extra: list[str] | None = None,
                pd_key: Path | None = None) -> list[str]:
     addr = f"127.0.0.1:{port}"
     role_args = ["--role", role] + (["--pd-key-file", str(pd_key)] if pd_key else [])
+    if spec.sim:  # a simulated pod in a process of its own (scale to zero's workers)
+        from kvyard.stack.sim_pool import pod_cmd
+
+        return pod_cmd(spec, port, role, pd_key)
     if spec.standin:  # stand-ins take their own flags (e.g. --token-delay) and the kv ones
         return py_module("kvyard.stack.standin", "--port", str(port), "--advertise-address", addr,
                          *role_args, *spec.standin_args, *(kv_args or []))

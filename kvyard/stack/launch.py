@@ -56,7 +56,13 @@ def start_stack(spec: StackSpec) -> StackState:
         addresses = []
         roles = spec.roles()
         pd_key = pd_key_file(run) if spec.disaggregated else None
-        for i, role in enumerate(roles):
+        sim_pods = bool(spec.sim) and not spec.scale_to_zero  # many pods per process
+        if sim_pods:
+            from kvyard.stack.sim_pool import spawn_sim_pods
+
+            addresses, sim_checks = spawn_sim_pods(spec, roles, taken, logs, pd_key, started.add)
+            checks += sim_checks
+        for i, role in enumerate([] if sim_pods else roles):
             base = spec.worker_base_port
             port = procs.free_port(None if base is None else base + i, taken)
             addresses.append(f"127.0.0.1:{port}")
@@ -108,6 +114,8 @@ def start_stack(spec: StackSpec) -> StackState:
                        procs=list(started), spec={"workers": len(roles), "model": spec.model,
                                             "prefill": spec.prefill, "decode": spec.decode,
                                             "dtype": spec.dtype, "standin": spec.standin,
+                                            "sim": spec.sim, "sim_profile": spec.sim_profile,
+                                            "sim_kv_cache_size": spec.sim_kv_cache_size,
                                             "kv_pool_tier": spec.kv_pool_tier if spec.kv_tiers
                                             else None, "started": time.time(),
                                             "scale_to_zero": spec.scale_to_zero},

@@ -20,7 +20,8 @@ def start_autoscaler(spec: StackSpec, run: Path, add: Callable[[Proc], Proc], sc
     pool = resize.Pool(role="both", template=worker_cmd(spec, resize.PORT, kv_args=kv_args),
                        env_files=kv_env_files, min_replicas=0, max_replicas=n, next_index=n,
                        pool=spec.pool_name, warm=None if not spec.prestart else
-                       ["aiohttp"] if spec.standin else list(prestart.WORKER_WARM))
+                       ["aiohttp"] if spec.standin else
+                       ["aiohttp", "kvyard.sim.pool"] if spec.sim else list(prestart.WORKER_WARM))
     target = autoscale.Target(spec.pool_name, "both", 0, n, spec.idle_seconds,
                               spec.polling_seconds, spec.scale_window_s)
     (run / autoscale.FILE).unlink(missing_ok=True)  # a previous stack's wishes are not ours

@@ -40,6 +40,12 @@ class StackSpec:
     # Stand-in workers (no model): for tests and benchmarks of the routing path.
     standin: bool = False
     standin_args: list[str] = field(default_factory=list)
+    # Simulated pods (kvyard.sim, `kvyard up --sim N`): `workers`/`prefill`/`decode` of them,
+    # many per process (kvyard.stack.sim_pool). 0: real workers.
+    sim: int = 0
+    sim_profile: str = "cpu-demo"
+    sim_kv_cache_size: int = 4096
+    sim_args: list[str] = field(default_factory=list)
     worker_base_port: int | None = 8100
     epp_ports: tuple[int | None, int | None, int | None] = (
         wire.EPP_EXT_PROC_PORT, wire.EPP_HEALTH_PORT, wire.EPP_METRICS_PORT)

@@ -267,12 +267,16 @@ def run(args: argparse.Namespace) -> int:
         for r, (kv, pd) in zip(rows, pool.map(worker_view, [r["address"] for r in rows])):
             r["kvstore"] = kv
             r["pd"] = pd
+    from kvyard.stack.sim_pool import sim_view
+
+    sim = sim_view(state)  # the simulated pods' processes (rows keep the workers' columns)
     sup = supervisor_view(state)
     scaler = epp_scaler(doc, state.epp_metrics_url, stack_roles(state.spec))
     auto = autoscaler_view(state, doc)
     if args.json:
         print(json.dumps({"gateway": state.gateway_url, "endpoints": rows, "supervisor": sup,
-                          "scaler": scaler, "autoscaler": auto, "flow": doc.get("flow")},
+                          "scaler": scaler, "autoscaler": auto, "flow": doc.get("flow"),
+                          "sim": sim},
                          indent=2))
         return 0
     print(f"gateway: {state.gateway_url}")
@@ -284,6 +288,9 @@ def run(args: argparse.Namespace) -> int:
     for x in cells:
         print("  ".join(v.ljust(w) for v, w in zip(x, widths)).rstrip())
     print(_fmt_supervisor(sup))
+    if sim is not None:
+        print(f"simulated: {sim['pods']} pods (profile {sim['profile']}) in "
+              f"{len(sim['processes'])} process(es)")
     flow = doc.get("flow")
     if flow:
         print(f"flow control: {flow['parked']} parked (no ready endpoint), {flow['queued']} "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import sys
 
@@ -61,9 +62,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "next worker, so a wake-up skips the imports (default on)")
     p.add_argument("--restart", action="store_true", help="stop a running stack first")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    p.add_argument("--sim", type=int, default=0, metavar="N",
+                   help="N simulated pods (kvyard sim: the worker's protocol, a latency model "
+                        "instead of the model) instead of workers; with --prefill K, K of them "
+                        "prefill and N-K decode")
+    p.add_argument("--sim-profile", default="cpu-demo",
+                   help="the pods' latency profile: cpu-demo, h100, h200 or a JSON file "
+                        "(kvyard sim calibrate)")
+    p.add_argument("--sim-kv-cache-size", type=int, default=4096, metavar="BLOCKS",
+                   help="each simulated pod's KV cache, in blocks of 16 tokens")
+    p.add_argument("--sim-args", default="", metavar="'FLAGS'",
+                   help="more `kvyard sim serve` flags for every pod, e.g. '--time-scale 10 "
+                        "--zmq-endpoint tcp://*:5557' (endpoint ports go up by one per pod)")
     # Model-free workers, for tests and routing benchmarks.
     p.add_argument("--standin-workers", action="store_true", help=argparse.SUPPRESS)
     add_run_dir(p)
+
+
+def _sim_counts(args: argparse.Namespace) -> str | None:
+    """`--sim N [--prefill K]` as the workers/prefill/decode counts; the error, if any."""
+    if not args.sim:
+        return None
+    if args.sim < 1 or args.decode or args.prefill < 0 or args.prefill >= args.sim:
+        return "--sim N needs N >= 1; with --prefill K, 1 <= K < N (the rest decode)"
+    if args.prefill:
+        args.decode = args.sim - args.prefill
+    else:
+        args.workers = args.sim
+    return None
 
 
 def start_supervised(spec) -> str | None:
@@ -151,6 +177,10 @@ def run(args: argparse.Namespace) -> int:
         print("kvyard up: --kv-pool-tier redis needs redis-server (apt-get install "
               "redis-server)", file=sys.stderr)
         return 1
+    sim_error = _sim_counts(args)
+    if sim_error:
+        print(f"kvyard up: {sim_error}", file=sys.stderr)
+        return 2
     if (args.prefill > 0) != (args.decode > 0) or min(args.prefill, args.decode) < 0:
         print("kvyard up: P/D needs both --prefill N and --decode M (N, M >= 1)", file=sys.stderr)
         return 2
@@ -166,9 +196,18 @@ def run(args: argparse.Namespace) -> int:
                      kv_redis_max_memory=args.kv_redis_max_memory,
                      scale_to_zero=args.scale_to_zero, idle_seconds=args.idle_seconds,
                      polling_seconds=args.polling_seconds, prestart=args.prestart)
+    if args.sim:
+        from kvyard.stack.sim_pool import epp_args
+
+        spec.sim, spec.sim_profile = args.sim, args.sim_profile
+        spec.sim_kv_cache_size, spec.kv_tiers = args.sim_kv_cache_size, False
+        spec.sim_args = shlex.split(args.sim_args)
+        spec.epp_args = epp_args(args.sim)
     what = f"{args.prefill} prefill + {args.decode} decode worker(s)" if spec.disaggregated \
         else f"{args.workers} worker(s)" + (
             f" (to zero after {args.idle_seconds:g}s idle)" if args.scale_to_zero else "")
+    if args.sim:
+        what = what.replace("worker(s)", f"simulated pod(s) (profile {args.sim_profile})")
     print(f"kvyard: starting {what}, the EPP and Envoy (logs in {rd}/logs)", flush=True)
     error = start_supervised(spec)
     state = StackState.load(rd)
@@ -176,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvyard up failed, everything stopped: {error}", file=sys.stderr)
         return 1
     for p in [*state.procs, state.supervisor]:
-        print(f"  {p.name:<10} pid {p.pid:<8} {p.ports or ''}")
+        ports = p.ports if len(p.ports or {}) <= 4 else f"{len(p.ports)} pods"
+        print(f"  {p.name:<10} pid {p.pid:<8} {ports or ''}")
     print(f"gateway: {state.gateway_url}")
     print(f"status: {kvyard_command()} status    stop: {kvyard_command()} down")
     return 0

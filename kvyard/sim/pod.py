@@ -1,0 +1,39 @@
+"""One simulated pod's state: its address and role, engine, tokenizer, KV-event publisher
+and P/D counters; what the HTTP handlers (server.py), /metrics (metrics.py) and the
+prefill leg (pd.py) share."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvyard.common import wire
+from kvyard.common.tokenizer import ChatTokenizer
+from kvyard.sim.engine import SimEngine
+from kvyard.sim.events import SimPublisher
+
+
+@dataclass(slots=True)
+class Pod:
+    address: str
+    role: str
+    engine: SimEngine
+    tokenizer: ChatTokenizer
+    served: list[str]
+    max_model_len: int
+    profile_name: str
+    text_of: Any                         # token id -> the text it adds (filler ids only)
+    publisher: SimPublisher | None = None
+    pd_key: bytes | None = None
+    session: Any = None                  # aiohttp.ClientSession for P/D prefill legs
+    handoffs: int = 0
+    fallbacks: int = 0
+    rejected: int = 0
+    started: float = field(default_factory=time.time)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {wire.ENDPOINT_HEADER: self.address}
+
+    def text(self, ids: list[int]) -> str:
+        return "".join(self.text_of(i) for i in ids)
