@@ -32,7 +32,7 @@ from pathlib import Path
 DATA = Path(__file__).parent / "data"
 SYNTHETIC_TRACE = DATA / "route_mooncake_synthetic.jsonl"
 QUICK = {"pods": 8, "groups": 16, "prefix_tokens": 1000, "users": 4, "question_tokens": 200,
-         "output_tokens": 32, "rates": [4.0, 8.0], "duration": 8.0, "cost_pods": [8, 64],
+         "output_tokens": 32, "rates": [4.0, 8.0], "duration": 6.0, "cost_pods": [8, 64],
          "cost_iterations": 30, "cost_watch": 2.0}
 
 

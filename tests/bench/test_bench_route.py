@@ -80,11 +80,11 @@ def test_plot_is_an_svg_with_a_line_per_policy() -> None:
 
 
 def test_tiny_run_reports_every_key(tmp_path: Path) -> None:
-    """Two stand-in pods, a few requests, one peer when installed: the JSON's shape
-    and sane values (the stand-ins cache nothing, so the pool's hit rate is 0)."""
+    """Two simulated pods, a few requests, one peer when installed: the JSON's shape
+    and sane values (the pool never hits more than one infinite cache would)."""
     plot = tmp_path / "ttft.svg"
     argv = [sys.executable, "-m", "kvyard.cli", "bench", "route", "--json",
-            "--backend", "standin", "--pods", "2", "--groups", "3", "--prefix-tokens", "64",
+            "--backend", "sim", "--pods", "2", "--groups", "3", "--prefix-tokens", "64",
             "--users", "2", "--question-tokens", "16", "--output-tokens", "4",
             "--rates", "4", "8", "--duration", "1", "--policies", "random", "approx_prefix",
             "round_robin", "--peers", "smg:cache_aware", "--cost-pods", "4",
@@ -108,6 +108,8 @@ def test_tiny_run_reports_every_key(tmp_path: Path) -> None:
         assert p["ttft_p50"] <= p["ttft_p90"] <= p["ttft_p99"], name
         assert p["imbalance"] >= 1.0 and p["throughput_tok_s"] > 0, name
         assert [r["rate"] for r in p["by_rate"]] == [4.0, 8.0], name
+    assert ran["approx_prefix"]["hit_rate"] > 0
+    assert doc["config"]["cache_demand_ratio"] <= 1.0
     if "unavailable" in pol["smg:cache_aware"]:
         assert pol["smg:cache_aware"]["unavailable"] == "not installed"
     cost = doc["epp_cost"]
