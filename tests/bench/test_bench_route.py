@@ -118,3 +118,21 @@ def test_tiny_run_reports_every_key(tmp_path: Path) -> None:
     assert 0 < d["decision_p50"] <= d["decision_p99"] and d["index_mb"] > 0
     assert set(cost["cpu_s_per_request"]) == {"random", "approx_prefix"}
     assert plot.read_text().startswith("<svg")
+
+
+def test_trace_replay_builds_one_rung_at_the_trace_rate() -> None:
+    import argparse
+
+    from kvyard.bench.route import add_arguments, build_workload, pods_for
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--trace", "synthetic", "--trace-limit", "40", "--trace-speedup", "2",
+                         "--pods", "4", "--backend", "sim"])
+    work, desc = build_workload(args)
+    assert len(work.rungs) == 1 and len(work.rungs[0]) == 40 == desc["requests"]
+    assert work.rates[0] == 40 / work.rungs[0][-1].at_s
+    assert 0 < work.ideal[0] < 1
+    pods = pods_for(args, work, desc)
+    assert pods.kv_blocks is not None and desc["cache_demand_ratio"] <= 0.73 + 1e-9
+    assert pods.max_model_len >= max(r.prompt_tokens + r.output_tokens for r in work.rungs[0])
