@@ -26,6 +26,8 @@ for name, folder in ROOTS.items():
 setup(
     packages=packages,
     package_dir=ROOTS,
-    # *.c, *.h: kernels compiled on the host at first use (workers/cpu_ops)
-    package_data={"": ["*.yaml", "*.json", "*.jinja", "*.proto", "*.c", "*.h"]},
+    # *.c, *.h: kernels compiled on the host at first use (workers/cpu_ops);
+    # data/*.jsonl: the bench's shipped traces (kvyard/bench/data)
+    package_data={"": ["*.yaml", "*.json", "*.jinja", "*.proto", "*.c", "*.h",
+                       "data/*.jsonl"]},
 )
