@@ -78,12 +78,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "before a 429")
     g.add_argument("--no-flow-control", action="store_true",
                    help="hold nothing: 503 at once with no endpoint, as a plain router")
+    g = p.add_argument_group("active-active replicas (replicas/: picks shared between EPPs)")
+    g.add_argument("--replica-port", type=int, default=None, metavar="PORT",
+                   help="publish this replica's picks on PORT (snapshots on PORT+1; default "
+                        "9005 once --peers or --peers-dns is given)")
+    g.add_argument("--peers", default="", metavar="HOST:PORT,...",
+                   help="the other replicas' --replica-port (a list including this one is fine)")
+    g.add_argument("--peers-dns", default=None, metavar="NAME:PORT",
+                   help="a headless Service of the EPP pods: every A record is a peer")
+    g.add_argument("--catch-up-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="longest a starting replica waits for a peer's recent picks before "
+                        "reporting ready")
     p.add_argument("--log-level", default="info")
 
 
 def config_from_args(args: argparse.Namespace):
     from .app import EppConfig
     from .pool.discovery_k8s import selector_string
+    from .replicas.peers import parse_peers
     return EppConfig(
         host=args.host, ext_proc_port=args.ext_proc_port, health_port=args.health_port,
         metrics_port=args.metrics_port, endpoints=list(args.endpoint),
@@ -98,7 +110,9 @@ def config_from_args(args: argparse.Namespace):
         scaler_port=None if args.scaler_port < 0 else args.scaler_port,
         no_endpoint_ttl_s=args.no_endpoint_ttl, queue_ttl_s=args.queue_ttl,
         flow_control=not args.no_flow_control, tls_cert_file=args.tls_cert_file,
-        tls_key_file=args.tls_key_file, tls_client_ca_file=args.tls_client_ca_file)
+        tls_key_file=args.tls_key_file, tls_client_ca_file=args.tls_client_ca_file,
+        replica_port=args.replica_port, peers=parse_peers(args.peers),
+        peers_dns=args.peers_dns, catch_up_timeout_s=args.catch_up_timeout)
 
 
 def run(args: argparse.Namespace) -> int:
