@@ -185,6 +185,7 @@ class EppApp:
                                     DnsPeers.parse(c.peers_dns) if c.peers_dns else None,
                                     host=c.host, catch_up_timeout_s=c.catch_up_timeout_s)
             self.director.on_pick = self.replicas.record
+            self.finisher.on_learn = self.replicas.learned
             self.director.stable_ties = True
         self.scaler = None
         if c.scaler_port is not None:

@@ -18,8 +18,11 @@ shared here:
   scheduler's PreRequest hooks: the precise scorer's speculative entries (expiring
   `speculativeTTL` after the *original* pick, by the message's wall time) or its
   fallback index, the `prefix-cache` index, and `pending += 1` on the endpoint.
-  Blocks hashed after the answer (the finisher's `learn`) stay local: the shared
-  part is what the pick knew, enough to make the next request of the prefix stick.
+  The whole prompt, once the finisher has hashed it after the answer, follows as a
+  `learned` message and is taught to the peers' PostResponse plugins as the
+  finisher teaches the local ones (the precise scorer's speculative keys stay those
+  known at the pick; the events confirm the rest within a prefill). A pick that
+  reaches a replica twice (live and in a snapshot) is applied once.
 * **Deterministic tie-breaking.** With replicas configured the director orders the
   candidates by address and seeds the picker's random tie-break from the prompt's
   first block hash (`stable_seed`), so two replicas in the same state pick the same

@@ -34,6 +34,9 @@ class PickApplier:
             if ep is None:  # not in this replica's pool (yet): nothing to credit
                 continue
             n += 1
+            if p.learned:  # as the finisher teaches a local pick's whole prompt
+                self.scheduler.learn(p.address, p.hashes)
+                continue
             age = max(0.0, wall - p.t)
             for pl in plugins:
                 if isinstance(pl, PrecisePrefixScorer):

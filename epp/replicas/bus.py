@@ -56,12 +56,22 @@ class PickBus:
     _out: list[Pick] = field(default_factory=list)
     _recent: deque = field(default_factory=deque)  # Picks, oldest first
     _tasks: list[asyncio.Task] = field(default_factory=list)
+    # Picks applied lately, by (address, time, learned): a pick that arrives both live and
+    # in a snapshot (a replica catching up while its peer keeps picking) counts once.
+    _seen: set = field(default_factory=set)
+    _seen_order: deque = field(default_factory=deque)
     ports: dict[str, int] = field(default_factory=dict)
 
     # ---- sending -----------------------------------------------------------------
     def record(self, req: SchedRequest, d: Decision) -> None:
         """A local pick (Director.on_pick): queued, sent at the end of this loop turn."""
-        picks = pick_of(req, d, time.time())
+        self._queue(pick_of(req, d, time.time()))
+
+    def learned(self, address: str, hashes: list[int]) -> None:
+        """A local pick's whole prompt, once hashed (Finisher.on_learn)."""
+        self._queue([Pick(address, hashes, {}, time.time(), learned=True)])
+
+    def _queue(self, picks: list[Pick]) -> None:
         if not self._out:
             try:
                 asyncio.get_running_loop().call_soon(self.flush)
@@ -140,8 +150,20 @@ class PickBus:
                 continue
             self.messages += 1
             self.received += len(picks)
-            self.applied += self.applier.apply(picks)
-            self._recent.extend(picks)  # a later replica's snapshot has them too
+            self._apply(picks, count=True)
+
+    def _apply(self, picks: list[Pick], count: bool) -> None:
+        new = []
+        for p in picks:
+            key = (p.address, p.t, p.learned)
+            if key not in self._seen:
+                self._seen.add(key)
+                self._seen_order.append(key)
+                new.append(p)
+        while len(self._seen_order) > self.snapshot_max:
+            self._seen.discard(self._seen_order.popleft())
+        self.applied += self.applier.apply(new, count)
+        self._recent.extend(new)  # a later replica's snapshot has them too
 
     async def _serve_snapshots(self) -> None:
         assert self._router is not None
@@ -180,8 +202,7 @@ class PickBus:
                 for f in done:
                     sender, picks = decode(f.result()[-1])
                     if sender != self.rid:
-                        self.applied += self.applier.apply(picks, count=False)
-                        self._recent.extend(picks)
+                        self._apply(picks, count=False)
                         for f2 in pending:
                             f2.cancel()
                         return

@@ -18,10 +18,12 @@ class Pick:
     hashes: list[int]  # the prompt's block hashes known at the pick (approximate index)
     keys: dict[int, list[int]] = field(default_factory=dict)  # engine block size -> own keys
     t: float = 0.0  # wall time of the pick: peers expire speculative entries from it
+    # The whole prompt, hashed after the answer (the finisher's `learn`), not a new pick.
+    learned: bool = False
 
     def row(self) -> list:
         return [self.address, _pack(self.hashes), {bs: _pack(k) for bs, k in self.keys.items()},
-                self.t]
+                self.t, self.learned]
 
 
 def _pack(hashes: list[int]) -> bytes:
@@ -48,5 +50,5 @@ def encode(sender: bytes, picks: list[Pick]) -> bytes:
 
 def decode(data: bytes) -> tuple[bytes, list[Pick]]:
     sender, rows = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    return sender, [Pick(a, _unpack(h), {int(k): _unpack(v) for k, v in keys.items()}, t)
-                    for a, h, keys, t in rows]
+    return sender, [Pick(a, _unpack(h), {int(k): _unpack(v) for k, v in keys.items()}, t,
+                         bool(learned)) for a, h, keys, t, learned in rows]
