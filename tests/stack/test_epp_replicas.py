@@ -68,3 +68,44 @@ def test_an_epp_replica_killed_under_load_costs_no_request(tmp_path: Path, h,
             t.join(30)
         stop_stack(state)
     assert statuses.count(200) == len(statuses), [s for s in statuses if s != 200]
+
+
+def test_the_local_gateway_lists_every_replica_health_checked_with_stream_retries(
+        tmp_path: Path) -> None:
+    import subprocess
+
+    import yaml
+
+    from kvyard.gateway.config import EPP_CLUSTER, GatewayConfig, render_yaml
+    from kvyard.gateway.envoy import envoy_binary
+
+    cfg = GatewayConfig(epp_address="127.0.0.1:19002",
+                        epp_addresses=["127.0.0.1:19002", "127.0.0.1:19012"],
+                        epp_health_ports=[19003, 19013], epp_stream_retries=1)
+    text = render_yaml(cfg)
+    doc = yaml.safe_load(text)
+    cluster = next(c for c in doc["static_resources"]["clusters"] if c["name"] == EPP_CLUSTER)
+    hosts = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert [(h["endpoint"]["address"]["socket_address"]["port_value"],
+             h["endpoint"]["health_check_config"]["port_value"]) for h in hosts] == \
+        [(19002, 19003), (19012, 19013)]
+    assert cluster["type"] == "STATIC"
+    assert cluster["health_checks"][0]["grpc_health_check"]["service_name"] == "readiness"
+    ext = _ext_proc(doc)
+    assert ext["failure_mode_allow"] is False  # still fail closed when no replica answers
+    assert ext["grpc_service"]["retry_policy"]["num_retries"] == 1
+    conf = tmp_path / "envoy.yaml"
+    conf.write_text(text)
+    out = subprocess.run([str(envoy_binary()), "--mode", "validate", "-c", str(conf)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    one = yaml.safe_load(render_yaml(GatewayConfig(epp_address="127.0.0.1:19002")))
+    single = next(c for c in one["static_resources"]["clusters"] if c["name"] == EPP_CLUSTER)
+    assert "health_checks" not in single and "outlier_detection" not in single
+    assert "retry_policy" not in _ext_proc(one)["grpc_service"]
+
+
+def _ext_proc(doc: dict) -> dict:
+    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    return next(f for f in hcm["typed_config"]["http_filters"]
+                if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
