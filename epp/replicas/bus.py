@@ -150,7 +150,10 @@ class PickBus:
                 continue
             self.messages += 1
             self.received += len(picks)
-            self._apply(picks, count=True)
+            try:
+                self._apply(picks, count=True)
+            except Exception:  # noqa: BLE001 - one bad pick must not stop the subscription
+                log.exception("replica pub/sub: applying a peer's picks failed")
 
     def _apply(self, picks: list[Pick], count: bool) -> None:
         new = []
@@ -183,7 +186,10 @@ class PickBus:
         except asyncio.TimeoutError:
             log.warning("no replica answered a snapshot in %.1fs; serving without one",
                         self.catch_up_timeout_s)
-        self.caught_up = True
+        except (zmq.ZMQError, ValueError, TypeError, msgpack.UnpackException) as e:
+            log.warning("replica snapshot failed (%s); serving without one", e)
+        finally:  # never left unready: the peers' live picks still arrive
+            self.caught_up = True
 
     async def _ask(self, peers: list[str]) -> None:
         assert self._ctx is not None
