@@ -403,6 +403,12 @@ def _epp_cluster(cfg: GatewayConfig) -> dict[str, Any]:
                                         "split_external_local_origin_errors": True,
                                         "base_ejection_time": "5s",
                                         "max_ejection_percent": 50}
+    if cfg.epp_stream_retries:
+        # As on the workers' cluster: Envoy's default of 3 concurrent retries turns a dead
+        # replica into 503s (every stream opened on it in the moment before it is ejected
+        # retries at once); each stream retries at most epp_stream_retries times anyway.
+        cluster["circuit_breakers"] = {"thresholds": [{"priority": "DEFAULT",
+                                                       "max_retries": _UNCAPPED}]}
     if cfg.epp_tls_ca_file:
         cluster["transport_socket"] = _epp_transport_socket(cfg)
     return cluster
