@@ -134,7 +134,11 @@ class PickBus:
     async def _follow_dns(self) -> None:
         assert self.dns is not None
         while True:
-            await self.connect(await self.dns.resolve())
+            now = await self.dns.resolve()
+            await self.connect(now)
+            for gone in self._connected - set(now) - set(self.peers):  # a pod that left
+                self._connected.discard(gone)
+                self._sub.disconnect(f"tcp://{gone}")
             await asyncio.sleep(self.dns_period_s)  # Endpoints change on pod churn only
 
     async def _receive(self) -> None:

@@ -159,3 +159,33 @@ def test_wire_round_trip_and_peer_parsing():
         except ValueError:
             continue
         raise AssertionError(bad)
+
+
+class _Records:
+    """A headless Service's A records, as the test sets them."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.addresses = addresses
+
+    async def resolve(self) -> list[str]:
+        return self.addresses
+
+
+async def test_peers_from_dns_follow_the_records():
+    """--peers-dns: every A record of the headless Service is a peer; a record that goes
+    away is disconnected (a pod that left)."""
+    a = _app(replica_port=0)
+    await a.replicas.start()
+    b = _app(peers_dns="epp-replicas.ns.svc:9005", replica_port=0)
+    assert b.replicas.dns.name == "epp-replicas.ns.svc" and b.replicas.dns.port == 9005
+    b.replicas.dns = records = _Records([f"127.0.0.1:{a.replicas.port}"])
+    b.replicas.dns_period_s = 0.01
+    try:
+        await b.replicas.start()
+        await wait_for(lambda: b.replicas.caught_up, what="the catch-up")
+        assert b.replicas.snapshot()["peers"] == [f"127.0.0.1:{a.replicas.port}"]
+        records.addresses = []
+        await wait_for(lambda: b.replicas.snapshot()["peers"] == [], what="the peer gone")
+    finally:
+        await a.replicas.close()
+        await b.replicas.close()
