@@ -26,7 +26,8 @@ shared here:
 * **Deterministic tie-breaking.** With replicas configured the director orders the
   candidates by address and seeds the picker's random tie-break from the prompt's
   first block hash (`stable_seed`), so two replicas in the same state pick the same
-  endpoint, and ties between different prompts still spread over the pool.
+  endpoint, and ties between different prompts still spread over the pool (`--seed`
+  then no longer matters: a per-process random stream would part the replicas).
 * **Late start.** A replica asks its peers' ROUTERs for their recent picks (those of
   the last `snapshot_window_s`, at most `snapshot_max` of them) and applies them
   before readiness turns SERVING; with no answer within `catch_up_timeout_s` it
