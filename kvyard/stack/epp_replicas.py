@@ -25,8 +25,9 @@ def _pair(taken: set[int]) -> int:
 
 
 def spawn_epps(spec: StackSpec, endpoints_file: Path, epp_args: list[str], taken: set[int],
-               logs: Path) -> list[Proc]:
-    """The first EPP is `epp` (with the KEDA scaler); more are `epp-1`, `epp-2`, ..."""
+               logs: Path, add: Callable[[Proc], Proc]) -> list[Proc]:
+    """The first EPP is `epp` (with the KEDA scaler); more are `epp-1`, `epp-2`, ...
+    Each is recorded (`add`) as it starts, so a failure part-way stops those started."""
     n = max(1, spec.epp_replicas)
     ports = [tuple(procs.free_port(p if i == 0 else None, taken) for p in spec.epp_ports)
              for i in range(n)]
@@ -46,8 +47,8 @@ def spawn_epps(spec: StackSpec, endpoints_file: Path, epp_args: list[str], taken
         else:  # one KEDA scaler per pool: the autoscaler asks the first EPP
             args[args.index("--scaler-port") + 1] = "-1"
         name = "epp" if i == 0 else f"epp-{i}"
-        out.append(procs.spawn(name, epp_cmd(spec.model, ports[i], endpoints_file, args),
-                               logs / f"{name}.log", ports=names))
+        out.append(add(procs.spawn(name, epp_cmd(spec.model, ports[i], endpoints_file, args),
+                                   logs / f"{name}.log", ports=names)))
     return out
 
 

@@ -82,12 +82,12 @@ def start_stack(spec: StackSpec) -> StackState:
         if pd_key is not None:
             epp_args = ["--config", str(pd_scheduler_config()), "--pd-key-file", str(pd_key),
                         *epp_args]
-        epps = [started.add(p) for p in spawn_epps(spec, endpoints_file, epp_args, taken,
-                                                   logs)]
+        epps = spawn_epps(spec, endpoints_file, epp_args, taken, logs, started.add)
         metrics_url = f"http://127.0.0.1:{epps[0].ports['metrics']}"
         gw_port = procs.free_port(spec.gateway_port, taken)
         admin_port = procs.free_port(spec.admin_port, taken)
-        cfg = GatewayConfig(listen_port=gw_port, epp_address=f"127.0.0.1:{epps[0].ports['ext_proc']}",
+        cfg = GatewayConfig(listen_port=gw_port,
+                            epp_address=f"127.0.0.1:{epps[0].ports['ext_proc']}",
                             admin_port=admin_port, body_limit_bytes=spec.body_limit_bytes)
         admin_url = f"http://127.0.0.1:{admin_port}"
         epp_checks = [(e, epp_sees(f"http://127.0.0.1:{e.ports['metrics']}", len(roles)))

@@ -61,7 +61,8 @@ def test_an_epp_replica_killed_under_load_costs_no_request(tmp_path: Path, h, wa
     def load() -> None:
         while not stop.is_set():
             t0 = time.monotonic()
-            results.append((t0, h.request(state.gateway_url, h.chat_body(f"{uuid.uuid4()}")).status))
+            r = h.request(state.gateway_url, h.chat_body(f"{uuid.uuid4()}"))
+            results.append((t0, r.status))
 
     threads = [threading.Thread(target=load) for _ in range(clients)]
     try:
