@@ -34,6 +34,10 @@ from .pool.discovery_k8s import K8sDiscovery
 from .pool.endpoints import EndpointPool, EndpointSpec
 from .pool.scraper import Scraper
 from .prompt import PromptHasher
+from .replicas.apply import PickApplier
+from .replicas.bus import PickBus
+from .replicas.peers import DnsPeers
+from .replicas.wire import REPLICA_PORT
 from .scaler.server import ScalerServer
 from .scheduling.config import build_scheduler, load_config, with_fallbacks
 from .scheduling.scheduler import Scheduler
@@ -81,6 +85,12 @@ class EppConfig:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None
+    # Active-active replicas (replicas/): the pick pub/sub port (None: a lone EPP; 0: any
+    # free pair, tests), the peers' pub ports, or a headless Service's name:port.
+    replica_port: int | None = None
+    peers: list[str] = field(default_factory=list)
+    peers_dns: str | None = None
+    catch_up_timeout_s: float = 5.0
 
 
 def _flow_config(sched_cfg: dict, c: EppConfig) -> FlowConfig:
@@ -131,6 +141,7 @@ class EppApp:
     scraper: Scraper | None = None
     scaler: ScalerServer | None = field(init=False)
     kv_events: KVEventSources | None = field(init=False)  # with a precise-prefix-cache scorer
+    replicas: PickBus | None = field(init=False)  # with --replica-port / --peers
     tokenizer_state: str = "none"  # none | loading | loaded | failed
     servicer: ExtProcServicer | None = None  # ext_proc; calls `director`
     _grpc: grpc.aio.Server | None = None
@@ -166,6 +177,16 @@ class EppApp:
             self.pool.on_change(self._membership_changed)
         self.director = Director(self.pool, sched, PromptHasher(block_size=sched.block_size),
                                  admission, self.metrics, self.finisher, _served_names(c))
+        self.replicas = None
+        if c.replica_port is not None or c.peers or c.peers_dns:
+            self.replicas = PickBus(PickApplier(sched, self.pool),
+                                    REPLICA_PORT if c.replica_port is None
+                                    else c.replica_port, list(c.peers),
+                                    DnsPeers.parse(c.peers_dns) if c.peers_dns else None,
+                                    host=c.host, catch_up_timeout_s=c.catch_up_timeout_s)
+            self.director.on_pick = self.replicas.record
+            self.finisher.on_learn = self.replicas.learned
+            self.director.stable_ties = True
         self.scaler = None
         if c.scaler_port is not None:
             self.scaler = ScalerServer(self.pool, self.demand, c.pool_name)
@@ -180,7 +201,8 @@ class EppApp:
             self.flow.release()
 
     def is_ready(self) -> bool:
-        return self.tokenizer_state in ("none", "loaded", "failed") and self.pool.ready()
+        return (self.tokenizer_state in ("none", "loaded", "failed") and self.pool.ready()
+                and (self.replicas is None or self.replicas.caught_up))
 
     def _debug(self) -> dict:
         h = self.director.hasher
@@ -189,7 +211,8 @@ class EppApp:
                 "index_backlog": self.finisher.backlog, "index_skipped": self.finisher.skipped,
                 "flow": self.flow.snapshot() if self.flow is not None else None,
                 "kv_events": self.kv_events.snapshot() if self.kv_events is not None else None,
-                "scaler": self.scaler.snapshot() if self.scaler is not None else None}
+                "scaler": self.scaler.snapshot() if self.scaler is not None else None,
+                "replicas": self.replicas.snapshot() if self.replicas is not None else None}
 
     def _credentials(self) -> grpc.ServerCredentials | None:
         """One per server: each follows the files on its own (tls.py)."""
@@ -229,6 +252,9 @@ class EppApp:
             self._k8s = K8sDiscovery(c.k8s_namespace, c.k8s_selector, c.target_port, self.pool,
                                      asyncio.get_running_loop())
             self._k8s.start()
+        if self.replicas is not None:  # after discovery: snapshot picks name known endpoints
+            await self.replicas.start()
+            self.ports["replicas"] = self.replicas.port
         if self.kv_events is not None:  # discovery has run: subscribe, then follow changes
             self.kv_events.sync()
             self.pool.on_change(self.kv_events.sync)
@@ -268,6 +294,8 @@ class EppApp:
             self._k8s.stop()
         if self.kv_events is not None:
             await self.kv_events.close()
+        if self.replicas is not None:
+            await self.replicas.close()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -20,6 +20,23 @@ def _endpoint(value: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _peers(value: str) -> list[str]:
+    from .replicas.peers import parse_peers
+    try:
+        return parse_peers(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _peers_dns(value: str) -> str:
+    from .replicas.peers import DnsPeers
+    try:
+        DnsPeers.parse(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("ports")
     g.add_argument("--host", default="0.0.0.0", help="bind address for all the servers")
@@ -78,6 +95,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "before a 429")
     g.add_argument("--no-flow-control", action="store_true",
                    help="hold nothing: 503 at once with no endpoint, as a plain router")
+    g = p.add_argument_group("active-active replicas (replicas/: picks shared between EPPs)")
+    g.add_argument("--replica-port", type=int, default=None, metavar="PORT",
+                   help="publish this replica's picks on PORT (snapshots on PORT+1; default "
+                        "9005 once --peers or --peers-dns is given)")
+    g.add_argument("--peers", default=[], type=_peers, metavar="HOST:PORT,...",
+                   help="the other replicas' --replica-port (a list including this one is fine)")
+    g.add_argument("--peers-dns", default=None, type=_peers_dns, metavar="NAME:PORT",
+                   help="a headless Service of the EPP pods: every A record is a peer")
+    g.add_argument("--catch-up-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="longest a starting replica waits for a peer's recent picks before "
+                        "reporting ready")
     p.add_argument("--log-level", default="info")
 
 
@@ -98,7 +126,9 @@ def config_from_args(args: argparse.Namespace):
         scaler_port=None if args.scaler_port < 0 else args.scaler_port,
         no_endpoint_ttl_s=args.no_endpoint_ttl, queue_ttl_s=args.queue_ttl,
         flow_control=not args.no_flow_control, tls_cert_file=args.tls_cert_file,
-        tls_key_file=args.tls_key_file, tls_client_ca_file=args.tls_client_ca_file)
+        tls_key_file=args.tls_key_file, tls_client_ca_file=args.tls_client_ca_file,
+        replica_port=args.replica_port, peers=list(args.peers),
+        peers_dns=args.peers_dns, catch_up_timeout_s=args.catch_up_timeout)
 
 
 def run(args: argparse.Namespace) -> int:

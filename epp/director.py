@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 from .admission import Admission, Held
 from .finisher import Finisher
@@ -32,6 +32,17 @@ from .scheduling.types import Decision, SchedRequest
 _EMPTY = LazyPrompt.of_hashes([])
 
 
+def _address(ep) -> str:
+    return ep.address
+
+
+def stable_seed(req: SchedRequest) -> int:
+    """The tie-break seed with replicas: the prompt's first block hash, the same on every
+    replica, so ties of one prompt break alike while different prompts still spread."""
+    first = req.prompt.get(0)
+    return 0 if first is None else first
+
+
 @dataclass(slots=True)
 class Director:
     pool: EndpointPool
@@ -41,6 +52,10 @@ class Director:
     metrics: EppMetrics
     finisher: Finisher
     served_models: list[str] = field(default_factory=list)
+    # Active-active replicas (epp/replicas/): every pick is told to the peers, and ties
+    # break by a stable order so replicas in the same state pick the same endpoint.
+    on_pick: Callable[[SchedRequest, Decision], None] | None = None
+    stable_ties: bool = False
 
     def parse(self, headers: Mapping[str, str], body: bytes | None) -> SchedRequest:
         """Parse and hash (lazily): the request as scheduling sees it; Rejection if bad."""
@@ -55,7 +70,14 @@ class Director:
 
     def schedule(self, req: SchedRequest) -> Decision | None:
         """The scheduling step admission runs, now or when it releases the request."""
-        return self.scheduler.schedule(req, self.pool.all())
+        if not self.stable_ties:
+            d = self.scheduler.schedule(req, self.pool.all())
+        else:
+            self.scheduler.rng.seed(stable_seed(req))
+            d = self.scheduler.schedule(req, sorted(self.pool.all(), key=_address))
+        if d is not None and self.on_pick is not None:
+            self.on_pick(req, d)
+        return d
 
     def handle(self, headers: Mapping[str, str], body: bytes | None) -> Decision | Held | Rejection:
         t0 = time.perf_counter()

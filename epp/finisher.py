@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .pool.endpoints import EndpointPool
 from .prompt import LazyPrompt
@@ -32,6 +33,8 @@ class Finisher:
     settle_timeout_s: float = 0.5
     backlog: int = 0
     skipped: int = 0
+    # Active-active replicas (replicas/): what was taught is told to the peers too.
+    on_learn: Callable[[str, list[int]], None] | None = None
     _pending: set = field(default_factory=set)
     _executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="epp-finish"))
@@ -61,6 +64,8 @@ class Finisher:
         for address in addresses:
             if self.pool.get(address) is not None:  # it may have left meanwhile
                 self.scheduler.learn(address, hashes)
+                if self.on_learn is not None:
+                    self.on_learn(address, hashes)
 
     async def settle(self) -> None:
         """Wait, at most `settle_timeout_s`, until earlier decisions are taught."""

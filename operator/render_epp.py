@@ -22,6 +22,32 @@ from .spec import ServiceSpec
 
 CONFIG_DIR = f"{rc.CONFIG_MOUNT}/epp"
 CONFIG_FILE = "scheduler.yaml"
+# spec.epp.replicas > 1 (kvyard.epp.replicas): the pick pub/sub port and its snapshot
+# port (the EPP's REPLICA_PORT and the next; the operator does not import the EPP).
+REPLICA_PORT = 9005
+
+
+def replicas_service(s: ServiceSpec) -> str:
+    """The headless Service of the EPP pods: the replicas find each other through its DNS
+    records, and the gateways list every replica from them (a STRICT_DNS cluster)."""
+    return f"{rc.name_of(s, 'epp')}-replicas"
+
+
+def _replica_args(s: ServiceSpec) -> list[str]:
+    if s.epp_replicas <= 1:
+        return []
+    return ["--replica-port", str(REPLICA_PORT),
+            "--peers-dns", f"{rc.service_host(s, replicas_service(s))}:{REPLICA_PORT}"]
+
+
+def _replicas_svc(s: ServiceSpec) -> dict[str, Any]:
+    """Not-ready pods included: a starting replica asks its peers for their picks before
+    it is ready, and the gateways health-check each replica themselves."""
+    svc = rc.service(s, replicas_service(s), "epp", None,
+                     [("ext-proc", wire.EPP_EXT_PROC_PORT), ("health", wire.EPP_HEALTH_PORT),
+                      ("picks", REPLICA_PORT), ("snapshots", REPLICA_PORT + 1)], headless=True)
+    svc["spec"]["publishNotReadyAddresses"] = True
+    return svc
 
 
 def epp_block_size(worker_block: int) -> int:
@@ -85,7 +111,7 @@ def epp_args(s: ServiceSpec, model_arg: str) -> list[str]:
         args += ["--served-model-name", s.model.served_name]
     if s.disaggregated:
         args += ["--pd-key-file", PD_KEY_FILE]
-    return args + render_tls.epp_args(s)
+    return args + _replica_args(s) + render_tls.epp_args(s)
 
 
 def _rbac(s: ServiceSpec) -> list[dict[str, Any]]:
@@ -131,7 +157,10 @@ def render_epp(s: ServiceSpec) -> list[dict[str, Any]]:
         "ports": [{"name": "ext-proc", "containerPort": wire.EPP_EXT_PROC_PORT, "protocol": "TCP"},
                   {"name": "health", "containerPort": wire.EPP_HEALTH_PORT, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": wire.EPP_METRICS_PORT, "protocol": "TCP"},
-                  {"name": "scaler", "containerPort": wire.EPP_SCALER_PORT, "protocol": "TCP"}],
+                  {"name": "scaler", "containerPort": wire.EPP_SCALER_PORT, "protocol": "TCP"},
+                  *([{"name": "picks", "containerPort": REPLICA_PORT, "protocol": "TCP"},
+                     {"name": "snapshots", "containerPort": REPLICA_PORT + 1, "protocol": "TCP"}]
+                    if s.epp_replicas > 1 else [])],
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"},
                       "limits": {"memory": "2Gi"}},
         "volumeMounts": mounts, "securityContext": rc.container_security(),
@@ -140,6 +169,8 @@ def render_epp(s: ServiceSpec) -> list[dict[str, Any]]:
         "livenessProbe": {**grpc, "periodSeconds": 10, "failureThreshold": 3},
     }
     pod = {"serviceAccountName": name, "containers": [container], "volumes": vols}
+    if s.epp_replicas > 1:
+        pod["topologySpreadConstraints"] = rc.spread(s, "epp")
     # A scheduler change must restart the EPP (it reads its config once).
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(wire.EPP_METRICS_PORT),
                    "kvyard.io/config-hash": rc.digest(text)}
@@ -151,6 +182,7 @@ def render_epp(s: ServiceSpec) -> list[dict[str, Any]]:
         for port in svc["spec"]["ports"]:
             port.pop("appProtocol", None)
     cert = render_tls.certificate(s)
+    extra = [_replicas_svc(s)] if s.epp_replicas > 1 else []
     return [*_rbac(s), cm, *([cert] if cert else []),
-            rc.deployment(s, name, "epp", None, pod, 1, annotations), svc]
+            rc.deployment(s, name, "epp", None, pod, s.epp_replicas, annotations), svc, *extra]
 

@@ -1,10 +1,12 @@
 """The Envoy gateway: ConfigMap (the bootstrap `kvyard gateway-config` renders, from
 the same `kvyard.gateway.config`), Deployment, Service.
 
-Two replicas by default (spec.gateway.replicas), spread over nodes. The EPP stays one:
-its prefix index, flow-control queues and the demand KEDA's scaler reads are per
-replica, so a second EPP would split them (it restarts within seconds, and the
-gateway fails closed with a retryable 503 meanwhile).
+Two replicas by default (spec.gateway.replicas), spread over nodes. The EPP is one
+unless spec.epp.replicas says more: then the EPP cluster is the EPP pods' headless
+Service (STRICT_DNS: one host per pod), each replica health-checked on its readiness
+and a failed ext_proc stream retried on another (kvyard.epp.replicas). Flow-control
+queues and the demand KEDA's scaler reads stay per replica (KEDA asks the Service,
+one replica at a time).
 
 Envoy listens on 8080 on the pod's addresses; its admin stays on 127.0.0.1:9901,
 so the kubelet cannot reach it and the probes run inside the container (`/ready`).
@@ -22,6 +24,7 @@ from kvyard.gateway.envoy import envoy_command
 
 from . import render_common as rc
 from . import render_tls
+from .render_epp import replicas_service
 from .spec import ServiceSpec
 
 CONFIG_DIR = f"{rc.CONFIG_MOUNT}/gateway"
@@ -36,10 +39,16 @@ def epp_host(s: ServiceSpec) -> str:
 
 
 def gateway_config(s: ServiceSpec) -> GatewayConfig:
-    return GatewayConfig(listen_port=wire.GATEWAY_HTTP_PORT, listen_address="0.0.0.0",
-                         epp_address=f"{epp_host(s)}:{wire.EPP_EXT_PROC_PORT}",
-                         admin_port=wire.GATEWAY_ADMIN_PORT,
-                         **render_tls.gateway_options(s, epp_host(s)))
+    cfg = GatewayConfig(listen_port=wire.GATEWAY_HTTP_PORT, listen_address="0.0.0.0",
+                        epp_address=f"{epp_host(s)}:{wire.EPP_EXT_PROC_PORT}",
+                        admin_port=wire.GATEWAY_ADMIN_PORT,
+                        **render_tls.gateway_options(s, epp_host(s)))
+    if s.epp_replicas > 1:  # TLS keeps the Service's name as SNI (gateway_options)
+        cfg.epp_address = (f"{rc.service_host(s, replicas_service(s))}:"
+                           f"{wire.EPP_EXT_PROC_PORT}")
+        cfg.epp_health_ports = [wire.EPP_HEALTH_PORT]
+        cfg.epp_stream_retries = s.epp_replicas - 1
+    return cfg
 
 
 def envoy_args(concurrency: int = 2) -> list[str]:

@@ -207,6 +207,13 @@ SPEC = _obj("An inference service: model, engine, pools, routing, KV store.", {
                                  "before a 503; the gateway holds at most 900 s.",
                                  minimum=1, maximum=900, default=300),
     }, default={}),
+    "epp": _obj("kvyard's endpoint picker.", {
+        "replicas": _int("Active-active EPP replicas: each sees every pod, they share their "
+                         "picks over a pub/sub among them (a headless Service), and the "
+                         "gateways balance ext_proc streams over them, retrying a failed "
+                         "stream on another. 1: a single EPP.", minimum=1, maximum=16,
+                         default=1),
+    }, default={}),
     "gateway": _obj("kvyard's Envoy gateway.", {
         "replicas": _int("Gateway replicas (stateless; spread over nodes).", minimum=1,
                          maximum=100, default=2),

@@ -154,6 +154,7 @@ class ServiceSpec:
     cold_start_seconds: int = 300
     autoscaling: bool = False
     gateway_replicas: int = 2
+    epp_replicas: int = 1  # active-active EPPs (kvyard.epp.replicas)
     slo: dict[str, int] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict)
     defaults: Defaults = field(default_factory=Defaults)
@@ -304,4 +305,5 @@ def parse(body: dict[str, Any], defaults: Defaults | None = None) -> ServiceSpec
         autoscaling=bool((raw.get("autoscaling") or {}).get("enabled")),
         inference_pool=bool(raw["inferencePool"].get("enabled")),
         gateway_replicas=_int(raw["gateway"].get("replicas", 2), "spec.gateway.replicas", 1, 100),
+        epp_replicas=_int((raw.get("epp") or {}).get("replicas", 1), "spec.epp.replicas", 1, 16),
         slo=dict(raw.get("slo") or {}), raw=raw, defaults=defaults or Defaults())

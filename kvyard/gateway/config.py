@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvyard.common.wire import DESTINATION_HEADER, MAX_HOLD_S, ROUTING_HEADERS, WORKERS_CLUSTER
@@ -103,6 +103,16 @@ class GatewayConfig:
     # Envoy's own certificate, for an EPP that asks for one (mutual TLS).
     epp_tls_cert_file: str | None = None
     epp_tls_key_file: str | None = None
+    # Active-active EPP replicas (epp/replicas/): every replica's ext_proc address (empty:
+    # epp_address alone). Envoy balances ext_proc streams over them.
+    epp_addresses: list[str] = field(default_factory=list)
+    # The replicas' gRPC health ports, one per address (or one for all: a Service name);
+    # set, Envoy checks each replica's `readiness` and sends new streams only to ready ones.
+    epp_health_ports: list[int] = field(default_factory=list)
+    epp_health_interval_s: float = 0.5
+    # Retries of an ext_proc stream that fails before any answer (connect failure, reset,
+    # UNAVAILABLE) on another replica; 0: none (one EPP has no other host to try).
+    epp_stream_retries: int = 0
 
 
 def _duration(seconds: float) -> str:
@@ -198,8 +208,7 @@ def _http_filters(cfg: GatewayConfig) -> list[dict[str, Any]]:
             "name": "envoy.filters.http.ext_proc",
             "typed_config": {
                 "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-                "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER},
-                                 "timeout": _duration(cfg.ext_proc_timeout_s)},
+                "grpc_service": _epp_grpc_service(cfg),
                 "failure_mode_allow": False,
                 "message_timeout": _duration(cfg.ext_proc_timeout_s),
                 "max_message_timeout": _duration(max(cfg.max_hold_s, cfg.ext_proc_timeout_s)),
@@ -311,6 +320,14 @@ def _local_replies(cfg: GatewayConfig) -> dict[str, Any]:
     ]}
 
 
+def _epp_grpc_service(cfg: GatewayConfig) -> dict[str, Any]:
+    svc: dict[str, Any] = {"envoy_grpc": {"cluster_name": EPP_CLUSTER},
+                           "timeout": _duration(cfg.ext_proc_timeout_s)}
+    if cfg.epp_stream_retries:
+        svc["retry_policy"] = _epp_retry_policy(cfg)
+    return svc
+
+
 def _connection_manager(cfg: GatewayConfig) -> dict[str, Any]:
     early = {
         "name": "kvyard.strip_routing_headers",
@@ -365,9 +382,61 @@ def _epp_transport_socket(cfg: GatewayConfig) -> dict[str, Any]:
 def _epp_cluster(cfg: GatewayConfig) -> dict[str, Any]:
     cluster = _static_cluster(EPP_CLUSTER, cfg.epp_address, cfg.epp_connect_timeout_s,
                               http2=True)
+    hosts = cfg.epp_addresses or [cfg.epp_address]
+    if len(hosts) > 1 or cfg.epp_health_ports:
+        cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [
+            _epp_host(h, _health_port(cfg, i)) for i, h in enumerate(hosts)]}]
+    if cfg.epp_health_ports:
+        # A replica is sent new streams only while it says `readiness` SERVING (it has
+        # caught up with its peers); one failed check or a refused connection takes it out.
+        cluster["health_checks"] = [{
+            "timeout": _duration(cfg.epp_health_interval_s * 2),
+            "interval": _duration(cfg.epp_health_interval_s),
+            # Envoy's default re-checks a host without traffic once a minute: a replica
+            # that was not ready at the first check would stay out that long.
+            "no_traffic_interval": _duration(cfg.epp_health_interval_s),
+            "no_traffic_healthy_interval": _duration(cfg.epp_health_interval_s),
+            "unhealthy_threshold": 1, "healthy_threshold": 1,
+            "always_log_health_check_failures": False,
+            "grpc_health_check": {"service_name": "readiness"}}]
+        cluster["outlier_detection"] = {"consecutive_local_origin_failure": 1,
+                                        "split_external_local_origin_errors": True,
+                                        "base_ejection_time": "5s",
+                                        "max_ejection_percent": 50}
+    if cfg.epp_stream_retries:
+        # As on the workers' cluster: Envoy's default of 3 concurrent retries turns a dead
+        # replica into 503s (every stream opened on it in the moment before it is ejected
+        # retries at once); each stream retries at most epp_stream_retries times anyway.
+        cluster["circuit_breakers"] = {"thresholds": [{"priority": "DEFAULT",
+                                                       "max_retries": _UNCAPPED}]}
     if cfg.epp_tls_ca_file:
         cluster["transport_socket"] = _epp_transport_socket(cfg)
     return cluster
+
+
+def _health_port(cfg: GatewayConfig, i: int) -> int | None:
+    ports = cfg.epp_health_ports
+    return None if not ports else ports[i] if len(ports) > 1 else ports[0]
+
+
+def _epp_host(hostport: str, health_port: int | None) -> dict[str, Any]:
+    ep: dict[str, Any] = {"address": _socket_address(hostport)}
+    if health_port is not None:
+        ep["health_check_config"] = {"port_value": health_port}
+    return {"endpoint": ep}
+
+
+def _epp_retry_policy(cfg: GatewayConfig) -> dict[str, Any]:
+    """An ext_proc stream that fails before the EPP answered is opened again on another
+    replica (never the same one twice)."""
+    return {"retry_on": "connect-failure,refused-stream,reset,unavailable,cancelled",
+            "num_retries": cfg.epp_stream_retries,
+            "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.1s"},
+            "retry_host_predicate": [{
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {"@type": _T + "envoy.extensions.retry.host.previous_hosts."
+                                               "v3.PreviousHostsPredicate"}}],
+            "host_selection_retry_max_attempts": 3}
 
 
 def render(cfg: GatewayConfig) -> dict[str, Any]:

@@ -16,8 +16,9 @@ from typing import Callable
 from kvyard.gateway.config import GatewayConfig
 from kvyard.gateway.envoy import envoy_command, write_config
 from kvyard.stack import procs
-from kvyard.stack.commands import epp_cmd, kv_layout, pd_key_file, pd_scheduler_config, worker_cmd
+from kvyard.stack.commands import kv_layout, pd_key_file, pd_scheduler_config, worker_cmd
 from kvyard.stack.endpoints_file import write_endpoints
+from kvyard.stack.epp_replicas import epp_gateway, replicas_healthy, spawn_epps
 from kvyard.stack.procs import Proc
 from kvyard.stack.readiness import epp_sees, ready_check
 from kvyard.stack.spec import StackSpec
@@ -74,7 +75,6 @@ def start_stack(spec: StackSpec) -> StackState:
             checks.append((p, ready_check(f"http://127.0.0.1:{port}/health")))
         # Workers load models in parallel; wait for them before the EPP scrapes.
         procs.wait_ready(checks, spec.ready_timeout_s)
-        epp_ports = tuple(procs.free_port(p, taken) for p in spec.epp_ports)
         endpoints_file = write_endpoints(run / "endpoints.yaml", addresses, roles)
         scaler_port = procs.free_port(spec.scaler_port, taken)
         epp_args = ["--scaler-port", str(scaler_port), "--pool-name", spec.pool_name,
@@ -82,23 +82,26 @@ def start_stack(spec: StackSpec) -> StackState:
         if pd_key is not None:
             epp_args = ["--config", str(pd_scheduler_config()), "--pd-key-file", str(pd_key),
                         *epp_args]
-        epp = procs.spawn("epp", epp_cmd(spec.model, epp_ports, endpoints_file, epp_args),
-                          logs / "epp.log", ports={**dict(zip(("ext_proc", "health", "metrics"),
-                                                              epp_ports)),
-                                                   "scaler": scaler_port})
-        started.add(epp)
-        metrics_url = f"http://127.0.0.1:{epp_ports[2]}"
+        epps = spawn_epps(spec, endpoints_file, epp_args, taken, logs, started.add)
+        metrics_url = f"http://127.0.0.1:{epps[0].ports['metrics']}"
         gw_port = procs.free_port(spec.gateway_port, taken)
         admin_port = procs.free_port(spec.admin_port, taken)
-        cfg = GatewayConfig(listen_port=gw_port, epp_address=f"127.0.0.1:{epp_ports[0]}",
+        cfg = GatewayConfig(listen_port=gw_port,
+                            epp_address=f"127.0.0.1:{epps[0].ports['ext_proc']}",
                             admin_port=admin_port, body_limit_bytes=spec.body_limit_bytes)
+        admin_url = f"http://127.0.0.1:{admin_port}"
+        epp_checks = [(e, epp_sees(f"http://127.0.0.1:{e.ports['metrics']}", len(roles)))
+                      for e in epps]
+        envoy_ready = ready_check(admin_url + "/ready")
+        if len(epps) > 1:  # Envoy health-checks the replicas: start it once they are ready
+            epp_gateway(cfg, epps)
+            procs.wait_ready(epp_checks, spec.ready_timeout_s)
+            epp_checks, envoy_ready = [], replicas_healthy(admin_url, len(epps))
         conf = write_config(cfg, run / "envoy.yaml")
         envoy = procs.spawn("envoy", envoy_command(conf, concurrency=spec.envoy_concurrency),
                             logs / "envoy.log", ports={"http": gw_port, "admin": admin_port})
         started.add(envoy)
-        admin_url = f"http://127.0.0.1:{admin_port}"
-        procs.wait_ready([(epp, epp_sees(metrics_url, len(roles))),
-                          (envoy, ready_check(admin_url + "/ready"))], spec.ready_timeout_s)
+        procs.wait_ready([*epp_checks, (envoy, envoy_ready)], spec.ready_timeout_s)
         scaling = None
         if spec.scale_to_zero:
             from kvyard.stack.scaling import start_autoscaler  # its imports only when scaling
@@ -118,7 +121,8 @@ def start_stack(spec: StackSpec) -> StackState:
                                             "sim_kv_cache_size": spec.sim_kv_cache_size,
                                             "kv_pool_tier": spec.kv_pool_tier if spec.kv_tiers
                                             else None, "started": time.time(),
-                                            "scale_to_zero": spec.scale_to_zero},
+                                            "scale_to_zero": spec.scale_to_zero,
+                                            "epp_replicas": spec.epp_replicas},
                        scaling=scaling)
     state.save()
     return state

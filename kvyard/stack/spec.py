@@ -65,6 +65,8 @@ class StackSpec:
     kv_redis_max_memory: int = DEFAULT_MAX_MEMORY_BYTES
     worker_args: list[str] = field(default_factory=list)
     epp_args: list[str] = field(default_factory=list)
+    # Active-active EPPs behind the one Envoy, sharing their picks (kvyard.epp.replicas).
+    epp_replicas: int = 1
     # P/D: prefill + decode workers instead of `workers` colocated ones (both 0: colocated).
     prefill: int = 0
     decode: int = 0

@@ -273,10 +273,13 @@ def run(args: argparse.Namespace) -> int:
     sup = supervisor_view(state)
     scaler = epp_scaler(doc, state.epp_metrics_url, stack_roles(state.spec))
     auto = autoscaler_view(state, doc)
+    from kvyard.stack.epp_replicas import epps_view, fmt_epps
+
+    epps = epps_view(state)
     if args.json:
         print(json.dumps({"gateway": state.gateway_url, "endpoints": rows, "supervisor": sup,
                           "scaler": scaler, "autoscaler": auto, "flow": doc.get("flow"),
-                          "sim": sim},
+                          "sim": sim, "epps": epps},
                          indent=2))
         return 0
     print(f"gateway: {state.gateway_url}")
@@ -288,6 +291,8 @@ def run(args: argparse.Namespace) -> int:
     for x in cells:
         print("  ".join(v.ljust(w) for v, w in zip(x, widths)).rstrip())
     print(_fmt_supervisor(sup))
+    if len(epps) > 1:
+        print(fmt_epps(epps))
     if sim is not None:
         print(f"simulated: {sim['pods']} pods (profile {sim['profile']}) in "
               f"{len(sim['processes'])} process(es)")

@@ -74,6 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-args", default="", metavar="'FLAGS'",
                    help="more `kvyard sim serve` flags for every pod, e.g. '--time-scale 10 "
                         "--zmq-endpoint tcp://*:5557' (endpoint ports go up by one per pod)")
+    p.add_argument("--epp-replicas", type=int, default=1, metavar="N",
+                   help="N active-active EPPs behind Envoy, sharing their picks so they route "
+                        "as one (Envoy balances ext_proc streams and retries a failed one on "
+                        "another replica)")
     # Model-free workers, for tests and routing benchmarks.
     p.add_argument("--standin-workers", action="store_true", help=argparse.SUPPRESS)
     add_run_dir(p)
@@ -181,6 +185,9 @@ def run(args: argparse.Namespace) -> int:
     if sim_error:
         print(f"kvyard up: {sim_error}", file=sys.stderr)
         return 2
+    if args.epp_replicas < 1:
+        print("kvyard up: --epp-replicas must be >= 1", file=sys.stderr)
+        return 2
     if (args.prefill > 0) != (args.decode > 0) or min(args.prefill, args.decode) < 0:
         print("kvyard up: P/D needs both --prefill N and --decode M (N, M >= 1)", file=sys.stderr)
         return 2
@@ -195,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
                      kv_tiers=args.kv_tiers, kv_pool_tier=args.kv_pool_tier,
                      kv_redis_max_memory=args.kv_redis_max_memory,
                      scale_to_zero=args.scale_to_zero, idle_seconds=args.idle_seconds,
-                     polling_seconds=args.polling_seconds, prestart=args.prestart)
+                     polling_seconds=args.polling_seconds, prestart=args.prestart,
+                     epp_replicas=args.epp_replicas)
     if args.standin_workers:
         # Test stacks share a machine: a preferred port could be taken between the
         # free-port check and the bind, so every port is any free one.
@@ -213,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
             f" (to zero after {args.idle_seconds:g}s idle)" if args.scale_to_zero else "")
     if args.sim:
         what = what.replace("worker(s)", f"simulated pod(s) (profile {args.sim_profile})")
-    print(f"kvyard: starting {what}, the EPP and Envoy (logs in {rd}/logs)", flush=True)
+    epps = "the EPP" if args.epp_replicas == 1 else f"{args.epp_replicas} EPP replicas"
+    print(f"kvyard: starting {what}, {epps} and Envoy (logs in {rd}/logs)", flush=True)
     error = start_supervised(spec)
     state = StackState.load(rd)
     if error is not None or state is None:

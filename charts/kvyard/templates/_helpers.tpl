@@ -143,3 +143,16 @@ capabilities:
 {{- end -}}
 {{- join "," $names -}}
 {{- end -}}
+
+{{- /*
+EPP replicas of one listed service: spec.epp.replicas of the chart's own InferenceService
+(inferenceService.enabled and the name matches), else 1 (a service made elsewhere: unknown).
+*/ -}}
+{{- define "kvyard.eppReplicas" -}}
+{{- $is := .root.Values.inferenceService -}}
+{{- if and $is.enabled (eq .service $is.name) -}}
+{{- (($is.spec | default dict).epp | default dict).replicas | default 1 -}}
+{{- else -}}
+1
+{{- end -}}
+{{- end }}
