@@ -54,116 +54,27 @@ pass through untouched.
 """
 from __future__ import annotations
 
-import ipaddress
 import re
-from dataclasses import dataclass, field
 from typing import Any
 
-from kvyard.common.wire import DESTINATION_HEADER, MAX_HOLD_S, ROUTING_HEADERS, WORKERS_CLUSTER
+from kvyard.common.wire import DESTINATION_HEADER, ROUTING_HEADERS, WORKERS_CLUSTER
+from kvyard.gateway.epp_cluster import epp_cluster, epp_grpc_service
+from kvyard.gateway.spec import (EPP_CLUSTER, UNCAPPED, T, GatewayConfig, duration,
+                                 socket_address, static_cluster)
 
-_T = "type.googleapis.com/"
-EPP_CLUSTER = "kvyard_epp"
-_UNCAPPED = 2**32 - 1  # the largest circuit-breaker threshold Envoy takes (uint32)
-
-
-@dataclass(slots=True)
-class GatewayConfig:
-    """Everything that varies between a laptop stack, tests and a pod."""
-
-    listen_port: int = 8080
-    listen_address: str = "127.0.0.1"
-    epp_address: str = "127.0.0.1:9002"
-    admin_port: int = 9901
-    # Largest request body accepted; above it Envoy answers 413 itself.
-    body_limit_bytes: int = 4 * 1024 * 1024
-    # How long Envoy waits for one EPP answer; a 50k-token prompt must fit.
-    ext_proc_timeout_s: float = 5.0
-    # The longest the EPP may hold a request (its waiting room and flow-control queues):
-    # while it holds one it extends Envoy's per-message timeout up to this, in
-    # `override_message_timeout` answers; a silent EPP still fails at ext_proc_timeout_s.
-    max_hold_s: float = MAX_HOLD_S
-    # Generation can run for minutes, but a silent stream is dead. A request the EPP
-    # holds is silent too: the stream idle timeout covers the longest hold.
-    stream_idle_timeout_s: float = 300.0
-    upstream_connect_timeout_s: float = 2.0
-    # Retries on the EPP's fallback endpoints (connect failure or reset before a response).
-    upstream_retries: int = 2
-    epp_connect_timeout_s: float = 1.0
-    # Status Envoy returns when the EPP is unreachable or errors (fail closed).
-    status_on_epp_error: int = 503
-    # Cap on open client connections, so a flood cannot exhaust file descriptors.
-    max_connections: int = 20000
-    # A fixed upstream instead of the EPP: the baseline for `kvyard bench epp`.
-    direct_upstream: str | None = None
-    # TLS to the EPP (ext_proc and EDS): the CA its certificate must chain to; None: plaintext.
-    epp_tls_ca_file: str | None = None
-    # The name sent as SNI and required among the certificate's DNS names; None: the
-    # host of epp_address (in a pod, the EPP Service's name).
-    epp_tls_sni: str | None = None
-    # Envoy's own certificate, for an EPP that asks for one (mutual TLS).
-    epp_tls_cert_file: str | None = None
-    epp_tls_key_file: str | None = None
-    # Active-active EPP replicas (epp/replicas/): every replica's ext_proc address (empty:
-    # epp_address alone). Envoy balances ext_proc streams over them.
-    epp_addresses: list[str] = field(default_factory=list)
-    # The replicas' gRPC health ports, one per address (or one for all: a Service name);
-    # set, Envoy checks each replica's `readiness` and sends new streams only to ready ones.
-    epp_health_ports: list[int] = field(default_factory=list)
-    epp_health_interval_s: float = 0.5
-    # Retries of an ext_proc stream that fails before any answer (connect failure, reset,
-    # UNAVAILABLE) on another replica; 0: none (one EPP has no other host to try).
-    epp_stream_retries: int = 0
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds:g}s"
-
-
-def _socket_address(hostport: str) -> dict[str, Any]:
-    host, _, port = hostport.rpartition(":")
-    return {"socket_address": {"address": host.strip("[]"), "port_value": int(port)}}
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return False
-    return True
-
-
-def _static_cluster(name: str, hostport: str, connect_s: float, http2: bool) -> dict[str, Any]:
-    # An IP is STATIC; a name (a Kubernetes Service: `<svc>.<ns>.svc`) is re-resolved by DNS.
-    cluster: dict[str, Any] = {
-        "name": name,
-        "type": "STATIC" if _is_ip(hostport.rpartition(":")[0]) else "STRICT_DNS",
-        "connect_timeout": _duration(connect_s),
-        "load_assignment": {
-            "cluster_name": name,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket_address(hostport)}}]}],
-        },
-    }
-    if http2:
-        cluster["typed_extension_protocol_options"] = {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}},
-            }
-        }
-    return cluster
-
+__all__ = ["API_PATHS", "EPP_CLUSTER", "GatewayConfig", "HEALTH_PATH", "render", "render_yaml"]
 
 def _workers_cluster(cfg: GatewayConfig) -> dict[str, Any]:
     if cfg.direct_upstream:
-        return _static_cluster(WORKERS_CLUSTER, cfg.direct_upstream,
+        return static_cluster(WORKERS_CLUSTER, cfg.direct_upstream,
                                cfg.upstream_connect_timeout_s, http2=False)
     # Hosts from the EPP's EDS service (epp/xds.py); the EPP's answer picks among them,
     # in order (override host), so a retry goes to the next endpoint it listed.
-    lb = _T + "envoy.extensions.load_balancing_policies."
+    lb = T + "envoy.extensions.load_balancing_policies."
     return {
         "name": WORKERS_CLUSTER,
         "type": "EDS",
-        "connect_timeout": _duration(cfg.upstream_connect_timeout_s),
+        "connect_timeout": duration(cfg.upstream_connect_timeout_s),
         # Envoy's default cap of 3 concurrent retries per cluster turns failover into
         # 503s: when a worker dies, every request on it or just routed to it retries at
         # once (each holds a slot from its back-off until the retried attempt answers),
@@ -171,7 +82,7 @@ def _workers_cluster(cfg: GatewayConfig) -> dict[str, Any]:
         # the next host the EPP listed, at most `upstream_retries` per request, so there
         # is no storm to guard against: at most one retry per request in flight.
         "circuit_breakers": {"thresholds": [{"priority": "DEFAULT",
-                                             "max_retries": _UNCAPPED}]},
+                                             "max_retries": UNCAPPED}]},
         "eds_cluster_config": {"eds_config": {
             "resource_api_version": "V3",
             "api_config_source": {
@@ -200,18 +111,18 @@ def _http_filters(cfg: GatewayConfig) -> list[dict[str, Any]]:
     # and raises the stream's buffer limit so ext_proc's BUFFERED mode can hold it.
     filters: list[dict[str, Any]] = [{
         "name": "envoy.filters.http.buffer",
-        "typed_config": {"@type": _T + "envoy.extensions.filters.http.buffer.v3.Buffer",
+        "typed_config": {"@type": T + "envoy.extensions.filters.http.buffer.v3.Buffer",
                          "max_request_bytes": cfg.body_limit_bytes},
     }]
     if not cfg.direct_upstream:
         filters.append({
             "name": "envoy.filters.http.ext_proc",
             "typed_config": {
-                "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-                "grpc_service": _epp_grpc_service(cfg),
+                "@type": T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                "grpc_service": epp_grpc_service(cfg),
                 "failure_mode_allow": False,
-                "message_timeout": _duration(cfg.ext_proc_timeout_s),
-                "max_message_timeout": _duration(max(cfg.max_hold_s, cfg.ext_proc_timeout_s)),
+                "message_timeout": duration(cfg.ext_proc_timeout_s),
+                "max_message_timeout": duration(max(cfg.max_hold_s, cfg.ext_proc_timeout_s)),
                 "status_on_error": {"code": cfg.status_on_epp_error},
                 "send_body_without_waiting_for_header_response": True,
                 # Pinned with the EPP: headers and the whole body (one chunk, see above)
@@ -227,7 +138,7 @@ def _http_filters(cfg: GatewayConfig) -> list[dict[str, Any]]:
             },
         })
     filters.append({"name": "envoy.filters.http.router",
-                    "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"}})
+                    "typed_config": {"@type": T + "envoy.extensions.filters.http.router.v3.Router"}})
     return filters
 
 
@@ -243,16 +154,16 @@ _NOT_FOUND = ("not found: this gateway serves " + ", ".join(API_PATHS) + " and "
 def _local_only() -> dict[str, Any]:
     """Per-route: answered by Envoy itself, so neither the EPP nor the body buffer sees it."""
     return {"envoy.filters.http.ext_proc": {
-                "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+                "@type": T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
                 "disabled": True},
             "envoy.filters.http.buffer": {
-                "@type": _T + "envoy.extensions.filters.http.buffer.v3.BufferPerRoute",
+                "@type": T + "envoy.extensions.filters.http.buffer.v3.BufferPerRoute",
                 "disabled": True}}
 
 
 def _routes(cfg: GatewayConfig) -> list[dict[str, Any]]:
     upstream: dict[str, Any] = {"cluster": WORKERS_CLUSTER, "timeout": "0s",
-                                "idle_timeout": _duration(_idle_s(cfg))}
+                                "idle_timeout": duration(_idle_s(cfg))}
     if cfg.direct_upstream:
         return [{"match": {"prefix": "/"}, "route": upstream}]
     # A request whose response has not started is retried on the EPP's next endpoint.
@@ -288,7 +199,7 @@ def _local_reply(when: str, status_type: str, code: str, message: str,
     mapper: dict[str, Any] = {
         "filter": {"extension_filter": {
             "name": "envoy.access_loggers.extension_filters.cel",
-            "typed_config": {"@type": _T + "envoy.extensions.access_loggers.filters.cel.v3."
+            "typed_config": {"@type": T + "envoy.extensions.access_loggers.filters.cel.v3."
                                            "ExpressionFilter",
                              "expression": f"{_NOT_JSON} && ({when})"}}},
         "body_format_override": {"json_format": {"error": {
@@ -320,28 +231,20 @@ def _local_replies(cfg: GatewayConfig) -> dict[str, Any]:
     ]}
 
 
-def _epp_grpc_service(cfg: GatewayConfig) -> dict[str, Any]:
-    svc: dict[str, Any] = {"envoy_grpc": {"cluster_name": EPP_CLUSTER},
-                           "timeout": _duration(cfg.ext_proc_timeout_s)}
-    if cfg.epp_stream_retries:
-        svc["retry_policy"] = _epp_retry_policy(cfg)
-    return svc
-
-
 def _connection_manager(cfg: GatewayConfig) -> dict[str, Any]:
     early = {
         "name": "kvyard.strip_routing_headers",
         "typed_config": {
-            "@type": _T + "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+            "@type": T + "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
             "mutations": [{"remove": h} for h in ROUTING_HEADERS],
         },
     }
     return {
-        "@type": _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "@type": T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "kvyard_gateway",
         "codec_type": "AUTO",
         "early_header_mutation_extensions": [early],
-        "stream_idle_timeout": _duration(_idle_s(cfg)),
+        "stream_idle_timeout": duration(_idle_s(cfg)),
         "request_timeout": "0s",
         "route_config": {
             "name": "kvyard",
@@ -352,101 +255,14 @@ def _connection_manager(cfg: GatewayConfig) -> dict[str, Any]:
     }
 
 
-def epp_tls_sni(cfg: GatewayConfig) -> str:
-    return cfg.epp_tls_sni or cfg.epp_address.rpartition(":")[0].strip("[]")
-
-
-def _epp_transport_socket(cfg: GatewayConfig) -> dict[str, Any]:
-    """TLS to the EPP: its chain checked against the CA and its name against the SNI
-    (Envoy checks no name unless told to); h2 by ALPN, as gRPC servers expect."""
-    sni = epp_tls_sni(cfg)
-    common: dict[str, Any] = {
-        "alpn_protocols": ["h2"],
-        "validation_context": {
-            "trusted_ca": {"filename": cfg.epp_tls_ca_file},
-            "match_typed_subject_alt_names": [{
-                "san_type": "IP_ADDRESS" if _is_ip(sni) else "DNS",
-                "matcher": {"exact": sni}}]}}
-    if cfg.epp_tls_cert_file:
-        common["tls_certificates"] = [{
-            "certificate_chain": {"filename": cfg.epp_tls_cert_file},
-            "private_key": {"filename": cfg.epp_tls_key_file}}]
-    tls: dict[str, Any] = {
-        "@type": _T + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
-        "common_tls_context": common}
-    if not _is_ip(sni):  # SNI carries host names only
-        tls["sni"] = sni
-    return {"name": "envoy.transport_sockets.tls", "typed_config": tls}
-
-
-def _epp_cluster(cfg: GatewayConfig) -> dict[str, Any]:
-    cluster = _static_cluster(EPP_CLUSTER, cfg.epp_address, cfg.epp_connect_timeout_s,
-                              http2=True)
-    hosts = cfg.epp_addresses or [cfg.epp_address]
-    if len(hosts) > 1 or cfg.epp_health_ports:
-        cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [
-            _epp_host(h, _health_port(cfg, i)) for i, h in enumerate(hosts)]}]
-    if cfg.epp_health_ports:
-        # A replica is sent new streams only while it says `readiness` SERVING (it has
-        # caught up with its peers); one failed check or a refused connection takes it out.
-        cluster["health_checks"] = [{
-            "timeout": _duration(cfg.epp_health_interval_s * 2),
-            "interval": _duration(cfg.epp_health_interval_s),
-            # Envoy's default re-checks a host without traffic once a minute: a replica
-            # that was not ready at the first check would stay out that long.
-            "no_traffic_interval": _duration(cfg.epp_health_interval_s),
-            "no_traffic_healthy_interval": _duration(cfg.epp_health_interval_s),
-            "unhealthy_threshold": 1, "healthy_threshold": 1,
-            "always_log_health_check_failures": False,
-            "grpc_health_check": {"service_name": "readiness"}}]
-        cluster["outlier_detection"] = {"consecutive_local_origin_failure": 1,
-                                        "split_external_local_origin_errors": True,
-                                        "base_ejection_time": "5s",
-                                        "max_ejection_percent": 50}
-    if cfg.epp_stream_retries:
-        # As on the workers' cluster: Envoy's default of 3 concurrent retries turns a dead
-        # replica into 503s (every stream opened on it in the moment before it is ejected
-        # retries at once); each stream retries at most epp_stream_retries times anyway.
-        cluster["circuit_breakers"] = {"thresholds": [{"priority": "DEFAULT",
-                                                       "max_retries": _UNCAPPED}]}
-    if cfg.epp_tls_ca_file:
-        cluster["transport_socket"] = _epp_transport_socket(cfg)
-    return cluster
-
-
-def _health_port(cfg: GatewayConfig, i: int) -> int | None:
-    ports = cfg.epp_health_ports
-    return None if not ports else ports[i] if len(ports) > 1 else ports[0]
-
-
-def _epp_host(hostport: str, health_port: int | None) -> dict[str, Any]:
-    ep: dict[str, Any] = {"address": _socket_address(hostport)}
-    if health_port is not None:
-        ep["health_check_config"] = {"port_value": health_port}
-    return {"endpoint": ep}
-
-
-def _epp_retry_policy(cfg: GatewayConfig) -> dict[str, Any]:
-    """An ext_proc stream that fails before the EPP answered is opened again on another
-    replica (never the same one twice)."""
-    return {"retry_on": "connect-failure,refused-stream,reset,unavailable,cancelled",
-            "num_retries": cfg.epp_stream_retries,
-            "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.1s"},
-            "retry_host_predicate": [{
-                "name": "envoy.retry_host_predicates.previous_hosts",
-                "typed_config": {"@type": _T + "envoy.extensions.retry.host.previous_hosts."
-                                               "v3.PreviousHostsPredicate"}}],
-            "host_selection_retry_max_attempts": 3}
-
-
 def render(cfg: GatewayConfig) -> dict[str, Any]:
     """The full bootstrap as plain data (dump it as YAML or JSON)."""
     clusters = [_workers_cluster(cfg)]
     if not cfg.direct_upstream:
-        clusters.append(_epp_cluster(cfg))
+        clusters.append(epp_cluster(cfg))
     listener = {
         "name": "kvyard_gateway",
-        "address": _socket_address(f"{cfg.listen_address}:{cfg.listen_port}"),
+        "address": socket_address(f"{cfg.listen_address}:{cfg.listen_port}"),
         "filter_chains": [{"filters": [{
             "name": "envoy.filters.network.http_connection_manager",
             "typed_config": _connection_manager(cfg),
@@ -455,12 +271,12 @@ def render(cfg: GatewayConfig) -> dict[str, Any]:
     return {
         # xDS needs a node identity; the EPP serves every gateway the same pool.
         "node": {"id": f"kvyard-gateway-{cfg.listen_port}", "cluster": "kvyard-gateway"},
-        "admin": {"address": _socket_address(f"127.0.0.1:{cfg.admin_port}")},
+        "admin": {"address": socket_address(f"127.0.0.1:{cfg.admin_port}")},
         "static_resources": {"listeners": [listener], "clusters": clusters},
         "overload_manager": {"resource_monitors": [{
             "name": "envoy.resource_monitors.global_downstream_max_connections",
             "typed_config": {
-                "@type": _T + "envoy.extensions.resource_monitors.downstream_connections.v3."
+                "@type": T + "envoy.extensions.resource_monitors.downstream_connections.v3."
                               "DownstreamConnectionsConfig",
                 "max_active_downstream_connections": cfg.max_connections,
             },

@@ -146,7 +146,7 @@ def test_operator_flags_and_environment(monkeypatch) -> None:
     assert _flags("--epp-tls-issuer", "example.io/Issuer/x").issuer == {
         "name": "x", "kind": "Issuer", "group": "example.io"}
     for bad in (["--epp-tls-mutual"], ["--epp-tls-secret", "s", "--epp-tls-issuer", "Issuer/x"],
-                ["--epp-tls-issuer", "a/b/c/d"], ["--epp-tls-issuer", "Issuer/"]):
+                ["--epp-tls-issuer", "Kind/name/extra/part"], ["--epp-tls-issuer", "Issuer/"]):
         with pytest.raises(SystemExit):
             _flags(*bad)
     monkeypatch.setenv("KVYARD_EPP_TLS_SECRET", "from-env")
