@@ -8,18 +8,21 @@ pod) are summed for queue/running and maxed for KV usage.
 
 Three counters feed the KEDA scaler's online capacity measurement
 (`scaler/capacity.py`): prompt tokens prefilled, tokens generated, requests finished
-(summed over label sets; None when the worker does not export them).
+(summed over label sets; None when the worker does not export them). The prefix-cache
+hit and query counters are read too, for `kvyard bench route`'s pool hit rate.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kvyard.common.wire import (M_CACHE_CONFIG, M_GENERATION_TOKENS, M_KV_USAGE, M_KV_USAGE_OLD,
-                                M_PROMPT_TOKENS, M_PROMPT_TOKENS_PENDING, M_REQUEST_SUCCESS,
-                                M_RUNNING, M_SLEEPING, M_WAITING)
+                                M_PREFIX_HITS, M_PREFIX_QUERIES, M_PROMPT_TOKENS,
+                                M_PROMPT_TOKENS_PENDING, M_REQUEST_SUCCESS, M_RUNNING, M_SLEEPING,
+                                M_WAITING)
 
 _COUNTERS = {M_PROMPT_TOKENS: "prompt_tokens", M_GENERATION_TOKENS: "generation_tokens",
-             M_REQUEST_SUCCESS: "finished"}
+             M_REQUEST_SUCCESS: "finished", M_PREFIX_HITS: "prefix_hits",
+             M_PREFIX_QUERIES: "prefix_queries"}
 
 
 @dataclass(slots=True)
@@ -34,6 +37,8 @@ class WorkerMetrics:
     prompt_tokens: float | None = None  # vllm:prompt_tokens_total
     generation_tokens: float | None = None  # vllm:generation_tokens_total
     finished: float | None = None  # vllm:request_success_total, all finish reasons
+    prefix_hits: float | None = None  # vllm:prefix_cache_hits_total (tokens)
+    prefix_queries: float | None = None  # vllm:prefix_cache_queries_total (tokens)
     prompt_tokens_pending: float | None = None  # kvyard:prompt_tokens_pending (kvyard workers)
 
 

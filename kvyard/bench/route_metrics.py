@@ -16,7 +16,8 @@ import aiohttp
 
 from kvyard.bench.client import RequestResult
 from kvyard.bench.report import percentile
-from kvyard.common.wire import M_CACHE_CONFIG, M_PREFIX_HITS, M_PREFIX_QUERIES, M_REQUEST_SUCCESS
+from kvyard.common.wire import M_REQUEST_SUCCESS
+from kvyard.epp.pool.metrics_parse import parse_vllm_metrics
 
 KEYS = ("throughput_tok_s", "goodput", "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p99", "errors",
         "hit_rate", "ideal_hit_rate", "imbalance", "shed")
@@ -32,26 +33,11 @@ class PodCounters:
 
 
 def parse_counters(text: str) -> PodCounters:
-    """Sums each counter over its label sets; reads the cache size from cache_config_info."""
-    c = PodCounters()
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name == M_CACHE_CONFIG:
-            for kv in line[line.find("{") + 1:line.rfind("}")].split(","):
-                k, _, v = kv.partition("=")
-                v = v.strip('"')
-                if k == "num_gpu_blocks" and v.isdigit():
-                    c.num_gpu_blocks = int(v)
-                elif k == "block_size" and v.isdigit():
-                    c.block_size = int(v)
-            continue
-        attr = {M_PREFIX_HITS: "hits", M_PREFIX_QUERIES: "queries",
-                M_REQUEST_SUCCESS: "finished"}.get(name)
-        if attr is not None:
-            setattr(c, attr, getattr(c, attr) + float(line.rsplit(" ", 1)[1]))
-    return c
+    """Sums each counter over its label sets; reads the cache size from cache_config_info
+    (the EPP's own parser, so the bench reads pods exactly as the EPP does)."""
+    m = parse_vllm_metrics(text)
+    return PodCounters(m.prefix_hits or 0.0, m.prefix_queries or 0.0, m.finished or 0.0,
+                       m.num_gpu_blocks, m.block_size)
 
 
 async def _one(session: aiohttp.ClientSession, address: str) -> PodCounters:
