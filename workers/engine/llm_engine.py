@@ -22,7 +22,7 @@ from .config import EngineConfig
 from .guided.vocab import GuidedVocab, wants_guidance
 from .handoff import Handoff
 from .kv_loads import KVLoader
-from .model_runner import ModelRunner, kv_cache_bytes, num_blocks_for, resolve_device, resolve_dtype
+from .model_runner import PREFILL_GRAPH_MAX_TOKENS, ModelRunner, kv_cache_bytes, num_blocks_for, resolve_device, resolve_dtype
 from .sampler import Sampler, make_generator
 from .scheduler import Scheduler
 from .sequence import Sequence, output_of
@@ -47,7 +47,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.runner = ModelRunner(model, model_config, bs, num_blocks, self.dtype, config.num_threads,
                                   cuda_graphs=not config.enforce_eager, max_batch=config.max_num_seqs,
-                                  max_model_len=config.max_model_len)
+                                  max_model_len=config.max_model_len,
+                                  prefill_graph_tokens=min(config.max_num_batched_tokens, PREFILL_GRAPH_MAX_TOKENS))
         self.connector = config.kv_connector
         self.kv_loader: KVLoader | None = None
         if self.connector is not None:

@@ -128,14 +128,20 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
     return torch.frombuffer(m, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
+# One sequence's prefill steps up to this many tokens replay CUDA graphs (cuda_prefill.py);
+# larger ones are compute-bound, so their launches cost a rounding error.
+PREFILL_GRAPH_MAX_TOKENS = 2048
+
 class ModelRunner:
     def __init__(self, model, model_config, block_size: int, num_blocks: int, dtype: torch.dtype,
                  num_threads: int | None = None, single_thread_max_tokens: int | None = None,
                  cuda_graphs: bool = True, max_batch: int = 128, max_model_len: int | None = None,
-                 fixed_addresses: bool = True) -> None:
+                 fixed_addresses: bool = True, prefill_graph_tokens: int = 0) -> None:
         """On CUDA (the model's device) decode steps of up to `max_batch` sequences of up
         to `max_model_len` tokens replay CUDA graphs unless `cuda_graphs` is False
-        (--enforce-eager); plain greedy rows take their argmax on the GPU. With
+        (--enforce-eager), and so do one sequence's prefill/extend steps of up to
+        `prefill_graph_tokens` new tokens (cuda_prefill.py; 0: none); plain greedy rows take
+        their argmax on the GPU. With
         `fixed_addresses` the weights and KV cache live in sleep_arena.py's arenas, so a
         wake from sleep keeps the graphs (False, or no driver VMM API: plain allocations)."""
         # OpenMP's thread count is per calling thread: the engine may run steps on a
@@ -165,7 +171,9 @@ class ModelRunner:
         if self.device.type == "cuda" and fixed_addresses:
             self._move_to_arenas(shape)
         self.graphs = None
+        self.prefill_graphs = None
         self._graph_shape = None  # (max batch, max blocks) when decode steps are CUDA graphs
+        self._prefill_graph_tokens = prefill_graph_tokens if cuda_graphs else 0
         if self.device.type == "cuda" and cuda_graphs:
             max_len = min(max_model_len or model_config.max_position_embeddings, num_blocks * block_size)
             self._graph_shape = (max_batch, -(-max_len // block_size))
@@ -192,6 +200,12 @@ class ModelRunner:
 
             self.graphs = None
             self.graphs = DecodeGraphs(self.model, self.kv_caches, *self._graph_shape)
+            if self._prefill_graph_tokens:
+                from .cuda_prefill import PrefillGraphs
+
+                self.prefill_graphs = None
+                self.prefill_graphs = PrefillGraphs(self.model, self.kv_caches, self._prefill_graph_tokens,
+                                                    self._graph_shape[1])
         if self.device.type == "cuda":
             self._warm_up()
 
@@ -259,6 +273,11 @@ class ModelRunner:
             slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
             logits = self.graphs.run(ids, pos, slots, seq_lens, tables)
             return self._gpu_sample(logits, samplers)
+        if cuda and self.prefill_graphs is not None and len(tables) == 1 and not sched.num_decodes \
+                and not prompt_spans and self.prefill_graphs.fits(len(ids), len(tables[0])):
+            t = tables[0]
+            logits = self.prefill_graphs.run(ids, pos, [t[p // bs] * bs + p % bs for p in pos], seq_lens[0], t)
+            return self._gpu_sample(logits, samplers) if samplers else (None, samplers, None)
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
         positions = torch.tensor(pos, dtype=torch.int64)
