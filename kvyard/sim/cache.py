@@ -35,6 +35,7 @@ class SeqBlocks:
     private: int = 0
     hashes: list[int] = field(default_factory=list)
     registered: int = 0          # leading full blocks already offered to the cache
+    seed: int = 0                # the chain's seed: a LoRA adapter's, so adapters never share KV
 
     @property
     def num_blocks(self) -> int:
@@ -75,7 +76,7 @@ class BlockPool:
         if len(token_ids) // self.block_size > done:
             parent = seq.hashes[-1] if done else NONE_HASH
             seq.hashes += block_hashes(token_ids[done * self.block_size:], self.block_size,
-                                       parent=parent)
+                                       seed=seq.seed, parent=parent)
         return seq.hashes
 
     def match(self, token_ids: list[int], seq: SeqBlocks) -> int:

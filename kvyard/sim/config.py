@@ -66,6 +66,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="demo", help="whose tokenizer and chat template to use")
     g.add_argument("--served-model-name", action="append", default=[])
     g.add_argument("--max-model-len", type=int, default=8192)
+    g = p.add_argument_group("LoRA (vLLM's flags; lora.py)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (implied by --lora-modules)")
+    g.add_argument("--lora-modules", nargs="+", action="extend", default=[],
+                   metavar="NAME=PATH", help="adapters a request may name as its model")
+    g.add_argument("--max-loras", type=int, default=1,
+                   help="adapters active at once (an LRU; vLLM's default 1)")
+    g.add_argument("--lora-load-time", type=duration, default=None, metavar="DUR",
+                   help="simulated cost of activating an adapter (default 500ms, lora.py's source)")
     g = p.add_argument_group("engine")
     g.add_argument("--profile", default="cpu-demo",
                    help="latency profile: cpu-demo, h100, h200, or a JSON file "
