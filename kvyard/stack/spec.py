@@ -36,6 +36,8 @@ class StackSpec:
     # Preferred ports; a taken one (or None) means any free port.
     gateway_port: int | None = 8080
     model: str = "demo"
+    # `--model NAME=SOURCE` repeated (stack/models.py): a pool per model; []: one pool of `model`
+    named_models: list[tuple[str, str]] = field(default_factory=list)
     dtype: str | None = None
     # Stand-in workers (no model): for tests and benchmarks of the routing path.
     standin: bool = False

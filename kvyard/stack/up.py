@@ -33,7 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="P/D: M decode workers; the EPP runs the decode-first P/D config and "
                         "signs prefill targets with a key made for this stack")
     p.add_argument("--port", type=int, default=8080, help="gateway port (another free one if taken)")
-    p.add_argument("--model", default="demo")
+    p.add_argument("--model", action="append", default=None, metavar="[NAME=]SOURCE",
+                   help="the workers' model (default demo); repeated as NAME=SOURCE: a pool of "
+                        "--workers per model behind the one gateway, served under NAME")
     p.add_argument("--dtype", default=None, help="worker dtype (passed to kvyard worker)")
     p.add_argument("--kv-pool-tier", choices=POOL_TIERS, default="ssd",
                    help="the kvstore tier all workers share, behind each one's DRAM tier: "
@@ -196,7 +198,18 @@ def run(args: argparse.Namespace) -> int:
         print("kvyard up: --scale-to-zero scales colocated workers (--workers N >= 1, not P/D) "
               "and needs --idle-seconds and --polling-seconds > 0", file=sys.stderr)
         return 2
-    spec = StackSpec(run_dir=rd, workers=args.workers, gateway_port=args.port, model=args.model,
+    from kvyard.stack.models import parse_models
+    try:
+        model, named = parse_models(args.model)
+    except ValueError as e:
+        print(f"kvyard up: {e}", file=sys.stderr)
+        return 2
+    if named and args.scale_to_zero:
+        print("kvyard up: --scale-to-zero scales one pool; not with several --model NAME=SOURCE",
+              file=sys.stderr)
+        return 2
+    spec = StackSpec(run_dir=rd, workers=args.workers, gateway_port=args.port, model=model,
+                     named_models=named,
                      prefill=args.prefill, decode=args.decode,
                      dtype=args.dtype, standin=args.standin_workers, ready_timeout_s=args.timeout,
                      kv_tiers=args.kv_tiers, kv_pool_tier=args.kv_pool_tier,
@@ -215,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         spec.sim, spec.sim_profile = args.sim, args.sim_profile
         spec.sim_kv_cache_size, spec.kv_tiers = args.sim_kv_cache_size, False
         spec.sim_args = shlex.split(args.sim_args)
-        spec.epp_args = epp_args(args.sim)
+        spec.epp_args = epp_args(args.sim * max(1, len(named)))
     what = f"{args.prefill} prefill + {args.decode} decode worker(s)" if spec.disaggregated \
         else f"{args.workers} worker(s)" + (
             f" (to zero after {args.idle_seconds:g}s idle)" if args.scale_to_zero else "")
