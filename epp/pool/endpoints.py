@@ -69,6 +69,9 @@ class Endpoint:
             "pending": self.pending,
             "last_error": self.last_error,
             "age_s": round(now - self.last_ok, 3) if self.last_ok else None,
+            **({"pool": self.pool} if self.pool else {}),
+            **({"lora_running": sorted(self.lora_running), "max_lora": self.max_lora}
+               if self.max_lora is not None else {}),
         }
 
 

@@ -6,7 +6,8 @@
 --kv-cache-transfer-latency, --kv-cache-transfer-time-per-token,
 --kv-cache-transfer-time-std-dev, --seed. Durations are llm-d's: "100ms", "250us", "1.5s"
 (a bare number is milliseconds, as llm-d's deprecated integer form).
-vLLM's --max-num-batched-tokens; kvyard's own: --profile, --itl-per-running-seq (ITL growth per extra running sequence),
+vLLM's --max-num-batched-tokens and LoRA flags (--enable-lora, --lora-modules, --max-loras;
+lora.py, with kvyard's --lora-load-time); kvyard's own: --profile, --itl-per-running-seq (ITL growth per extra running sequence),
 --time-scale, --min-step, --pods/--ports/--roles/--first-pod (many pods in one process) and
 vLLM's --kv-events-config (the worker's flag). A bound KV-event endpoint (a wildcard, as the
 worker's) and the replay endpoint get port + the pod's index in the pool; a connected one

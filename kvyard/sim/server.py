@@ -68,7 +68,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     req = SimRequest(f"{'chatcmpl' if chat else 'cmpl'}-sim-{next(_ids)}", spec.prompt_ids,
                      spec.max_tokens, remote_prefill=remote, adapter=adapter)
     if adapter is not None:  # an adapter's KV is its own (vLLM keys blocks by LoRA)
-        req.blocks.seed = seed_for(adapter)
+        req.blocks.seed, req.blocks.lora_name = seed_for(adapter), adapter
     pod.engine.submit(req)
     shaper = Shaper("chat" if chat else "completion", req.rid, spec.model)
     try:

@@ -234,6 +234,8 @@ def run(args: argparse.Namespace) -> int:
             f" (to zero after {args.idle_seconds:g}s idle)" if args.scale_to_zero else "")
     if args.sim:
         what = what.replace("worker(s)", f"simulated pod(s) (profile {args.sim_profile})")
+    if named:
+        what += f" per model ({', '.join(n for n, _ in named)})"
     epps = "the EPP" if args.epp_replicas == 1 else f"{args.epp_replicas} EPP replicas"
     print(f"kvyard: starting {what}, {epps} and Envoy (logs in {rd}/logs)", flush=True)
     error = start_supervised(spec)

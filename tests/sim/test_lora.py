@@ -61,3 +61,19 @@ def test_parser_reads_the_newest_lora_series() -> None:
     m = parse_vllm_metrics(text)
     assert (m.lora_running, m.lora_waiting, m.max_lora) == (frozenset("ab"), frozenset("c"), 4)
     assert parse_vllm_metrics('vllm:num_requests_running{model_name="m"} 2\n').lora_running is None
+
+
+def test_an_adapters_blocks_are_stored_under_its_name() -> None:
+    from kvyard.common.hashing import seed_for
+    from kvyard.sim.cache import BlockPool, SeqBlocks
+
+    events: list[dict] = []
+    pool = BlockPool(64, 4, on_event=events.append)
+    ids = list(range(1, 14))
+    base, lora = SeqBlocks(), SeqBlocks(seed=seed_for("a1"), lora_name="a1")
+    for seq in (base, lora):
+        assert pool.acquire(ids, seq) == 0   # never the other's blocks
+        pool.register(ids, seq)
+    stored = [e for e in events if e["type"] == "BlockStored"]
+    assert [e["lora_name"] for e in stored] == [None, "a1"]
+    assert set(stored[0]["block_hashes"]).isdisjoint(stored[1]["block_hashes"])
