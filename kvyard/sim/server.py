@@ -19,7 +19,7 @@ import itertools
 from aiohttp import web
 
 from kvyard.common import pd_auth, wire
-from kvyard.common.hashing import seed_for
+from kvyard.common.hashing import adapter_seed
 from kvyard.common.openai_shapes import DONE, Shaper, Usage
 from kvyard.sim import metrics
 from kvyard.sim.engine import SimRequest
@@ -68,7 +68,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     req = SimRequest(f"{'chatcmpl' if chat else 'cmpl'}-sim-{next(_ids)}", spec.prompt_ids,
                      spec.max_tokens, remote_prefill=remote, adapter=adapter)
     if adapter is not None:  # an adapter's KV is its own (vLLM keys blocks by LoRA)
-        req.blocks.seed, req.blocks.lora_name = seed_for(adapter), adapter
+        req.blocks.seed, req.blocks.lora_name = adapter_seed(adapter), adapter
     pod.engine.submit(req)
     shaper = Shaper("chat" if chat else "completion", req.rid, spec.model)
     try:

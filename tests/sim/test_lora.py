@@ -64,13 +64,13 @@ def test_parser_reads_the_newest_lora_series() -> None:
 
 
 def test_an_adapters_blocks_are_stored_under_its_name() -> None:
-    from kvyard.common.hashing import seed_for
+    from kvyard.common.hashing import adapter_seed
     from kvyard.sim.cache import BlockPool, SeqBlocks
 
     events: list[dict] = []
     pool = BlockPool(64, 4, on_event=events.append)
     ids = list(range(1, 14))
-    base, lora = SeqBlocks(), SeqBlocks(seed=seed_for("a1"), lora_name="a1")
+    base, lora = SeqBlocks(), SeqBlocks(seed=adapter_seed("a1"), lora_name="a1")
     for seq in (base, lora):
         assert pool.acquire(ids, seq) == 0   # never the other's blocks
         pool.register(ids, seq)
