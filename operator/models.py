@@ -133,7 +133,8 @@ def render_model_pools(s: ServiceSpec, render_pool, keda: bool) -> list[dict[str
     """Every extra model's `both` pool (`render_pool(spec, pool, keda)` renders one)."""
     out = []
     for m in s.models:
-        sub = replace(s, model=m.model, models=[],
+        # fixed replicas: KEDA's ScaledObjects (render_scaling.py) scale the primary's pools
+        sub = replace(s, model=m.model, models=[], autoscaling=False, scale_to_zero=False,
                       adapters=[a for a in s.adapters if a.model == m.name])
         for obj in render_pool(sub, Pool("both", m.replicas, m.replicas, m.replicas), keda):
             out.append(_relabel(obj, s, m.name))

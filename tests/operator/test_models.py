@@ -54,6 +54,11 @@ def test_two_models_and_adapters_render() -> None:
     assert b[b.index("--served-model-name") + 1] == "beta"
     assert b[b.index("--lora-modules") + 1] == "beta-tone=/models/tone"
     assert b[b.index("--max-lora-rank") + 1] == "8" and beta["spec"]["replicas"] == 2
+    auto = copy.deepcopy(CR)
+    auto["spec"]["autoscaling"] = {"enabled": True}
+    deps = _by(render_all(parse(auto)))
+    assert deps[("Deployment", "demo-beta-both")]["spec"]["replicas"] == 2
+    assert "replicas" not in deps[("Deployment", "demo-both")]["spec"]
     vols = {v["name"]: v for v in primary["spec"]["template"]["spec"]["volumes"]}
     assert vols["adapter-sql"]["persistentVolumeClaim"] == {"claimName": "adapters",
                                                             "readOnly": True}
