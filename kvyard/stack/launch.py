@@ -60,7 +60,7 @@ def start_stack(spec: StackSpec) -> StackState:
         sim_pods = bool(spec.sim) and not spec.scale_to_zero  # many pods per process
         pools: list[str] | None = None
         if spec.named_models:  # a pool per model (stack/models.py)
-            from kvyard.stack.models import models_file, spawn_model_pools
+            from kvyard.stack.models import spawn_model_pools
 
             addresses, roles, pools, more = spawn_model_pools(
                 spec, roles, taken, logs, kv_args, kv_env_files, pd_key, started.add)
@@ -86,9 +86,10 @@ def start_stack(spec: StackSpec) -> StackState:
         scaler_port = procs.free_port(spec.scaler_port, taken)
         epp_args = ["--scaler-port", str(scaler_port), "--pool-name", spec.pool_name,
                     *spec.epp_args]
-        if spec.named_models:
-            epp_args += ["--models-file", str(models_file(run / "models.json",
-                                                          spec.named_models))]
+        if spec.named_models or spec.adapters:
+            from kvyard.stack.models import models_file
+
+            epp_args += ["--models-file", str(models_file(run / "models.json", spec))]
         if pd_key is not None:
             epp_args = ["--config", str(pd_scheduler_config()), "--pd-key-file", str(pd_key),
                         *epp_args]

@@ -6,6 +6,11 @@ labels every endpoint with its pool (the model's name) and the EPP gets a models
 (`kvyard.epp.models`) mapping each name to its pool, so a request goes to the pool of its
 `model`, `/v1/models` lists every model and an unknown name is a 404. A bare
 `--model SOURCE` keeps its meaning: one pool, no labels, no models file.
+
+`--adapter [MODEL:]NAME=PATH` (repeatable) gives MODEL's workers (default: the first or only
+model) a LoRA adapter with vLLM's flags (`--enable-lora --lora-modules NAME=PATH
+--max-loras N`; simulated pods take `--lora-modules`), and the EPP a models file naming it,
+so a request for NAME goes to those workers and the lora-affinity scorer sees it.
 """
 from __future__ import annotations
 
@@ -42,9 +47,49 @@ def parse_models(values: list[str] | None) -> tuple[str, list[tuple[str, str]]]:
     return named[0][1], named
 
 
-def models_file(path: Path, named: list[tuple[str, str]]) -> Path:
-    """The EPP's --models-file: each model is its own pool."""
-    path.write_text(json.dumps({"models": [{"name": n, "pool": n} for n, _ in named]}))
+def parse_adapters(values: list[str] | None, named: list[tuple[str, str]]
+                   ) -> list[tuple[str, str, str]]:
+    """`--adapter [MODEL:]NAME=PATH` values as (model, name, path); model "" for the one
+    unnamed model. Raises ValueError for a bad form, an unknown model or a repeated name."""
+    models = [n for n, _ in named]
+    out: list[tuple[str, str, str]] = []
+    for v in values or []:
+        head, sep, path = v.partition("=")
+        model, colon, name = head.rpartition(":")
+        if not sep or not path or not _NAME.match(name or "-"):
+            raise ValueError(f"--adapter {v!r}: want [MODEL:]NAME=PATH")
+        if colon and model not in models:
+            raise ValueError(f"--adapter {v!r}: {model!r} is not a --model NAME "
+                             f"({', '.join(models) or 'none named'})")
+        if name in models or any(name == n for _, n, _ in out):
+            raise ValueError(f"--adapter {v!r}: {name!r} is named twice")
+        out.append((model or (models[0] if models else ""), name, path))
+    return out
+
+
+def lora_args(spec: StackSpec, model: str) -> list[str]:
+    """The workers' LoRA flags for `model`'s adapters ("": the one unnamed model's)."""
+    mods = [f"{n}={p}" for m, n, p in spec.adapters if m == model]
+    if not mods:
+        return []
+    return ([] if spec.sim else ["--enable-lora"]) + ["--lora-modules", *mods,
+                                                      "--max-loras", str(spec.max_loras)]
+
+
+def models_file(path: Path, spec: StackSpec) -> Path | None:
+    """The EPP's --models-file: each named model its own pool, with its adapters; one
+    unnamed model with adapters: its served name and adapters, no pool. None: not needed."""
+    if spec.named_models:
+        rows = [{"name": n, "pool": n, "adapters": [a for m, a, _ in spec.adapters if m == n]}
+                for n, _ in spec.named_models]
+    elif spec.adapters:
+        from kvyard.common.models import resolve_model
+
+        rows = [{"name": resolve_model(spec.model).served_name,
+                 "adapters": [a for _, a, _ in spec.adapters]}]
+    else:
+        return None
+    path.write_text(json.dumps({"models": rows}))
     return path
 
 
@@ -62,10 +107,11 @@ def spawn_model_pools(spec: StackSpec, roles: list[str], taken: set[int], logs: 
     checks: list[tuple[Proc, Callable[[], bool]]] = []
     for k, (name, source) in enumerate(spec.named_models):
         base = spec.worker_base_port
+        lora = lora_args(spec, name)
         sub = replace(spec, model=source, named_models=[],
                       worker_base_port=None if base is None else base + k * len(roles),
-                      worker_args=[*spec.worker_args, "--served-model-name", name],
-                      sim_args=[*spec.sim_args, "--served-model-name", name],
+                      worker_args=[*spec.worker_args, "--served-model-name", name, *lora],
+                      sim_args=[*spec.sim_args, "--served-model-name", name, *lora],
                       standin_args=[*spec.standin_args, "--model", name])
         if spec.sim:
             from kvyard.stack.sim_pool import spawn_sim_pods

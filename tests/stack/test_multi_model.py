@@ -1,5 +1,6 @@
-"""`kvyard up --model alpha=demo --model beta=demo`: two pools behind the real Envoy and EPP;
-a request goes to its model's pool, `/v1/models` lists both, an unknown model is a 404."""
+"""`kvyard up --model alpha=demo --model beta=demo --adapter beta:tone=PATH`: two pools behind
+the real Envoy and EPP; a request goes to its model's (or its adapter's model's) pool,
+`/v1/models` lists both models and the adapter with its parent, an unknown model is a 404."""
 from __future__ import annotations
 
 import http.client
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvyard.stack import procs
-from kvyard.stack.models import parse_models
+from kvyard.stack.models import parse_adapters, parse_models
 from kvyard.stack.state import StackState
 
 
@@ -40,11 +41,18 @@ def test_parse_models() -> None:
     for bad in (["a=demo", "demo"], ["a=demo", "a=demo"], ["=demo"], ["a b=demo"]):
         with pytest.raises(ValueError):
             parse_models(bad)
+    named = [("a", "demo"), ("b", "demo")]
+    assert parse_adapters(["x=/p", "b:y=/q"], named) == [("a", "x", "/p"), ("b", "y", "/q")]
+    assert parse_adapters(["x=/p"], []) == [("", "x", "/p")]
+    for bad in (["c:x=/p"], ["x"], ["a=/p"], ["x=/p", "x=/q"], ["b:=/p"]):
+        with pytest.raises(ValueError):
+            parse_adapters(bad, named)
 
 
 def test_two_models_behind_one_gateway(tmp_path: Path) -> None:
     rd = str(tmp_path / "run")
     up = _kvyard("up", "--sim", "2", "--model", "alpha=demo", "--model", "beta=demo",
+                 "--adapter", "beta:tone=/adapters/tone", "--max-loras", "2",
                  "--sim-profile", "h100", "--port", str(procs.free_port()), "--run-dir", rd)
     state = StackState.load(Path(rd))
     try:
@@ -52,7 +60,7 @@ def test_two_models_behind_one_gateway(tmp_path: Path) -> None:
         assert len(state.endpoints) == 4
         pools = {"alpha": set(state.endpoints[:2]), "beta": set(state.endpoints[2:])}
         for _ in range(3):
-            for model, members in pools.items():
+            for model, members in (*pools.items(), ("tone", pools["beta"])):
                 status, headers, body = _call(state.gateway_url, "POST", "/v1/completions",
                                               {"model": model, "prompt": f"to {model}",
                                                "max_tokens": 2})
@@ -64,7 +72,8 @@ def test_two_models_behind_one_gateway(tmp_path: Path) -> None:
         assert status == 404 and body["error"]["code"] == "model_not_found"
         status, _, body = _call(state.gateway_url, "GET", "/v1/models")
         assert status == 200
-        assert sorted(m["id"] for m in body["data"]) == ["alpha", "beta"]
+        assert {m["id"]: m["parent"] for m in body["data"]} == \
+            {"alpha": None, "beta": None, "tone": "beta"}
     finally:
         down = _kvyard("down", "--run-dir", rd)
     assert down.returncode == 0, down.stderr
