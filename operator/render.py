@@ -17,7 +17,7 @@ from .models import PRIMARY_POOL, label_primary, render_model_pools
 from .render_epp import render_epp
 from .render_gateway import render_gateway
 from .render_scaling import render_scaling
-from .render_workers import _pool_extras, pd_secret_name, render_pool, render_workers
+from .render_workers import pd_secret_name, render_pool_placed, render_workers
 from .spec import ServiceSpec
 
 POOL_API = f"{wire.INFERENCE_POOL_GROUP}/{wire.INFERENCE_POOL_VERSION}"
@@ -61,7 +61,7 @@ def render_all(s: ServiceSpec, keda: bool = True) -> list[dict[str, Any]]:
     """`keda`: the cluster serves KEDA's ScaledObject API (the pass checks); without it an
     autoscaled service's pools get fixed replicas and no ScaledObjects."""
     children = label_primary(s, render_workers(s, keda)) + render_model_pools(
-        s, lambda sub, pool, k: [_pool_extras(sub, o) for o in render_pool(sub, pool, k)], keda)
+        s, render_pool_placed, keda)
     children += render_epp(s) + render_gateway(s)
     if s.inference_pool:
         children += model_inference_pools(s) if s.models else [inference_pool(s)]

@@ -228,5 +228,10 @@ def _pool_extras(s: ServiceSpec, obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
+def render_pool_placed(s: ServiceSpec, pool: Pool, keda: bool = True) -> list[dict[str, Any]]:
+    """One pool's Deployment and Service with its placement, rollout and init steps."""
+    return [_pool_extras(s, obj) for obj in render_pool(s, pool, keda)]
+
+
 def render_workers(s: ServiceSpec, keda: bool = True) -> list[dict[str, Any]]:
-    return [_pool_extras(s, obj) for pool in s.pools for obj in render_pool(s, pool, keda)]
+    return [obj for pool in s.pools for obj in render_pool_placed(s, pool, keda)]
