@@ -28,6 +28,7 @@ from .flow.demand import Demand
 from .flow.metrics import FlowMetrics
 from .health import SERVER_OPTIONS, HealthServer, bind
 from .kvevents.sources import KVEventSources
+from .models import ModelRoutes
 from .observability import EppMetrics, debug_app
 from .pool.discovery_file import FileDiscovery
 from .pool.discovery_k8s import K8sDiscovery
@@ -91,6 +92,7 @@ class EppConfig:
     peers: list[str] = field(default_factory=list)
     peers_dns: str | None = None
     catch_up_timeout_s: float = 5.0
+    models_file: str | None = None  # several models and their pools (models.py)
 
 
 def _flow_config(sched_cfg: dict, c: EppConfig) -> FlowConfig:
@@ -175,8 +177,10 @@ class EppApp:
                              [*sched.objectives.values(), *fc.bands])
             admission = self.flow = FlowController(fc, self.pool, sched, self.demand, fm)
             self.pool.on_change(self._membership_changed)
+        routes = ModelRoutes.load(c.models_file) if c.models_file else None
         self.director = Director(self.pool, sched, PromptHasher(block_size=sched.block_size),
-                                 admission, self.metrics, self.finisher, _served_names(c))
+                                 admission, self.metrics, self.finisher,
+                                 routes.names if routes else _served_names(c), routes=routes)
         self.replicas = None
         if c.replica_port is not None or c.peers or c.peers_dns:
             self.replicas = PickBus(PickApplier(sched, self.pool),

@@ -74,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokenizer source: demo, a .gguf or a HF dir; 'none' hashes bytes")
     g.add_argument("--served-model-name", action="append", default=[],
                    help="model name(s) clients may ask for (default: the --model's name)")
+    g.add_argument("--models-file", default=None, metavar="YAML",
+                   help="several models: each base model's pool and its LoRA adapters "
+                        "(epp/models.py); requests go to their model's pool, /v1/models lists all")
     g.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     g.add_argument("--config", help="scheduler YAML (filters, scorers, weights, objectives)")
     g.add_argument("--destination-fallbacks", type=int, default=0, metavar="N",
@@ -121,7 +124,7 @@ def config_from_args(args: argparse.Namespace):
         scrape_interval=args.scrape_interval, scrape_timeout=args.scrape_timeout,
         stale_after=args.stale_after, fail_threshold=args.fail_threshold, model=args.model,
         served_model_names=list(args.served_model_name), max_body_bytes=args.max_body_bytes,
-        config=args.config, seed=args.seed, destination_fallbacks=args.destination_fallbacks,
+        config=args.config, seed=args.seed, models_file=args.models_file, destination_fallbacks=args.destination_fallbacks,
         pd_key_file=args.pd_key_file, pool_name=args.pool_name,
         scaler_port=None if args.scaler_port < 0 else args.scaler_port,
         no_endpoint_ttl_s=args.no_endpoint_ttl, queue_ttl_s=args.queue_ttl,
@@ -147,6 +150,9 @@ def run(args: argparse.Namespace) -> int:
         app = EppApp(config_from_args(args))
     except (ConfigError, OSError) as e:  # a bad --config: say where, don't start
         print(f"kvyard epp: bad scheduler config {args.config}: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # a bad --models-file
+        print(f"kvyard epp: bad --models-file {args.models_file}: {e}", file=sys.stderr)
         return 2
     from .tls import tls_files
     try:

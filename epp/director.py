@@ -22,6 +22,7 @@ from typing import Callable, Mapping
 
 from .admission import Admission, Held
 from .finisher import Finisher
+from .models import ModelRoutes
 from .observability import EppMetrics
 from .pool.endpoints import EndpointPool
 from .prompt import LazyPrompt, PromptHasher
@@ -56,6 +57,8 @@ class Director:
     # break by a stable order so replicas in the same state pick the same endpoint.
     on_pick: Callable[[SchedRequest, Decision], None] | None = None
     stable_ties: bool = False
+    # Several models (models.py): `model` -> its pool; None: one pool, `served_models`.
+    routes: ModelRoutes | None = None
 
     def parse(self, headers: Mapping[str, str], body: bytes | None) -> SchedRequest:
         """Parse and hash (lazily): the request as scheduling sees it; Rejection if bad."""
@@ -65,22 +68,36 @@ class Director:
                                 now, self.pool.stale_after)
         parsed = parse_request(body, headers.get(":path", "/"), headers, self.served_models,
                                self.scheduler.objectives)
-        return SchedRequest(parsed.model, self.hasher.prompt(parsed), parsed.priority, now,
-                            self.pool.stale_after)
+        req = SchedRequest(parsed.model, self.hasher.prompt(parsed), parsed.priority, now,
+                           self.pool.stale_after)
+        route = self.routes.get(parsed.model) if self.routes is not None else None
+        if route is not None:
+            req.pool, req.adapter = route.pool, route.name if route.parent else ""
+        return req
+
+    def candidates(self, req: SchedRequest) -> list:
+        """The endpoints that may serve `req`: its pool's and the unlabelled ones."""
+        eps = self.pool.all()
+        if req.pool:
+            eps = [e for e in eps if not e.pool or e.pool == req.pool]
+        return eps
 
     def schedule(self, req: SchedRequest) -> Decision | None:
         """The scheduling step admission runs, now or when it releases the request."""
         if not self.stable_ties:
-            d = self.scheduler.schedule(req, self.pool.all())
+            d = self.scheduler.schedule(req, self.candidates(req))
         else:
             self.scheduler.rng.seed(stable_seed(req))
-            d = self.scheduler.schedule(req, sorted(self.pool.all(), key=_address))
+            d = self.scheduler.schedule(req, sorted(self.candidates(req), key=_address))
         if d is not None and self.on_pick is not None:
             self.on_pick(req, d)
         return d
 
     def handle(self, headers: Mapping[str, str], body: bytes | None) -> Decision | Held | Rejection:
         t0 = time.perf_counter()
+        if body is None and self.routes is not None and \
+                headers.get(":path", "").split("?", 1)[0] == "/v1/models":
+            return self.routes.listing()  # every pool's models, not one endpoint's
         try:
             req = self.parse(headers, body)
             out = self.admission.admit(req, headers, None if body is None else len(body),

@@ -40,6 +40,9 @@ BENCHES: dict[str, tuple[str, str]] = {
     "route": ("kvyard.bench.route",
               "routing policies and peer routers (SMG, vllm-router) on the same pods: "
               "goodput, TTFT, hit rate vs an ideal cache, EPP cost"),
+    "lora": ("kvyard.bench.lora",
+             "LoRA: adapter-aware routing on simulated pods (loads, hit rate, TTFT p90 vs "
+             "prefix and random) and the engine's multi-LoRA throughput"),
 }
 
 

@@ -7,7 +7,7 @@ ConfigMap and Secret volumes are written as files under a temp dir at their moun
 paths (emptyDirs become dirs there), and a Service name (`<svc>.<ns>.svc`) becomes
 127.0.0.1 with the local port of the pod port its targetPort names. There is no
 API server, so the EPP's Kubernetes discovery (`--k8s-*`) is replaced by an
-endpoints file listing the worker pods with their role label, and `fieldRef`s are
+endpoints file listing the worker pods with their role and pool labels, and `fieldRef`s are
 filled in (podIP 127.0.0.1). Readiness is each container's own rendered probe.
 A flag the program does not take, an Envoy config it refuses, or a port that does
 not line up between a flag, a containerPort, a Service and a probe fails the run.
@@ -185,7 +185,8 @@ class LocalRun:
 
     def _endpoints_file(self, pod: Pod) -> Path:
         rows = [{"address": f"127.0.0.1:{w.port('http')}",
-                 "role": w.labels.get(wire.ROLE_LABEL, "both")}
+                 "role": w.labels.get(wire.ROLE_LABEL, "both"),
+                 **({"pool": w.labels[wire.POOL_LABEL]} if wire.POOL_LABEL in w.labels else {})}
                 for w in self.pods if w.labels.get(wire.COMPONENT_LABEL) == "worker"]
         path = pod.root / "endpoints.yaml"
         path.write_text(yaml.safe_dump(rows))

@@ -28,6 +28,7 @@ from . import render, status
 from .client import ApiError, Client
 from .handover import hand_over_replicas
 from .render_workers import pd_secret_name
+from .models import models_status
 from .spec import Defaults, ServiceSpec, SpecError, parse
 from .status import Observed, Problem
 from .watch import Children
@@ -190,7 +191,8 @@ async def observe(api: Client, s: ServiceSpec, children: list[dict[str, Any]],
         view.seed((s.namespace, s.name), "Pod", pods, complete=True)
     return Observed(generation=s.generation, deployments=seen, problems=problems,
                     gateway_address=render.gateway_address(s), expected_deployments=len(names),
-                    wakes_from_zero=s.scale_to_zero and keda, pods=pods)
+                    wakes_from_zero=s.scale_to_zero and keda, pods=pods,
+                    models=models_status(s))
 
 
 def _status_patch(new: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:

@@ -13,10 +13,11 @@ from typing import Any
 from kvyard.common import wire
 
 from . import render_common as rc
+from .models import PRIMARY_POOL, label_primary, render_model_pools
 from .render_epp import render_epp
 from .render_gateway import render_gateway
 from .render_scaling import render_scaling
-from .render_workers import pd_secret_name, render_workers
+from .render_workers import pd_secret_name, render_pool_placed, render_workers
 from .spec import ServiceSpec
 
 POOL_API = f"{wire.INFERENCE_POOL_GROUP}/{wire.INFERENCE_POOL_VERSION}"
@@ -36,6 +37,20 @@ def inference_pool(s: ServiceSpec) -> dict[str, Any]:
                                            "failureMode": "FailClose"}}}
 
 
+def model_inference_pools(s: ServiceSpec) -> list[dict[str, Any]]:
+    """With several models, one InferencePool per base model (as GAIE and llm-d run them),
+    each selecting its pool's pods, all picked by the one EPP."""
+    out = []
+    for pool in [PRIMARY_POOL, *(m.name for m in s.models)]:
+        ip = inference_pool(s)
+        ip["metadata"]["name"] = f"{s.name}-{pool}"
+        ip["metadata"]["labels"][wire.POOL_LABEL] = pool
+        ip["spec"]["selector"]["matchLabels"] = {
+            wire.SERVICE_LABEL: s.name, wire.COMPONENT_LABEL: "worker", wire.POOL_LABEL: pool}
+        out.append(ip)
+    return out
+
+
 def pd_key_secret(s: ServiceSpec, key_hex: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": rc.metadata(s, pd_secret_name(s), "epp"),
@@ -45,9 +60,11 @@ def pd_key_secret(s: ServiceSpec, key_hex: str) -> dict[str, Any]:
 def render_all(s: ServiceSpec, keda: bool = True) -> list[dict[str, Any]]:
     """`keda`: the cluster serves KEDA's ScaledObject API (the pass checks); without it an
     autoscaled service's pools get fixed replicas and no ScaledObjects."""
-    children = render_workers(s, keda) + render_epp(s) + render_gateway(s)
+    children = label_primary(s, render_workers(s, keda)) + render_model_pools(
+        s, render_pool_placed, keda)
+    children += render_epp(s) + render_gateway(s)
     if s.inference_pool:
-        children.append(inference_pool(s))
+        children += model_inference_pools(s) if s.models else [inference_pool(s)]
     return children + render_scaling(s, keda)
 
 

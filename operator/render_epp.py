@@ -16,12 +16,14 @@ from kvyard.common import wire
 
 from . import render_common as rc
 from . import render_tls
+from .models import models_table
 from .render_scaling import pool_name
 from .render_workers import PD_KEY_DIR, PD_KEY_FILE, pd_secret_name
 from .spec import ServiceSpec
 
 CONFIG_DIR = f"{rc.CONFIG_MOUNT}/epp"
 CONFIG_FILE = "scheduler.yaml"
+MODELS_FILE = "models.yaml"  # several models / adapters (kvyard.epp.models)
 # spec.epp.replicas > 1 (kvyard.epp.replicas): the pick pub/sub port and its snapshot
 # port (the EPP's REPLICA_PORT and the next; the operator does not import the EPP).
 REPLICA_PORT = 9005
@@ -61,6 +63,8 @@ def _scorers(s: ServiceSpec, kv_util: bool) -> list[dict[str, Any]]:
            {"type": "queue", "weight": r.queue}]
     if kv_util:
         out.append({"type": "kv-cache-utilization", "weight": r.kv_cache_utilization})
+    if s.adapters:
+        out.append({"type": "lora-affinity", "weight": r.lora_affinity})
     return out
 
 
@@ -109,6 +113,8 @@ def epp_args(s: ServiceSpec, model_arg: str) -> list[str]:
             "--destination-fallbacks", str(s.routing.destination_fallbacks)]
     if s.model.served_name:
         args += ["--served-model-name", s.model.served_name]
+    if models_table(s) is not None:
+        args += ["--models-file", f"{CONFIG_DIR}/{MODELS_FILE}"]
     if s.disaggregated:
         args += ["--pd-key-file", PD_KEY_FILE]
     return args + _replica_args(s) + render_tls.epp_args(s)
@@ -134,6 +140,10 @@ def render_epp(s: ServiceSpec) -> list[dict[str, Any]]:
     text = yaml.safe_dump(scheduler_config(s), sort_keys=False)
     cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": rc.metadata(s, name, "epp"),
           "data": {CONFIG_FILE: text}}
+    table = models_table(s)
+    if table is not None:
+        cm["data"][MODELS_FILE] = yaml.safe_dump(table, sort_keys=False)
+        text += cm["data"][MODELS_FILE]  # the config hash covers the models too
     vols, mounts = rc.scratch_volumes({"tmp": "/tmp"})
     mvols, mmounts, model_arg = rc.model_volume(s)
     if s.model.source == "download":

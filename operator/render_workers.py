@@ -12,6 +12,7 @@ from typing import Any
 from kvyard.common import wire
 
 from . import render_common as rc
+from .models import adapter_volumes, lora_args
 from .spec import KVStore, Pool, ServiceSpec, quantity_bytes
 
 CACHE_DIR = "/var/cache/kvyard"
@@ -56,7 +57,7 @@ def kvyard_args(s: ServiceSpec, role: str, model_arg: str) -> list[str]:
         args += ["--kv-cache-memory-bytes", e.kv_cache_memory]
     if s.disaggregated and role in ("prefill", "both"):
         args += ["--kv-peer-port", str(s.defaults.kv_peer_port)]
-    return args + _kvstore_args(s) + e.extra_args
+    return args + _kvstore_args(s) + lora_args(s) + e.extra_args
 
 
 def vllm_args(s: ServiceSpec, model_arg: str) -> list[str]:
@@ -69,7 +70,7 @@ def vllm_args(s: ServiceSpec, model_arg: str) -> list[str]:
         args += ["--max-model-len", str(e.max_model_len)]
     if e.kv_cache_memory:
         args += ["--kv-cache-memory-bytes", str(quantity_bytes(e.kv_cache_memory))]
-    return args + e.extra_args
+    return args + lora_args(s) + e.extra_args
 
 
 def _env(s: ServiceSpec) -> list[dict[str, Any]]:
@@ -97,7 +98,8 @@ def _env(s: ServiceSpec) -> list[dict[str, Any]]:
 def _volumes(s: ServiceSpec) -> tuple[list[dict], list[dict], str]:
     vols, mounts = rc.scratch_volumes({"tmp": "/tmp", "cache": CACHE_DIR})
     mvols, mmounts, model_arg = rc.model_volume(s)
-    vols, mounts = vols + mvols, mounts + mmounts
+    avols, amounts = adapter_volumes(s)
+    vols, mounts = vols + mvols + avols, mounts + mmounts + amounts
     kv = s.kvstore
     if kv is not None and kv.ssd_bytes:
         vols.append({"name": "kv-ssd", **_ssd_source(kv)})
@@ -226,5 +228,10 @@ def _pool_extras(s: ServiceSpec, obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
+def render_pool_placed(s: ServiceSpec, pool: Pool, keda: bool = True) -> list[dict[str, Any]]:
+    """One pool's Deployment and Service with its placement, rollout and init steps."""
+    return [_pool_extras(s, obj) for obj in render_pool(s, pool, keda)]
+
+
 def render_workers(s: ServiceSpec, keda: bool = True) -> list[dict[str, Any]]:
-    return [_pool_extras(s, obj) for pool in s.pools for obj in render_pool(s, pool, keda)]
+    return [obj for pool in s.pools for obj in render_pool_placed(s, pool, keda)]

@@ -127,6 +127,8 @@ ENGINE = _obj("The model server every pool runs.", {
     "startupSeconds": _int("How long a worker may take to start (image pull aside: model load, "
                            "kernel compilation) before the kubelet restarts it.", minimum=60,
                            maximum=7200, default=600),
+    "maxLoras": _int("LoRA adapters active at once per worker (vLLM's --max-loras), with "
+                     "spec.adapters.", minimum=1, maximum=256, default=4),
     "shmSize": _str("Size of the workers' /dev/shm (a memory-backed emptyDir; it counts against "
                     "the memory limit). Default: 2Gi on device cuda, none on cpu.",
                     pattern=QUANTITY),
@@ -137,6 +139,9 @@ ROUTING = _obj("How the EPP scores workers.", {
         "prefixCache": {"type": "number", "minimum": 0, "maximum": 100, "default": 3},
         "queue": {"type": "number", "minimum": 0, "maximum": 100, "default": 2},
         "kvCacheUtilization": {"type": "number", "minimum": 0, "maximum": 100, "default": 2},
+        "loraAffinity": {"type": "number", "minimum": 0, "maximum": 100, "default": 4,
+                         "description": "With spec.adapters: prefer workers with the "
+                                        "request's adapter active, then a free slot."},
     }, default={}),
     "pd": _obj("Prefill/decode split (used when there is a prefill pool).", {
         "nonCachedTokens": _int("Disaggregate when this many prompt tokens are not cached "
@@ -180,8 +185,46 @@ SLO = _obj("Latency targets (for autoscaling; recorded, not enforced).", {
     "tpotMs": _int("Time per output token, ms.", minimum=1),
 })
 
+_DNS_NAME = r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$"
+MODELS = {"type": "array", "maxItems": 16, "description": (
+    "More base models behind the same gateway and EPP: each a `both` pool of its own "
+    "(`<name>-<model>-both`), served as `name`; requests go to the pool of their `model`. "
+    "The primary model (spec.model) then needs servedModelName unless it is the demo."),
+    "items": _obj("One more base model.", {
+        "name": _str("The name clients send as `model`; also the pool's name.",
+                     pattern=_DNS_NAME, maxLength=40),
+        "model": {k: v for k, v in MODEL.items() if k != "default"},
+        "replicas": _int("Workers in its pool.", minimum=1, maximum=1000, default=1),
+    }, required=["name"], **{"x-kubernetes-validations": [
+        {"rule": "self.name != 'default'", "message": "'default' is the primary pool's name"}]}),
+    "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}
+ADAPTERS = {"type": "array", "maxItems": 256, "description": (
+    "LoRA adapters (PEFT format) the workers of their model serve; a request names one as "
+    "its `model`. Rendered as vLLM's --enable-lora --lora-modules --max-loras --max-lora-rank."),
+    "items": _obj("One adapter.", {
+        "name": _str("The name clients send as `model`.", pattern=_DNS_NAME, maxLength=40),
+        "model": _str("The base model that serves it: a spec.models name or the primary's "
+                      "served name (default: the primary).", maxLength=256),
+        "rank": _int("Its LoRA rank (sets --max-lora-rank).", minimum=1, maximum=512,
+                     default=16),
+        "source": _obj("Where it is: a path in the container, a PVC, or an image volume "
+                       "(mounted at /adapters/<name>; path is then inside it).", {
+            "path": _str("A directory with adapter_config.json.", maxLength=1024),
+            # the same shapes as spec.model's
+            "pvc": MODEL["properties"]["pvc"],
+            "image": MODEL["properties"]["image"],
+        }, **{"x-kubernetes-validations": [
+            {"rule": "has(self.path) || has(self.pvc) || has(self.image)",
+             "message": "an adapter needs a path, a pvc or an image"},
+            {"rule": "!(has(self.pvc) && has(self.image))",
+             "message": "pvc or image, not both"}]}),
+    }, required=["name", "source"]),
+    "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}
+
 SPEC = _obj("An inference service: model, engine, pools, routing, KV store.", {
     "model": MODEL,
+    "models": MODELS,
+    "adapters": ADAPTERS,
     "engine": ENGINE,
     "pools": _obj("Worker pools by role.", {role: _pool(role) for role in ROLES},
                   default={"both": {}}, **{"x-kubernetes-validations": [
@@ -252,6 +295,11 @@ STATUS = _obj("What the operator observed.", {
                   "replicas": _int("Desired."), "readyReplicas": _int("Ready."),
                   "updatedReplicas": _int("On the current template.")})},
     "gatewayAddress": _str("host:port clients send requests to."),
+    "models": {"type": "array", "description": "Each base model's pool and the LoRA adapters "
+                                               "it serves.",
+               "items": _obj("One base model.", {
+                   "name": _str("Its served name."), "pool": _str("Its pool label."),
+                   "adapters": {"type": "array", "items": {"type": "string"}}})},
     # kopf's own bookkeeping lands here on older objects; never read by kvyard.
     "kopf": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
 })

@@ -7,14 +7,17 @@ schema change, or sent to a server that does not validate, must still end as a
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvyard.common.models import DEMO_SERVED_NAME
 from kvyard.common.wire import ROLES, WORKER_KV_PEER_PORT
 
 from .crd import defaulted_spec
 from .schema import DEVICES, ENGINES, MODEL_SOURCES, QUANTITY
 
+PRIMARY_POOL = "default"  # the primary model's pool label when there are several models
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$"
 _UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
           "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
 
@@ -96,6 +99,24 @@ class Model:
 
 
 @dataclass(slots=True)
+class Adapter:
+    name: str
+    rank: int
+    model: str | None          # the base model's name; None: the primary model
+    path: str | None = None    # in the container, or inside the PVC / image
+    claim_name: str | None = None
+    image: str | None = None
+    image_pull_policy: str = "IfNotPresent"
+
+
+@dataclass(slots=True)
+class ExtraModel:
+    name: str
+    model: Model
+    replicas: int
+
+
+@dataclass(slots=True)
 class Engine:
     name: str
     device: str
@@ -133,6 +154,7 @@ class Routing:
     non_cached_tokens: int
     prompt_tokens: int
     destination_fallbacks: int
+    lora_affinity: float = 4.0
 
 
 @dataclass(slots=True)
@@ -158,6 +180,10 @@ class ServiceSpec:
     slo: dict[str, int] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict)
     defaults: Defaults = field(default_factory=Defaults)
+    # Several base models and LoRA adapters (operator/models.py renders them).
+    models: list[ExtraModel] = field(default_factory=list)
+    adapters: list[Adapter] = field(default_factory=list)
+    max_loras: int = 4
 
     @property
     def autoscaled(self) -> bool:
@@ -273,6 +299,72 @@ def _kvstore(k: dict[str, Any] | None) -> KVStore | None:
     return out
 
 
+def primary_name(s: ServiceSpec) -> str | None:
+    """The name clients send for the primary model, when the operator knows it."""
+    if s.model.served_name:
+        return s.model.served_name
+    return DEMO_SERVED_NAME if s.model.source == "demo" else None
+
+
+def parse_adapters(raw: list[dict[str, Any]] | None) -> list[Adapter]:
+    out = []
+    for i, a in enumerate(raw or []):
+        where = f"spec.adapters[{i}]"
+        name = a.get("name")
+        if not isinstance(name, str) or not re.match(NAME_PATTERN, name):
+            raise SpecError(f"{where}.name {name!r}: want a DNS label of at most 40 characters")
+        src = a.get("source") or {}
+        pvc, img = src.get("pvc") or {}, src.get("image") or {}
+        if sum(bool(x) for x in (pvc, img)) > 1 or not (pvc or img or src.get("path")):
+            raise SpecError(f"{where}.source: a path, or pvc.claimName (and path), or "
+                            "image.reference")
+        rank = a.get("rank", 16)
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= 512:
+            raise SpecError(f"{where}.rank {rank!r}: want 1..512")
+        out.append(Adapter(name, rank, a.get("model"), src.get("path"), pvc.get("claimName"),
+                           img.get("reference"), img.get("pullPolicy", "IfNotPresent")))
+    return out
+
+
+def parse_models(raw: list[dict[str, Any]] | None, model_of) -> list[ExtraModel]:
+    """`model_of` parses a model object as spec.model's (spec._model)."""
+    out = []
+    for i, m in enumerate(raw or []):
+        where = f"spec.models[{i}]"
+        name = m.get("name")
+        if not isinstance(name, str) or not re.match(NAME_PATTERN, name) or name == PRIMARY_POOL:
+            raise SpecError(f"{where}.name {name!r}: want a DNS label of at most 40 characters, "
+                            f"not {PRIMARY_POOL!r}")
+        n = m.get("replicas", 1)
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1000:
+            raise SpecError(f"{where}.replicas {n!r}: want 1..1000")
+        try:
+            model = model_of({"source": "demo", **(m.get("model") or {})})
+        except SpecError as e:
+            raise SpecError(f"{where}: {e}") from None
+        out.append(ExtraModel(name, replace(model, served_name=name), n))
+    return out
+
+
+def check_models(s: ServiceSpec) -> None:
+    """Rules across fields: unique names, adapters naming a served model, a known primary
+    name where one EPP routes several names."""
+    names = [m.name for m in s.models] + [a.name for a in s.adapters]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise SpecError(f"spec: {dup!r} names two models or adapters")
+    if (s.models or s.adapters) and primary_name(s) is None:
+        raise SpecError("spec.model.servedModelName: needed with models or adapters (the EPP "
+                        "routes by name)")
+    bases = {m.name for m in s.models} | {primary_name(s)}
+    for a in s.adapters:
+        if a.model is not None and a.model not in bases:
+            raise SpecError(f"spec.adapters: {a.name!r} names model {a.model!r}, which is not "
+                            f"served here ({sorted(b for b in bases if b)})")
+    if s.models and s.engine.name == "kvyard" and s.disaggregated:
+        raise SpecError("spec.models: extra models are both pools; not with a prefill pool")
+
+
 def parse(body: dict[str, Any], defaults: Defaults | None = None) -> ServiceSpec:
     """The custom resource (as the API returns it) -> a ServiceSpec, or SpecError."""
     meta = body.get("metadata") or {}
@@ -293,9 +385,11 @@ def parse(body: dict[str, Any], defaults: Defaults | None = None) -> ServiceSpec
                       _int(pd["nonCachedTokens"], "spec.routing.pd.nonCachedTokens", 0),
                       _int(pd["promptTokens"], "spec.routing.pd.promptTokens", 0),
                       _int(r["destinationFallbacks"], "spec.routing.destinationFallbacks", 0, 15))
-    _need(min(routing.prefix_cache, routing.queue, routing.kv_cache_utilization) >= 0,
+    routing.lora_affinity = float(sc.get("loraAffinity", 4))
+    _need(min(routing.prefix_cache, routing.queue, routing.kv_cache_utilization,
+              routing.lora_affinity) >= 0,
           "spec.routing.scorers: weights must be >= 0")
-    return ServiceSpec(
+    out = ServiceSpec(
         name=meta.get("name", ""), namespace=meta.get("namespace") or "default",
         uid=meta.get("uid", ""), generation=int(meta.get("generation") or 1), model=model,
         engine=engine, pools=pools, routing=routing, kvstore=kvstore,
@@ -306,4 +400,9 @@ def parse(body: dict[str, Any], defaults: Defaults | None = None) -> ServiceSpec
         inference_pool=bool(raw["inferencePool"].get("enabled")),
         gateway_replicas=_int(raw["gateway"].get("replicas", 2), "spec.gateway.replicas", 1, 100),
         epp_replicas=_int((raw.get("epp") or {}).get("replicas", 1), "spec.epp.replicas", 1, 16),
-        slo=dict(raw.get("slo") or {}), raw=raw, defaults=defaults or Defaults())
+        slo=dict(raw.get("slo") or {}), raw=raw, defaults=defaults or Defaults(),
+        models=parse_models(raw.get("models"), _model),
+        adapters=parse_adapters(raw.get("adapters")),
+        max_loras=_int(raw["engine"].get("maxLoras", 4), "spec.engine.maxLoras", 1, 256))
+    check_models(out)
+    return out

@@ -48,6 +48,7 @@ class Rollout:
     current: bool               # controller saw the latest generation
     total: int                  # pods of any revision
     stuck: bool                 # ProgressDeadlineExceeded
+    pool: str | None = None     # an extra model's pool (kvyard.io/pool; operator/models.py)
 
     @property
     def done(self) -> bool:
@@ -70,7 +71,8 @@ def rollout(dep: dict[str, Any]) -> Rollout:
                    ready=int(st.get("readyReplicas") or 0),
                    available=int(st.get("availableReplicas") or 0),
                    current=int(st.get("observedGeneration") or 0) >= int(md.get("generation") or 1),
-                   total=int(st.get("replicas") or 0), stuck=stuck)
+                   total=int(st.get("replicas") or 0), stuck=stuck,
+                   pool=labels.get(wire.POOL_LABEL))
 
 
 @dataclass(slots=True)
@@ -82,6 +84,7 @@ class Observed:
     expected_deployments: int = 0       # children rendered; fewer seen = not created yet
     wakes_from_zero: bool = False       # KEDA scales the pools from zero (scale-to-zero on)
     pods: list[dict[str, Any]] = field(default_factory=list)   # the service's pods
+    models: list[dict[str, Any]] = field(default_factory=list)  # base models, their adapters
 
 
 def _pod_failure(pod: dict[str, Any]) -> tuple[str, str] | None:
@@ -175,9 +178,12 @@ def compute(obs: Observed, previous: list[dict[str, Any]] | None, now: str) -> d
         _condition("Degraded", bool(problems), problems[0].reason if problems else "AsExpected",
                    "; ".join(f"{p.reason}: {p.message}" for p in problems), g, prev, now),
     ]
-    pools = {r.role: {"replicas": r.desired, "readyReplicas": r.ready,
-                      "updatedReplicas": r.updated} for r in rolls if r.role}
+    pools = {(f"{r.pool}-{r.role}" if r.pool else r.role): {
+        "replicas": r.desired, "readyReplicas": r.ready, "updatedReplicas": r.updated}
+        for r in rolls if r.role}
     out: dict[str, Any] = {"observedGeneration": g, "conditions": conds, "pools": pools}
+    if obs.models:
+        out["models"] = obs.models
     if obs.gateway_address:
         out["gatewayAddress"] = obs.gateway_address
     return out

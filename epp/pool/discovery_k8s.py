@@ -5,7 +5,8 @@ daemon thread and hands complete endpoint sets to the event loop with
 `call_soon_threadsafe` (the pool is only ever touched from the loop). A pod
 counts when it is Running, Ready, has a podIP and is not being deleted; a
 pod that stops being Ready leaves the pool at once. Role comes from the
-`kvyard.io/role` label (default both), the port from `--target-port`.
+`kvyard.io/role` label (default both), the pool from `kvyard.io/pool` (several models
+behind one EPP, epp/models.py), the port from `--target-port`.
 On a watch error or a 410 Gone the thread re-lists, with capped backoff.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvyard.common.wire import ROLE_LABEL, ROLES
+from kvyard.common.wire import POOL_LABEL, ROLE_LABEL, ROLES
 
 from .endpoints import EndpointPool, EndpointSpec
 
@@ -42,7 +43,7 @@ def pod_endpoint(pod: Any, target_port: int) -> EndpointSpec | None:
     host = f"[{st.pod_ip}]" if ":" in st.pod_ip else st.pod_ip
     ann = md.annotations or {}
     pub, rep = ann.get(KV_EVENTS_PORT_ANNOTATION), ann.get(KV_REPLAY_PORT_ANNOTATION)
-    return EndpointSpec(f"{host}:{target_port}", role,
+    return EndpointSpec(f"{host}:{target_port}", role, pool=(md.labels or {}).get(POOL_LABEL, ""),
                         kv_events=f"tcp://{host}:{pub}" if pub and pub.isdigit() else None,
                         kv_replay=f"tcp://{host}:{rep}" if rep and rep.isdigit() else None)
 

@@ -24,6 +24,7 @@ class EndpointSpec:
     kv_events: str | None = None  # the worker's PUB socket, tcp://host:port
     kv_replay: str | None = None  # its replay (ROUTER) socket
     dp_rank: int | None = None    # the data-parallel rank this address serves
+    pool: str = ""                # its InferencePool (a base model's, epp/models.py); "": the one
 
 
 @dataclass(slots=True)
@@ -49,6 +50,12 @@ class Endpoint:
     kv_events: str | None = None  # from the spec: where its KV events are published
     kv_replay: str | None = None
     dp_rank: int | None = None
+    pool: str = ""  # from the spec (epp/models.py routes a model to its pool)
+    # LoRA, scraped (vllm:lora_requests_info): adapters of running and waiting requests and
+    # how many may be active; max_lora None: the worker reports no adapters
+    lora_running: frozenset[str] = frozenset()
+    lora_waiting: frozenset[str] = frozenset()
+    max_lora: int | None = None
 
     def fresh(self, now: float, stale_after: float) -> bool:
         return self.last_ok > 0.0 and now - self.last_ok <= stale_after
@@ -62,12 +69,15 @@ class Endpoint:
             "pending": self.pending,
             "last_error": self.last_error,
             "age_s": round(now - self.last_ok, 3) if self.last_ok else None,
+            **({"pool": self.pool} if self.pool else {}),
+            **({"lora_running": sorted(self.lora_running), "max_lora": self.max_lora}
+               if self.max_lora is not None else {}),
         }
 
 
 def parse_spec(entry: object) -> EndpointSpec:
     """Accepts `"ip:port"` or `{address: ip:port, role: ..., kv_events: tcp://ip:5557,
-    kv_events_replay: tcp://ip:5558, data_parallel_rank: 0}`; raises ValueError."""
+    kv_events_replay: tcp://ip:5558, data_parallel_rank: 0, pool: NAME}`; raises ValueError."""
     events: dict = {}
     if isinstance(entry, str):
         address, role = entry, "both"
@@ -92,6 +102,11 @@ def _event_fields(entry: dict) -> dict:
             if not isinstance(v, str) or not v.startswith(("tcp://", "ipc://")):
                 raise ValueError(f"endpoint {entry['address']}: {key} {v!r}: want tcp://host:port")
             out[attr] = v
+    pool = entry.get("pool")
+    if pool is not None:
+        if not isinstance(pool, str) or not pool:
+            raise ValueError(f"endpoint {entry['address']}: pool {pool!r}: want a name")
+        out["pool"] = pool
     rank = entry.get("data_parallel_rank")
     if rank is not None:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
@@ -139,7 +154,7 @@ class EndpointPool:
             elif (ep.kv_events, ep.kv_replay, ep.dp_rank) != (spec.kv_events, spec.kv_replay,
                                                             spec.dp_rank):
                 changed = True  # the KV-event subscriptions follow
-            ep.role = spec.role
+            ep.role, ep.pool = spec.role, spec.pool
             ep.kv_events, ep.kv_replay, ep.dp_rank = spec.kv_events, spec.kv_replay, spec.dp_rank
         if changed:
             self.generation += 1

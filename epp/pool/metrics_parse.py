@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvyard.common.wire import (M_CACHE_CONFIG, M_GENERATION_TOKENS, M_KV_USAGE, M_KV_USAGE_OLD,
-                                M_PREFIX_HITS, M_PREFIX_QUERIES, M_PROMPT_TOKENS,
+                                M_LORA_INFO, M_PREFIX_HITS, M_PREFIX_QUERIES, M_PROMPT_TOKENS,
                                 M_PROMPT_TOKENS_PENDING, M_REQUEST_SUCCESS, M_RUNNING, M_SLEEPING,
                                 M_WAITING)
 
@@ -40,6 +40,13 @@ class WorkerMetrics:
     prefix_hits: float | None = None  # vllm:prefix_cache_hits_total (tokens)
     prefix_queries: float | None = None  # vllm:prefix_cache_queries_total (tokens)
     prompt_tokens_pending: float | None = None  # kvyard:prompt_tokens_pending (kvyard workers)
+    # vllm:lora_requests_info, the series with the latest timestamp value (vLLM keeps old
+    # label sets; GAIE reads the newest): adapters of running / waiting requests, max_lora.
+    # None: the worker serves no adapters.
+    lora_running: frozenset[str] | None = None
+    lora_waiting: frozenset[str] = frozenset()
+    max_lora: int | None = None
+    _lora_time: float = -1.0
 
 
 def _value(line: str) -> float:
@@ -54,6 +61,21 @@ def _label(line: str, key: str) -> str | None:
         return None
     i += len(key) + 2
     return line[i:line.index('"', i)]
+
+
+def _adapters(line: str, key: str) -> frozenset[str]:
+    return frozenset(a for a in (_label(line, key) or "").split(",") if a)
+
+
+def _lora(m: WorkerMetrics, line: str) -> None:
+    t = _value(line)
+    if t < m._lora_time:
+        return
+    ml = _label(line, "max_lora")
+    m._lora_time = t
+    m.lora_running = _adapters(line, "running_lora_adapters")
+    m.lora_waiting = _adapters(line, "waiting_lora_adapters")
+    m.max_lora = int(ml) if ml and ml.isdigit() else m.max_lora
 
 
 def parse_vllm_metrics(text: str) -> WorkerMetrics:
@@ -84,6 +106,8 @@ def parse_vllm_metrics(text: str) -> WorkerMetrics:
                 bs, nb = _label(line, "block_size"), _label(line, "num_gpu_blocks")
                 m.block_size = int(bs) if bs and bs.isdigit() else m.block_size
                 m.num_gpu_blocks = int(nb) if nb and nb.isdigit() else m.num_gpu_blocks
+            elif name == M_LORA_INFO:
+                _lora(m, line)
             elif name in _COUNTERS:
                 attr = _COUNTERS[name]
                 setattr(m, attr, (getattr(m, attr) or 0.0) + _value(line))

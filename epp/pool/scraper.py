@@ -67,6 +67,9 @@ class Scraper:
             log.info("endpoint %s is %s", ep.address, "asleep" if m.sleeping else "awake")
         ep.sleeping = m.sleeping
         ep.prompt_tokens_pending = m.prompt_tokens_pending
+        if m.lora_running is not None:
+            ep.lora_running, ep.lora_waiting, ep.max_lora = (m.lora_running, m.lora_waiting,
+                                                              m.max_lora)
         if m.block_size is not None:
             ep.block_size, ep.num_gpu_blocks = m.block_size, m.num_gpu_blocks
         if ep.down:

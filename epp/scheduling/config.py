@@ -9,6 +9,7 @@
           - {type: prefix-cache, weight: 3, lruCapacityPerServer: 31250}
           - {type: queue, weight: 2}
           - {type: kv-cache-utilization, weight: 2}
+          - {type: lora-affinity, weight: 4}
         picker: {type: max-score}      # random tie-break
     objectives: {batch: -1}            # x-gateway-inference-objective -> priority
 
@@ -39,6 +40,7 @@ DEFAULT_PROFILE: dict[str, Any] = {
         {"type": "prefix-cache", "weight": 3, "lruCapacityPerServer": 31_250},
         {"type": "queue", "weight": 2},
         {"type": "kv-cache-utilization", "weight": 2},
+        {"type": "lora-affinity", "weight": 4},  # neutral for base models
     ],
     "picker": {"type": "max-score"},
 }

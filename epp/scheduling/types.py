@@ -17,6 +17,8 @@ class SchedRequest:
     now: float = 0.0  # monotonic time of the decision
     stale_after: float = 2.0
     cycle: CycleState = field(default_factory=CycleState)  # this request's shared plugin state
+    adapter: str = ""  # the LoRA adapter `model` names (epp/models.py); "": a base model
+    pool: str = ""     # the pool serving `model` (epp/models.py); "": every endpoint
 
 
 @dataclass(slots=True)

@@ -29,6 +29,7 @@ class Pods:
     max_model_len: int = 8192
     seed: int = 0
     time_scale: float = 1.0
+    extra: list[str] = field(default_factory=list)  # more `sim serve` flags (LoRA's, say)
 
     def command(self, ports: list[int], events: int | None, replay: int | None) -> list[str]:
         from kvyard.stack.commands import py_module
@@ -38,7 +39,7 @@ class Pods:
             return py_module("kvyard.bench.route_pods", "--ports", *map(str, ports))
         cmd = py_module("kvyard.cli", "sim", "serve", "--ports", csv, "--profile", self.profile,
                         "--max-model-len", str(self.max_model_len), "--seed", str(self.seed),
-                        "--time-scale", str(self.time_scale))
+                        "--time-scale", str(self.time_scale), *self.extra)
         if self.kv_blocks:
             cmd += ["--kv-cache-size", str(self.kv_blocks)]
         if events is not None:
@@ -82,8 +83,8 @@ def _endpoints_file(path: Path, addresses: list[str], kv: dict[str, str],
     return path
 
 
-def start(pods: Pods, run: Path, epp_config: Path | None, timeout_s: float = 180.0
-          ) -> RouteStack:
+def start(pods: Pods, run: Path, epp_config: Path | None, timeout_s: float = 180.0,
+          epp_args: list[str] | None = None) -> RouteStack:
     from kvyard.gateway.config import GatewayConfig
     from kvyard.gateway.envoy import envoy_command, write_config
     from kvyard.stack.commands import epp_cmd
@@ -108,7 +109,7 @@ def start(pods: Pods, run: Path, epp_config: Path | None, timeout_s: float = 180
         procs.wait_ready([(host, lambda: all(procs.http_ok(f"http://{a}/health")
                                              for a in addresses))], timeout_s)
         eports = tuple(procs.free_port(None, taken) for _ in range(3))
-        extra = ["--scaler-port", str(procs.free_port(None, taken))]
+        extra = ["--scaler-port", str(procs.free_port(None, taken)), *(epp_args or [])]
         if epp_config is not None:
             extra = ["--config", str(epp_config), *extra]
         epp = procs.spawn("epp", epp_cmd("demo", eports, _endpoints_file(

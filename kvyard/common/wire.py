@@ -29,6 +29,9 @@ ENDPOINT_HEADER = "x-kvyard-endpoint"
 # Pod role label (kvyard.io/role: prefill|decode|both).
 ROLE_LABEL = "kvyard.io/role"
 ROLES = ("prefill", "decode", "both")
+# A worker pod's InferencePool when one EPP routes several models (epp/models.py): its base
+# model's name.
+POOL_LABEL = "kvyard.io/pool"
 
 # Conventional ports (GAIE).
 EPP_EXT_PROC_PORT = 9002

@@ -35,6 +35,8 @@ class SeqBlocks:
     private: int = 0
     hashes: list[int] = field(default_factory=list)
     registered: int = 0          # leading full blocks already offered to the cache
+    seed: int = 0                # the chain's seed: a LoRA adapter's, so adapters never share KV
+    lora_name: str | None = None  # its adapter, in its BlockStored events (vLLM's field)
 
     @property
     def num_blocks(self) -> int:
@@ -75,7 +77,7 @@ class BlockPool:
         if len(token_ids) // self.block_size > done:
             parent = seq.hashes[-1] if done else NONE_HASH
             seq.hashes += block_hashes(token_ids[done * self.block_size:], self.block_size,
-                                       parent=parent)
+                                       seed=seq.seed, parent=parent)
         return seq.hashes
 
     def match(self, token_ids: list[int], seq: SeqBlocks) -> int:
@@ -133,7 +135,7 @@ class BlockPool:
         for i in range(seq.registered, len(hashes)):
             h = hashes[i]
             if self.cached(h) or seq.private == 0:  # someone cached it meanwhile: stays private
-                self._emit_stored(run, run_start, token_ids, hashes)
+                self._emit_stored(run, run_start, token_ids, hashes, seq.lora_name)
                 run, run_start = [], i + 1
                 continue
             seq.private -= 1
@@ -141,7 +143,7 @@ class BlockPool:
             self.in_use[h] = 1
             seq.refs.append(h)
             run.append(h)
-        self._emit_stored(run, run_start, token_ids, hashes)
+        self._emit_stored(run, run_start, token_ids, hashes, seq.lora_name)
         seq.registered = len(hashes)
 
     def release(self, seq: SeqBlocks) -> None:
@@ -178,13 +180,15 @@ class BlockPool:
         self.private += n
 
     def _emit_stored(self, run: list[int], start: int, token_ids: list[int],
-                     hashes: list[int]) -> None:
+                     hashes: list[int], lora_name: str | None = None) -> None:
         if not run:
             return
         bs = self.block_size
         parent = hashes[start - 1] if start else None
-        self._emit(kv_events.block_stored(run, parent, token_ids[start * bs:(start + len(run)) * bs],
-                                          bs))
+        ev = kv_events.block_stored(run, parent, token_ids[start * bs:(start + len(run)) * bs], bs)
+        if lora_name is not None:
+            ev["lora_name"] = lora_name
+        self._emit(ev)
 
     def _emit(self, ev: dict[str, Any]) -> None:
         if self.on_event is not None:

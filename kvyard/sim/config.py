@@ -6,7 +6,8 @@
 --kv-cache-transfer-latency, --kv-cache-transfer-time-per-token,
 --kv-cache-transfer-time-std-dev, --seed. Durations are llm-d's: "100ms", "250us", "1.5s"
 (a bare number is milliseconds, as llm-d's deprecated integer form).
-vLLM's --max-num-batched-tokens; kvyard's own: --profile, --itl-per-running-seq (ITL growth per extra running sequence),
+vLLM's --max-num-batched-tokens and LoRA flags (--enable-lora, --lora-modules, --max-loras;
+lora.py, with kvyard's --lora-load-time); kvyard's own: --profile, --itl-per-running-seq (ITL growth per extra running sequence),
 --time-scale, --min-step, --pods/--ports/--roles/--first-pod (many pods in one process) and
 vLLM's --kv-events-config (the worker's flag). A bound KV-event endpoint (a wildcard, as the
 worker's) and the replay endpoint get port + the pod's index in the pool; a connected one
@@ -66,6 +67,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="demo", help="whose tokenizer and chat template to use")
     g.add_argument("--served-model-name", action="append", default=[])
     g.add_argument("--max-model-len", type=int, default=8192)
+    g = p.add_argument_group("LoRA (vLLM's flags; lora.py)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (implied by --lora-modules)")
+    g.add_argument("--lora-modules", nargs="+", action="extend", default=[],
+                   metavar="NAME=PATH", help="adapters a request may name as its model")
+    g.add_argument("--max-loras", type=int, default=1,
+                   help="adapters active at once (an LRU; vLLM's default 1)")
+    g.add_argument("--lora-load-time", type=duration, default=None, metavar="DUR",
+                   help="simulated cost of activating an adapter (default 500ms, lora.py's source)")
     g = p.add_argument_group("engine")
     g.add_argument("--profile", default="cpu-demo",
                    help="latency profile: cpu-demo, h100, h200, or a JSON file "

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from kvyard.sim.cache import BlockPool, SeqBlocks
 from kvyard.sim.latency import LatencyModel
+from kvyard.sim.lora import AdapterSlots
 
 REASONS = ("stop", "length", "abort")
 log = logging.getLogger("kvyard.sim.engine")
@@ -35,6 +36,7 @@ class SimRequest:
     prompt_ids: list[int]
     max_tokens: int
     remote_prefill: bool = False      # P/D decode side: the KV arrives, no prefill compute
+    adapter: str | None = None        # the LoRA adapter it names (lora.py), None: the base
     output_ids: list[int] = field(default_factory=list)
     blocks: SeqBlocks = field(default_factory=SeqBlocks)
     cached_tokens: int = 0
@@ -69,8 +71,10 @@ class SimEngine:
     def __init__(self, pool: BlockPool, model: LatencyModel, max_num_seqs: int,
                  filler: list[int], min_step_s: float = 0.002,
                  publish: Callable[[list[dict[str, Any]]], None] | None = None,
-                 max_num_batched_tokens: int = 8192) -> None:
+                 max_num_batched_tokens: int = 8192, lora: AdapterSlots | None = None) -> None:
         self.pool = pool
+        self.lora = lora
+        self._load_s = 0.0  # adapter loads of the step being planned (simulated seconds)
         self.model = model
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max(1, max_num_batched_tokens)
@@ -138,7 +142,7 @@ class SimEngine:
         decoding = self._make_room(decoding, k)
         chunks = self._plan_prefill(self.max_num_batched_tokens - len(decoding))
         remote = [r for r in admitted if r.remote_prefill]
-        dur = 0.0
+        dur, self._load_s = self._load_s, 0.0
         if chunks:  # the fixed cost once per step that starts a prompt (TTFT's overhead)
             first = any(r.prefill_left == len(r.all_ids) - r.cached_tokens for r, _ in chunks)
             dur += self.model.prefill(sum(n for _, n in chunks), overhead=first)
@@ -167,8 +171,15 @@ class SimEngine:
     # ---- internals -------------------------------------------------------------------------
     def _admit(self) -> list[SimRequest]:
         admitted: list[SimRequest] = []
+        skipped: list[SimRequest] = []  # their adapter found no slot: they keep their place
         while self.waiting and len(self.running) < self.max_num_seqs:
             r = self.waiting[0]
+            if r.adapter is not None and self.lora is not None:
+                cost = self.lora.acquire(r.adapter, {x.adapter for x in self.running})
+                if cost is None:
+                    skipped.append(self.waiting.popleft())
+                    continue
+                self._load_s += cost
             cached = self.pool.acquire(r.all_ids, r.blocks, count_query=not r.output_ids)
             if cached is None and not self.running:  # grew past the whole pool: never fits
                 self.waiting.popleft()
@@ -181,6 +192,7 @@ class SimEngine:
             r.prefill_left = 0 if r.remote_prefill else len(r.all_ids) - cached
             self.running.append(r)
             admitted.append(r)
+        self.waiting.extendleft(reversed(skipped))
         return admitted
 
     def _plan_prefill(self, budget: int) -> list[tuple[SimRequest, int]]:

@@ -3,6 +3,8 @@ hand from the engine's counters at scrape time. The EPP scrapes every pod every 
 a prometheus_client registry per pod would cost more than the whole simulated step."""
 from __future__ import annotations
 
+import time
+
 from kvyard.common import wire
 from kvyard.sim.pod import Pod
 
@@ -38,6 +40,8 @@ def render(pod: Pod) -> bytes:
         # wall seconds x this = simulated seconds: what a client's timings mean here
         "# TYPE kvyard:sim_time_scale gauge", f"kvyard:sim_time_scale {e.model.time_scale:g}",
     ]
+    if e.lora is not None:
+        lines += _lora_info(pod)
     if pod.publisher is not None:
         lines += [f"# TYPE {wire.M_KV_EVENT_BATCHES} counter",
                   f"{wire.M_KV_EVENT_BATCHES} {pod.publisher.batches}"]
@@ -48,3 +52,18 @@ def render(pod: Pod) -> bytes:
                   f'{wire.M_PD_FALLBACKS}{{reason="prefill_failed"}} {pod.fallbacks}',
                   f"# TYPE {wire.M_PD_REJECTED} counter", f"{wire.M_PD_REJECTED} {pod.rejected}"]
     return ("\n".join(lines) + "\n").encode()
+
+
+def _lora_info(pod: Pod) -> list[str]:
+    """vLLM's `vllm:lora_requests_info`: the adapters of running and waiting requests (its
+    value is the time of the update, as vLLM's `set_to_current_time`); plus the
+    simulator's own load counter, what `kvyard bench lora` counts as thrash."""
+    e = pod.engine
+    running = ",".join(dict.fromkeys(r.adapter for r in e.running if r.adapter))
+    waiting = ",".join(dict.fromkeys(r.adapter for r in e.waiting if r.adapter))
+    return [f"# TYPE {wire.M_LORA_INFO} gauge",
+            f'{wire.M_LORA_INFO}{{max_lora="{e.lora.max_loras}",'
+            f'waiting_lora_adapters="{waiting}",running_lora_adapters="{running}"}} '
+            f"{time.time():.3f}",
+            "# TYPE kvyard:sim_lora_loads_total counter",
+            f"kvyard:sim_lora_loads_total {e.lora.loads}"]

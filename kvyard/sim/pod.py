@@ -35,5 +35,10 @@ class Pod:
     def headers(self) -> dict[str, str]:
         return {wire.ENDPOINT_HEADER: self.address}
 
+    @property
+    def adapters(self) -> list[str]:
+        """The LoRA adapters a request may name (lora.py)."""
+        return list(self.engine.lora.modules) if self.engine.lora is not None else []
+
     def text(self, ids: list[int]) -> str:
         return "".join(self.text_of(i) for i in ids)

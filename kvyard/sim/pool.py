@@ -22,6 +22,7 @@ from kvyard.sim.config import PodPlan
 from kvyard.sim.engine import SimEngine
 from kvyard.sim.events import SimPublisher
 from kvyard.sim.latency import LatencyModel
+from kvyard.sim.lora import DEFAULT_LOAD_S, AdapterSlots, parse_lora_modules
 from kvyard.sim.profiles import LatencyProfile
 from kvyard.sim.pod import Pod
 from kvyard.sim.server import make_app
@@ -50,6 +51,10 @@ class PodSettings:
     event_batch_size: int = 0
     served: list[str] = field(default_factory=list)
     pd_key: bytes | None = None
+    enable_lora: bool = False
+    lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> path
+    max_loras: int = 1
+    lora_load_s: float = DEFAULT_LOAD_S
 
 
 def build_pod(plan: PodPlan, i: int, s: PodSettings, tok: ChatTokenizer,
@@ -63,9 +68,11 @@ def build_pod(plan: PodPlan, i: int, s: PodSettings, tok: ChatTokenizer,
         served = s.served[0] if s.served else tok.name
         topic = plan.kv_events.topic.replace("{address}", plan.address).replace("{model}", served)
         pub = SimPublisher(plan.kv_events, topic.encode(), s.event_batch_size)
+    lora = AdapterSlots(dict(s.lora_modules), max(1, s.max_loras), s.lora_load_s) \
+        if s.enable_lora or s.lora_modules else None
     engine = SimEngine(pool, model, s.profile.max_num_seqs, ids, s.min_step_s,
                        publish=pub.publish if pub is not None else None,
-                       max_num_batched_tokens=s.profile.max_num_batched_tokens)
+                       max_num_batched_tokens=s.profile.max_num_batched_tokens, lora=lora)
     return Pod(address=plan.address, role=plan.role, engine=engine, tokenizer=tok,
                served=s.served or [tok.name], max_model_len=s.max_model_len,
                profile_name=s.profile.name, text_of=lambda t: texts.get(t) or tok.token_text(t),
@@ -122,7 +129,10 @@ def settings_of(a: Any, profile: LatencyProfile) -> PodSettings:
                        time_scale=a.time_scale, min_step_s=a.min_step, seed=a.seed,
                        first_pod=a.first_pod,
                        event_batch_size=a.event_batch_size, served=list(a.served_model_name),
-                       pd_key=key)
+                       pd_key=key, enable_lora=a.enable_lora,
+                       lora_modules=parse_lora_modules(a.lora_modules), max_loras=a.max_loras,
+                       lora_load_s=DEFAULT_LOAD_S if a.lora_load_time is None
+                       else a.lora_load_time)
 
 
 async def serve(plans: list[PodPlan], s: PodSettings, model_ref: str | Path,

@@ -19,6 +19,7 @@ import itertools
 from aiohttp import web
 
 from kvyard.common import pd_auth, wire
+from kvyard.common.hashing import adapter_seed
 from kvyard.common.openai_shapes import DONE, Shaper, Usage
 from kvyard.sim import metrics
 from kvyard.sim.engine import SimRequest
@@ -54,8 +55,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     pod = request.app[POD]
     chat = request.path.endswith("/chat/completions")
     try:
-        spec = await parse_generate(await request.read(), chat, pod.tokenizer, pod.served,
-                                    pod.max_model_len)
+        spec = await parse_generate(await request.read(), chat, pod.tokenizer,
+                                    pod.served + pod.adapters, pod.max_model_len)
         if -(-(len(spec.prompt_ids) + 1) // pod.engine.pool.block_size) > pod.engine.pool.capacity:
             raise ApiError(400, f"the prompt ({len(spec.prompt_ids)} tokens) does not fit this "
                            f"pod's KV cache ({pod.engine.pool.capacity} blocks)",
@@ -63,8 +64,11 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         remote = await _prefill_elsewhere(request, pod, spec)
     except ApiError as e:
         return _error(pod, e)
+    adapter = spec.model if spec.model in pod.adapters else None
     req = SimRequest(f"{'chatcmpl' if chat else 'cmpl'}-sim-{next(_ids)}", spec.prompt_ids,
-                     spec.max_tokens, remote_prefill=remote)
+                     spec.max_tokens, remote_prefill=remote, adapter=adapter)
+    if adapter is not None:  # an adapter's KV is its own (vLLM keys blocks by LoRA)
+        req.blocks.seed, req.blocks.lora_name = adapter_seed(adapter), adapter
     pod.engine.submit(req)
     shaper = Shaper("chat" if chat else "completion", req.rid, spec.model)
     try:
@@ -150,7 +154,11 @@ async def _models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [
         {"id": n, "object": "model", "created": created, "owned_by": "kvyard-sim",
          "root": pod.served[0], "parent": None, "max_model_len": pod.max_model_len}
-        for n in pod.served]}, headers=pod.headers)
+        for n in pod.served] + [
+        {"id": n, "object": "model", "created": created, "owned_by": "kvyard-sim",
+         "root": path, "parent": pod.served[0], "max_model_len": pod.max_model_len}
+        for n, path in (pod.engine.lora.modules.items() if pod.engine.lora else ())]},
+        headers=pod.headers)
 
 
 async def _model_info(request: web.Request) -> web.Response:

@@ -5,16 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def write_endpoints(path: Path, addresses: list[str], role: str | list[str] = "both") -> Path:
-    """The EPP's endpoints file (`role`: one for all, or one per address); the EPP
-    reloads it on change. Written atomically."""
+def write_endpoints(path: Path, addresses: list[str], role: str | list[str] = "both",
+                    pools: list[str] | None = None) -> Path:
+    """The EPP's endpoints file (`role`: one for all, or one per address; `pools`: each
+    address's pool, several models behind one EPP); the EPP reloads it on change. Written
+    atomically."""
     import yaml
 
     roles = [role] * len(addresses) if isinstance(role, str) else list(role)
     if len(roles) != len(addresses):
         raise ValueError(f"{len(addresses)} addresses but {len(roles)} roles")
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump([{"address": a, "role": r} for a, r in zip(addresses, roles)]))
+    rows = [{"address": a, "role": r} for a, r in zip(addresses, roles)]
+    for row, pool in zip(rows, pools or []):
+        row["pool"] = pool
+    tmp.write_text(yaml.safe_dump(rows))
     tmp.replace(path)
     return path
 

@@ -58,12 +58,19 @@ def start_stack(spec: StackSpec) -> StackState:
         roles = spec.roles()
         pd_key = pd_key_file(run) if spec.disaggregated else None
         sim_pods = bool(spec.sim) and not spec.scale_to_zero  # many pods per process
-        if sim_pods:
+        pools: list[str] | None = None
+        if spec.named_models:  # a pool per model (stack/models.py)
+            from kvyard.stack.models import spawn_model_pools
+
+            addresses, roles, pools, more = spawn_model_pools(
+                spec, roles, taken, logs, kv_args, kv_env_files, pd_key, started.add)
+            checks += more
+        elif sim_pods:
             from kvyard.stack.sim_pool import spawn_sim_pods
 
             addresses, sim_checks = spawn_sim_pods(spec, roles, taken, logs, pd_key, started.add)
             checks += sim_checks
-        for i, role in enumerate([] if sim_pods else roles):
+        for i, role in enumerate([] if sim_pods or pools is not None else roles):
             base = spec.worker_base_port
             port = procs.free_port(None if base is None else base + i, taken)
             addresses.append(f"127.0.0.1:{port}")
@@ -75,10 +82,14 @@ def start_stack(spec: StackSpec) -> StackState:
             checks.append((p, ready_check(f"http://127.0.0.1:{port}/health")))
         # Workers load models in parallel; wait for them before the EPP scrapes.
         procs.wait_ready(checks, spec.ready_timeout_s)
-        endpoints_file = write_endpoints(run / "endpoints.yaml", addresses, roles)
+        endpoints_file = write_endpoints(run / "endpoints.yaml", addresses, roles, pools)
         scaler_port = procs.free_port(spec.scaler_port, taken)
         epp_args = ["--scaler-port", str(scaler_port), "--pool-name", spec.pool_name,
                     *spec.epp_args]
+        if spec.named_models or spec.adapters:
+            from kvyard.stack.models import models_file
+
+            epp_args += ["--models-file", str(models_file(run / "models.json", spec))]
         if pd_key is not None:
             epp_args = ["--config", str(pd_scheduler_config()), "--pd-key-file", str(pd_key),
                         *epp_args]
@@ -115,6 +126,7 @@ def start_stack(spec: StackSpec) -> StackState:
     state = StackState(run_dir=str(run), gateway_url=f"http://127.0.0.1:{gw_port}",
                        admin_url=admin_url, epp_metrics_url=metrics_url, endpoints=addresses,
                        procs=list(started), spec={"workers": len(roles), "model": spec.model,
+                                            "models": [n for n, _ in spec.named_models],
                                             "prefill": spec.prefill, "decode": spec.decode,
                                             "dtype": spec.dtype, "standin": spec.standin,
                                             "sim": spec.sim, "sim_profile": spec.sim_profile,

@@ -54,7 +54,8 @@ def epp_args(n: int) -> list[str]:
 
 
 def spawn_sim_pods(spec: StackSpec, roles: list[str], taken: set[int], logs: Path,
-                   pd_key: Path | None, add: Callable[[Proc], Proc]
+                   pd_key: Path | None, add: Callable[[Proc], Proc],
+                   name_prefix: str = SIM_PREFIX
                    ) -> tuple[list[str], list[tuple[Proc, Callable[[], bool]]]]:
     """Start the sim processes; the pods' addresses (in `roles` order) and readiness checks."""
     base = spec.worker_base_port
@@ -70,7 +71,7 @@ def spawn_sim_pods(spec: StackSpec, roles: list[str], taken: set[int], logs: Pat
                        "--ports", ",".join(str(ports[i]) for i in mine),
                         "--roles", ",".join(roles[i] for i in mine),
                         *(["--pd-key-file", str(pd_key)] if pd_key else []), *sim_args(spec))
-        name = f"{SIM_PREFIX}{k}"
+        name = f"{name_prefix}{k}"
         p = add(procs.spawn(name, cmd, logs / f"{name}.log",
                             ports={f"pod-{i}": ports[i] for i in mine}))
         checks += [(p, ready_check(f"http://127.0.0.1:{ports[i]}/health")) for i in mine]

@@ -36,6 +36,11 @@ class StackSpec:
     # Preferred ports; a taken one (or None) means any free port.
     gateway_port: int | None = 8080
     model: str = "demo"
+    # `--model NAME=SOURCE` repeated (stack/models.py): a pool per model; []: one pool of `model`
+    named_models: list[tuple[str, str]] = field(default_factory=list)
+    # `--adapter [MODEL:]NAME=PATH`: (model, name, path), model "" for the unnamed one
+    adapters: list[tuple[str, str, str]] = field(default_factory=list)
+    max_loras: int = 4
     dtype: str | None = None
     # Stand-in workers (no model): for tests and benchmarks of the routing path.
     standin: bool = False

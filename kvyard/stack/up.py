@@ -33,7 +33,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="P/D: M decode workers; the EPP runs the decode-first P/D config and "
                         "signs prefill targets with a key made for this stack")
     p.add_argument("--port", type=int, default=8080, help="gateway port (another free one if taken)")
-    p.add_argument("--model", default="demo")
+    p.add_argument("--model", action="append", default=None, metavar="[NAME=]SOURCE",
+                   help="the workers' model (default demo); repeated as NAME=SOURCE: a pool of "
+                        "--workers per model behind the one gateway, served under NAME")
+    p.add_argument("--adapter", action="append", default=None, metavar="[MODEL:]NAME=PATH",
+                   help="a LoRA adapter (PEFT directory) the model's workers serve as NAME "
+                        "(MODEL: a --model NAME; default the first model); repeatable")
+    p.add_argument("--max-loras", type=int, default=4,
+                   help="with --adapter: adapters active at once per worker (vLLM's flag)")
     p.add_argument("--dtype", default=None, help="worker dtype (passed to kvyard worker)")
     p.add_argument("--kv-pool-tier", choices=POOL_TIERS, default="ssd",
                    help="the kvstore tier all workers share, behind each one's DRAM tier: "
@@ -196,7 +203,19 @@ def run(args: argparse.Namespace) -> int:
         print("kvyard up: --scale-to-zero scales colocated workers (--workers N >= 1, not P/D) "
               "and needs --idle-seconds and --polling-seconds > 0", file=sys.stderr)
         return 2
-    spec = StackSpec(run_dir=rd, workers=args.workers, gateway_port=args.port, model=args.model,
+    from kvyard.stack.models import lora_args, parse_adapters, parse_models
+    try:
+        model, named = parse_models(args.model)
+        adapters = parse_adapters(args.adapter, named)
+    except ValueError as e:
+        print(f"kvyard up: {e}", file=sys.stderr)
+        return 2
+    if named and args.scale_to_zero:
+        print("kvyard up: --scale-to-zero scales one pool; not with several --model NAME=SOURCE",
+              file=sys.stderr)
+        return 2
+    spec = StackSpec(run_dir=rd, workers=args.workers, gateway_port=args.port, model=model,
+                     named_models=named, adapters=adapters, max_loras=args.max_loras,
                      prefill=args.prefill, decode=args.decode,
                      dtype=args.dtype, standin=args.standin_workers, ready_timeout_s=args.timeout,
                      kv_tiers=args.kv_tiers, kv_pool_tier=args.kv_pool_tier,
@@ -215,12 +234,17 @@ def run(args: argparse.Namespace) -> int:
         spec.sim, spec.sim_profile = args.sim, args.sim_profile
         spec.sim_kv_cache_size, spec.kv_tiers = args.sim_kv_cache_size, False
         spec.sim_args = shlex.split(args.sim_args)
-        spec.epp_args = epp_args(args.sim)
+        spec.epp_args = epp_args(args.sim * max(1, len(named)))
+    if adapters and not named:  # one pool: its workers get the adapters' flags directly
+        spec.worker_args += lora_args(spec, "")
+        spec.sim_args += lora_args(spec, "")
     what = f"{args.prefill} prefill + {args.decode} decode worker(s)" if spec.disaggregated \
         else f"{args.workers} worker(s)" + (
             f" (to zero after {args.idle_seconds:g}s idle)" if args.scale_to_zero else "")
     if args.sim:
         what = what.replace("worker(s)", f"simulated pod(s) (profile {args.sim_profile})")
+    if named:
+        what += f" per model ({', '.join(n for n, _ in named)})"
     epps = "the EPP" if args.epp_replicas == 1 else f"{args.epp_replicas} EPP replicas"
     print(f"kvyard: starting {what}, {epps} and Envoy (logs in {rd}/logs)", flush=True)
     error = start_supervised(spec)

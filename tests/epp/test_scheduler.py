@@ -146,5 +146,6 @@ def test_example_config_is_the_default_pipeline():
     s = build_scheduler(load_config(path))
     assert [f.name for f in s.filters] == ["healthy", "prefer-fresh", "role"]
     assert [(sc.name, w) for sc, w in s.scorers] == [
-        ("prefix-cache", 3.0), ("queue", 2.0), ("kv-cache-utilization", 2.0)]
+        ("prefix-cache", 3.0), ("queue", 2.0), ("kv-cache-utilization", 2.0),
+        ("lora-affinity", 4.0)]
     assert s.block_size == 64 and s.objectives == {"batch": -1, "interactive": 0}
