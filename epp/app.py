@@ -63,6 +63,7 @@ class EppConfig:
     kv_events_port: int | None = None  # the KV-event port convention (kvevents/sources.py)
     scrape_interval: float = 0.05
     scrape_timeout: float = 0.3
+    scrape_idle_interval: float = 0.5  # idle endpoints' cadence (pool/scraper.py)
     stale_after: float = 2.0
     fail_threshold: int = 3
     model: str = "demo"  # tokenizer source; "none" hashes bytes
@@ -258,7 +259,9 @@ class EppApp:
         if self.kv_events is not None:  # discovery has run: subscribe, then follow changes
             self.kv_events.sync()
             self.pool.on_change(self.kv_events.sync)
-        scraper = Scraper(self.pool, c.scrape_interval, c.scrape_timeout, c.fail_threshold)
+        scraper = Scraper(self.pool, c.scrape_interval, c.scrape_timeout, c.fail_threshold,
+                          # an idle endpoint's metrics must never go stale
+                          idle_interval=min(c.scrape_idle_interval, c.stale_after / 2))
         if self.flow is not None:
             scraper.on_scraped = self.flow.release
         if self.scaler is not None:
