@@ -167,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         try:
             await stop.wait()
+            if app.replicas is not None:  # peers take over while this one drains
+                await app.drain()
         finally:
             await app.stop()
 
