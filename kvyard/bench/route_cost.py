@@ -28,7 +28,9 @@ POD_COUNTS = (8, 32, 64, 128, 256)
 _HEADERS = {":method": "POST", ":path": "/v1/chat/completions"}
 
 
-def idle_cpu(pods: int, watch_s: float, model: str = "demo", timeout_s: float = 120.0) -> dict:
+def idle_cpu(pods: int, watch_s: float, model: str = "demo", timeout_s: float = 120.0,
+             extra: list[str] | None = None) -> dict:
+    """`extra`: more `kvyard epp` flags (e.g. the precise config and its event port)."""
     from kvyard.stack.commands import epp_cmd, py_module
     from kvyard.stack.endpoints_file import write_endpoints
     from kvyard.stack.readiness import epp_sees
@@ -48,7 +50,8 @@ def idle_cpu(pods: int, watch_s: float, model: str = "demo", timeout_s: float = 
             addrs = [f"127.0.0.1:{p}" for p in ports]
             epp = procs.spawn("epp", epp_cmd(model, eports, write_endpoints(
                 run / "endpoints.yaml", addrs), ["--scaler-port", str(procs.free_port(None,
-                                                                                   taken))]),
+                                                                                   taken)),
+                                                        *(extra or [])]),
                 run / "epp.log")
             started.append(epp)
             procs.wait_ready([(epp, epp_sees(f"http://127.0.0.1:{eports[2]}", pods))], timeout_s)
