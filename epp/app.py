@@ -203,7 +203,8 @@ class EppApp:
             self.flow.release()
 
     def is_ready(self) -> bool:
-        return (not self.draining and self.tokenizer_state in ("none", "loaded", "failed") and self.pool.ready()
+        return (not self.draining
+                and self.tokenizer_state in ("none", "loaded", "failed") and self.pool.ready()
                 and (self.replicas is None or self.replicas.caught_up))
 
     def _debug(self) -> dict:

@@ -137,6 +137,7 @@ class MetricsConnection(asyncio.Protocol):
     def eof_received(self) -> bool | None:
         if self._waiter is not None and self._head is not None and self._head.length is None \
                 and not self._head.chunked:  # a body delimited by the close
+            self.closed = True  # an expected close: not the endpoint going away
             w, self._waiter = self._waiter, None
             self._cancel_timer()
             if not w.done():
