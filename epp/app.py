@@ -64,6 +64,7 @@ class EppConfig:
     kv_events_port: int | None = None  # the KV-event port convention (kvevents/sources.py)
     scrape_interval: float = 0.05
     scrape_timeout: float = 0.3
+    scrape_idle_interval: float = 0.5  # idle endpoints' cadence (pool/scraper.py)
     stale_after: float = 2.0
     fail_threshold: int = 3
     model: str = "demo"  # tokenizer source; "none" hashes bytes
@@ -145,6 +146,7 @@ class EppApp:
     kv_events: KVEventSources | None = field(init=False)  # with a precise-prefix-cache scorer
     replicas: PickBus | None = field(init=False)  # with --replica-port / --peers
     tokenizer_state: str = "none"  # none | loading | loaded | failed
+    draining: bool = False  # SIGTERM with replicas: readiness off before stopping (drain)
     servicer: ExtProcServicer | None = None  # ext_proc; calls `director`
     _grpc: grpc.aio.Server | None = None
     _health: HealthServer | None = None
@@ -205,7 +207,8 @@ class EppApp:
             self.flow.release()
 
     def is_ready(self) -> bool:
-        return (self.tokenizer_state in ("none", "loaded", "failed") and self.pool.ready()
+        return (not self.draining
+                and self.tokenizer_state in ("none", "loaded", "failed") and self.pool.ready()
                 and (self.replicas is None or self.replicas.caught_up))
 
     def _debug(self) -> dict:
@@ -262,7 +265,9 @@ class EppApp:
         if self.kv_events is not None:  # discovery has run: subscribe, then follow changes
             self.kv_events.sync()
             self.pool.on_change(self.kv_events.sync)
-        scraper = Scraper(self.pool, c.scrape_interval, c.scrape_timeout, c.fail_threshold)
+        scraper = Scraper(self.pool, c.scrape_interval, c.scrape_timeout, c.fail_threshold,
+                          # an idle endpoint's metrics must never go stale
+                          idle_interval=min(c.scrape_idle_interval, c.stale_after / 2))
         if self.flow is not None:
             scraper.on_scraped = self.flow.release
         if self.scaler is not None:
@@ -290,6 +295,17 @@ class EppApp:
         self.director.hasher.set_tokenizer(tok, err)
         self.tokenizer_state = "loaded"
         log.info("tokenizer for %s loaded", self.cfg.model)
+
+    async def drain(self, notice_s: float = 1.0, grace_s: float = 3.0) -> None:
+        """A replica's graceful exit, before `stop`: readiness NOT_SERVING at once (the
+        health loop reports it within 0.1 s), `notice_s` for the gateway's health checks
+        (every 0.5 s) to stop opening streams here, then the ext_proc listener closes and
+        the streams still open get `grace_s` to finish. Whatever the gateway sends here
+        meanwhile is still served; a stream cut at the end fails over (gateway/epp_failover.py)."""
+        self.draining = True
+        await asyncio.sleep(notice_s)
+        if self._grpc is not None:
+            await self._grpc.stop(grace_s)
 
     async def stop(self) -> None:
         if self.flow is not None:  # held requests get a clean 503, not a broken stream

@@ -66,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("scraping")
     g.add_argument("--scrape-interval", type=float, default=0.05, help="seconds")
     g.add_argument("--scrape-timeout", type=float, default=0.3, help="seconds")
+    g.add_argument("--scrape-idle-interval", type=float, default=0.5,
+                   help="seconds between scrapes of an idle endpoint (nothing waiting, running "
+                        "or just picked); at most half of --stale-after")
     g.add_argument("--stale-after", type=float, default=2.0, help="seconds")
     g.add_argument("--fail-threshold", type=int, default=3,
                    help="failed scrapes in a row before an endpoint gets no traffic")
@@ -122,6 +125,7 @@ def config_from_args(args: argparse.Namespace):
         k8s_selector=selector_string(args.k8s_selector), target_port=args.target_port,
         kv_events_port=args.kv_events_port,
         scrape_interval=args.scrape_interval, scrape_timeout=args.scrape_timeout,
+        scrape_idle_interval=args.scrape_idle_interval,
         stale_after=args.stale_after, fail_threshold=args.fail_threshold, model=args.model,
         served_model_names=list(args.served_model_name), max_body_bytes=args.max_body_bytes,
         config=args.config, seed=args.seed, models_file=args.models_file, destination_fallbacks=args.destination_fallbacks,
@@ -169,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         try:
             await stop.wait()
+            if app.replicas is not None:  # peers take over while this one drains
+                await app.drain()
         finally:
             await app.stop()
 

@@ -54,7 +54,9 @@ class EngineKeys:
         need = (i + 1) * self.block_size
         while self._available() < need and self.prompt.more():
             pass
-        self._hash_to(min(self._available(), need + 15 * self.block_size) // self.block_size)
+        # every tokenized block at once: one hashing call per chunk the prompt tokenized
+        # (with its cached lookahead, ~4k tokens), not one per few blocks the walk asks for
+        self._hash_to(self._available() // self.block_size)
         return self.keys[i] if i < len(self.keys) else None
 
     def known(self) -> list[int]:

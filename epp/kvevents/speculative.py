@@ -15,24 +15,39 @@ from dataclasses import dataclass, field
 class Speculative:
     ttl: float = 2.0
     entries: dict[int, dict[str, float]] = field(default_factory=dict)  # key -> addr -> expiry
-    _order: deque = field(default_factory=deque)  # (expiry, key, addr), oldest first
+    # (expiry, keys, addr) per `add`, oldest first: one record per pick, not per block (a
+    # 100k-token prompt is ~6k blocks; per-block records made `add` cost more than scoring)
+    _order: deque = field(default_factory=deque)
 
     def add(self, keys: list[int], addr: str, expiry: float) -> None:
+        entries = self.entries
+        fresh = []
         for k in keys:
-            d = self.entries.get(k)
+            d = entries.get(k)
             if d is None:
-                d = self.entries[k] = {}
-            if d.get(addr, 0.0) < expiry:
+                entries[k] = {addr: expiry}
+                fresh.append(k)
+            elif d.get(addr, 0.0) < expiry:
                 d[addr] = expiry
-                self._order.append((expiry, k, addr))
+                fresh.append(k)
+        if fresh:
+            self._order.append((expiry, fresh, addr))
 
     def holders(self, key: int, now: float) -> dict[str, float] | None:
         d = self.entries.get(key)
         if d is None:
             return None
+        for exp in d.values():
+            if exp <= now:
+                break
+        else:
+            return d or None  # nothing expired: no copy of the addresses
         for addr in [a for a, exp in d.items() if exp <= now]:
             del d[addr]
-        return d or None
+        if not d:
+            del self.entries[key]
+            return None
+        return d
 
     def confirm(self, key: int, addr: str) -> None:
         """The events say `addr` holds `key`: the guess is no longer needed."""
@@ -43,11 +58,14 @@ class Speculative:
     def purge(self, now: float) -> None:
         order, entries = self._order, self.entries
         while order and order[0][0] <= now:
-            exp, k, addr = order.popleft()
-            d = entries.get(k)
-            if d is not None and d.get(addr) == exp:
-                del d[addr]
-                if not d:
+            exp, keys, addr = order.popleft()
+            for k in keys:
+                d = entries.get(k)
+                if d is None:
+                    continue
+                if d.get(addr) == exp:
+                    del d[addr]
+                if not d:  # emptied here, or by `confirm`
                     del entries[k]
 
     def forget(self, addr: str) -> None:

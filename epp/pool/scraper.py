@@ -1,8 +1,16 @@
 """Keeps every endpoint's load metrics fresh by scraping `/metrics`.
 
-One aiohttp session for all endpoints (keep-alive connections), one scrape
-in flight per endpoint, all endpoints concurrently, a new round every
-`interval`. Failure policy, chosen so a dead worker stops getting traffic in
+One kept-alive connection per endpoint (`metrics_conn.py`), one scrape in flight
+per endpoint, all endpoints concurrently. Cadence: a round every `interval` scrapes
+every *busy* endpoint (requests waiting or running, picks not yet seen in its
+metrics, pending prompt tokens, failing, down, asleep or never scraped); an *idle*
+one (all of those zero) only every `idle_interval`. An idle endpoint's metrics
+cannot change until a request reaches it, and the EPP's own pick makes it busy
+(`Endpoint.pending`), so it is scraped again at the next round; what an idle
+endpoint costs is then a tenth of a busy one's at the defaults (50 ms / 0.5 s),
+and its metrics are never older than `idle_interval` (< `stale_after`, 2 s).
+A connection the endpoint closes while idle brings its scrape forward to the next
+round. Failure policy, chosen so a dead worker stops getting traffic in
 well under a second without flapping on one slow scrape:
 
 * connection refused / unreachable → `down` at once (the process is gone);
@@ -22,9 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import aiohttp
-
 from .endpoints import Endpoint, EndpointPool
+from .metrics_conn import ConnectionPool, HttpError, Unreachable
 from .metrics_parse import WorkerMetrics, parse_vllm_metrics
 
 log = logging.getLogger("kvyard.epp.scraper")
@@ -36,30 +43,32 @@ class Scraper:
     interval: float = 0.05
     timeout: float = 0.3
     fail_threshold: int = 3
-    _session: aiohttp.ClientSession | None = None
+    idle_interval: float = 0.5  # idle endpoints (module docstring); <= interval: no distinction
+    _conns: ConnectionPool | None = None
     _inflight: dict[str, asyncio.Task] = field(default_factory=dict)
+    _started: dict[str, float] = field(default_factory=dict)  # address -> last scrape's start
+    _generation: int = -1
     rounds: int = 0
     observers: list[Callable[[Endpoint, WorkerMetrics, float], None]] = field(default_factory=list)
     on_scraped: Callable[[], None] | None = None  # after each good scrape (flow control)
 
     @property
     def running(self) -> bool:
-        return self._session is not None
+        return self._conns is not None
 
     async def scrape(self, ep: Endpoint) -> None:
-        assert self._session is not None
+        assert self._conns is not None
         try:
-            async with self._session.get(f"http://{ep.address}/metrics") as r:
-                if r.status != 200:
-                    raise ValueError(f"HTTP {r.status}")
-                text = await r.text()
-            m = parse_vllm_metrics(text)
+            status, body = await self._conns.get(ep.address, self.timeout)
+            if status != 200:
+                raise ValueError(f"HTTP {status}")
+            m = parse_vllm_metrics(body.decode("utf-8"))
             if m.seen == 0:
                 raise ValueError("no vLLM metrics in the response")
-        except aiohttp.ClientConnectorError as e:
-            self._failed(ep, f"unreachable: {e.os_error or e}", immediate=True)
+        except Unreachable as e:
+            self._failed(ep, f"unreachable: {e}", immediate=True)
             return
-        except (asyncio.TimeoutError, aiohttp.ClientError, ValueError, UnicodeDecodeError) as e:
+        except (asyncio.TimeoutError, OSError, HttpError, ValueError) as e:
             self._failed(ep, f"{type(e).__name__}: {e}", immediate=False)
             return
         ep.waiting, ep.running, ep.kv_usage = m.waiting, m.running, m.kv_usage
@@ -97,26 +106,46 @@ class Scraper:
         if self._inflight.get(addr) is task:
             del self._inflight[addr]
 
+    def idle(self, ep: Endpoint) -> bool:
+        """Nothing can change this endpoint's metrics but a request the EPP would see."""
+        return (ep.last_ok > 0.0 and not ep.down and not ep.sleeping and ep.failures == 0
+                and ep.pending == 0 and ep.waiting == 0 and ep.running == 0
+                and not ep.prompt_tokens_pending)
+
+    def _lost(self, address: str) -> None:
+        self._started.pop(address, None)  # scraped at the next round, idle or not
+
     def round(self) -> None:
-        """Starts a scrape for every endpoint that has none in flight."""
-        for ep in self.pool.all():
+        """Starts a scrape for every endpoint that has none in flight and is due."""
+        eps = self.pool.all()
+        if self.pool.generation != self._generation:  # membership changed: drop the gone
+            self._generation = self.pool.generation
+            live = {e.address for e in eps}
+            self._started = {a: t for a, t in self._started.items() if a in live}
+            if self._conns is not None:
+                self._conns.keep_only(live)
+        now = time.monotonic()
+        slow = self.idle_interval > self.interval
+        for ep in eps:
             if ep.address in self._inflight:
                 continue
+            if slow and now - self._started.get(ep.address, -1e9) < self.idle_interval \
+                    and self.idle(ep):
+                continue
+            self._started[ep.address] = now
             t = asyncio.create_task(self.scrape(ep))
             self._inflight[ep.address] = t
             t.add_done_callback(lambda task, a=ep.address: self._done(a, task))
         self.rounds += 1
 
     async def run(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.timeout)
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as s:
-            self._session = s
-            try:
-                while True:
-                    self.round()
-                    await asyncio.sleep(self.interval)  # the scrape period, not a sync point
-            finally:
-                for t in list(self._inflight.values()):
-                    t.cancel()
-                self._session = None
+        self._conns = ConnectionPool(self.timeout, on_lost=self._lost)
+        try:
+            while True:
+                self.round()
+                await asyncio.sleep(self.interval)  # the scrape period, not a sync point
+        finally:
+            for t in list(self._inflight.values()):
+                t.cancel()
+            self._conns.close()
+            self._conns = None

@@ -72,12 +72,12 @@ def _corpus(rng: random.Random, hasher: PromptHasher) -> _Corpus:
 
 
 def build_director(num_endpoints: int, model: str = "demo", seed: int = 0,
-                   flow_control: bool = True) -> Director:
+                   flow_control: bool = True, config: str | None = None) -> Director:
     """The director `kvyard epp` runs (default config; `flow_control=False`: as with
     `--no-flow-control`), over `num_endpoints` synthetic endpoints with fresh metrics."""
     rng = random.Random(seed)
     # model "none": no served-model check (bodies name any model); the tokenizer is set below.
-    app = EppApp(EppConfig(model="none", seed=seed, flow_control=flow_control))
+    app = EppApp(EppConfig(model="none", seed=seed, flow_control=flow_control, config=config))
     pool = app.pool
     pool.set_source("bench", [EndpointSpec(f"10.0.{i // 250}.{i % 250 + 1}:8000")
                               for i in range(num_endpoints)])

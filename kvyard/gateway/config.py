@@ -44,7 +44,9 @@ help: the upstream route needs the EPP's pick (there is no destination to
 fall back to), and routing around the EPP would skip shedding, prompt
 validation and the P/D choice. OpenAI SDKs retry a 503 with backoff, and the
 EPP is restarted within about a second (`kvyard up`'s supervisor, a
-Deployment in Kubernetes, where two replicas avoid the gap altogether).
+Deployment in Kubernetes, where two replicas avoid the gap altogether). With
+replicas, that 503 is retried on another one by a second pass through the
+gateway (`epp_failover.py`), so a replica dying mid-answer loses no request.
 
 Error bodies: every reply Envoy makes itself (413 over the body limit, 503
 with the EPP down, upstream connect failures) is rewritten by the local
@@ -58,6 +60,7 @@ import re
 from typing import Any
 
 from kvyard.common.wire import DESTINATION_HEADER, ROUTING_HEADERS, WORKERS_CLUSTER
+from kvyard.gateway import epp_failover
 from kvyard.gateway.epp_cluster import epp_cluster, epp_grpc_service
 from kvyard.gateway.spec import (EPP_CLUSTER, UNCAPPED, T, GatewayConfig, duration,
                                  socket_address, static_cluster)
@@ -212,16 +215,22 @@ def _local_reply(when: str, status_type: str, code: str, message: str,
     return mapper
 
 
+def _epp_unavailable(cfg: GatewayConfig) -> dict[str, Any]:
+    mapper = _local_reply("response.code_details.startsWith('ext_proc')", "server_error",
+                          "endpoint_picker_unavailable",
+                          "the endpoint picker is unavailable; retry shortly",
+                          headers={"retry-after": "1"})
+    # With replicas, a second pass retries it on another one (epp_failover.py).
+    return epp_failover.mark_failures(mapper) if epp_failover.wanted(cfg) else mapper
+
+
 def _local_replies(cfg: GatewayConfig) -> dict[str, Any]:
     """Every error Envoy itself answers gets OpenAI's error shape (first match wins)."""
     return {"mappers": [
         _local_reply("response.code == 413", "invalid_request_error", "request_too_large",
                      f"request body exceeds {cfg.body_limit_bytes} bytes"),
         # The EPP unreachable, failing or too slow: fail closed (see module docstring).
-        _local_reply("response.code_details.startsWith('ext_proc')", "server_error",
-                     "endpoint_picker_unavailable",
-                     "the endpoint picker is unavailable; retry shortly",
-                     headers={"retry-after": "1"}),
+        _epp_unavailable(cfg),
         _local_reply("response.code == 404", "invalid_request_error", "not_found",
                      "%LOCAL_REPLY_BODY%"),
         _local_reply("response.code >= 500", "server_error", "gateway_error",
@@ -268,7 +277,7 @@ def render(cfg: GatewayConfig) -> dict[str, Any]:
             "typed_config": _connection_manager(cfg),
         }]}],
     }
-    return {
+    doc = {
         # xDS needs a node identity; the EPP serves every gateway the same pool.
         "node": {"id": f"kvyard-gateway-{cfg.listen_port}", "cluster": "kvyard-gateway"},
         "admin": {"address": socket_address(f"127.0.0.1:{cfg.admin_port}")},
@@ -282,6 +291,7 @@ def render(cfg: GatewayConfig) -> dict[str, Any]:
             },
         }]},
     }
+    return epp_failover.wrap(cfg, doc, _idle_s(cfg)) if epp_failover.wanted(cfg) else doc
 
 
 def render_yaml(cfg: GatewayConfig) -> str:

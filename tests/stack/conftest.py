@@ -173,6 +173,52 @@ def up(tmp_path: Path) -> Iterator[Callable[..., StackState]]:
         assert not left, f"left running after down: {left}"
 
 
+def envoy_validates(text: str, where: Path) -> None:
+    """The bootstrap `text` passes `envoy --mode validate`."""
+    from kvyard.gateway.envoy import envoy_binary
+
+    conf = where / "envoy.yaml"
+    conf.write_text(text)
+    out = subprocess.run([str(envoy_binary()), "--mode", "validate", "-c", str(conf)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def signal_under_load(state: StackState, victim: str, sig: int, clients: int, wait_until,
+                      timeout: float = 10.0) -> tuple[float, list[tuple[float, int]]]:
+    """`clients` closed-loop chat clients on the gateway; `sig` to the `victim` process
+    group after 40 requests, then 80 more. (signal time, [(start, status)])."""
+    import os
+    import threading
+    import uuid
+
+    results: list[tuple[float, int]] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            r = request(state.gateway_url, chat_body(f"{uuid.uuid4()}"), timeout=timeout)
+            results.append((t0, r.status))
+
+    threads = [threading.Thread(target=load) for _ in range(clients)]
+    try:
+        for t in threads:
+            t.start()
+        wait_until(lambda: len(results) >= 40, timeout=30, what="load before the signal")
+        proc = next(p for p in state.procs if p.name == victim)
+        signalled_at = time.monotonic()
+        os.killpg(proc.pid, sig)
+        at = len(results)
+        wait_until(lambda: len(results) >= at + 80, timeout=30, what="load after the signal")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        stop_stack(state)
+    return signalled_at, results
+
+
 @pytest.fixture
 def h():
     """The helpers above, for test modules (which cannot import conftest)."""
@@ -180,4 +226,4 @@ def h():
 
     return types.SimpleNamespace(request=request, chat_body=chat_body, epp_rows=epp_rows,
                                  set_queue=set_queue, served=served, kvyard=kvyard,
-                                 every_pid=every_pid)
+                                 every_pid=every_pid, signal_under_load=signal_under_load)

@@ -5,20 +5,16 @@ stream that failed on the dead one on the other)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import threading
-import time
-import uuid
 from pathlib import Path
 
 import pytest
 
 from kvyard.stack import procs
-from kvyard.stack.launch import start_stack, stop_stack
+from kvyard.stack.launch import start_stack
 from kvyard.stack.state import StackState
 
-from .conftest import make_spec
+from .conftest import envoy_validates, make_spec
 
 
 def test_up_sim_with_two_epp_replicas_serves_and_status_lists_both(tmp_path: Path, h) -> None:
@@ -53,32 +49,9 @@ def test_an_epp_replica_killed_under_load_costs_no_request(tmp_path: Path, h, wa
     client in flight at the kill, usually none."""
     spec = make_spec(tmp_path / "s", 3)
     spec.epp_replicas = 2
-    state = start_stack(spec)
-    results: list[tuple[float, int]] = []  # (start, status)
-    stop = threading.Event()
     clients = 4
-
-    def load() -> None:
-        while not stop.is_set():
-            t0 = time.monotonic()
-            r = h.request(state.gateway_url, h.chat_body(f"{uuid.uuid4()}"))
-            results.append((t0, r.status))
-
-    threads = [threading.Thread(target=load) for _ in range(clients)]
-    try:
-        for t in threads:
-            t.start()
-        wait_until(lambda: len(results) >= 40, timeout=30, what="load before the kill")
-        proc = next(p for p in state.procs if p.name == victim)
-        killed_at = time.monotonic()
-        os.killpg(proc.pid, signal.SIGKILL)
-        at_kill = len(results)
-        wait_until(lambda: len(results) >= at_kill + 80, timeout=30, what="load after the kill")
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(30)
-        stop_stack(state)
+    killed_at, results = h.signal_under_load(start_stack(spec), victim, signal.SIGKILL,
+                                             clients, wait_until)
     failed = [(t0 - killed_at, s) for t0, s in results if s != 200]
     assert all(t < 0 and s == 503 for t, s in failed), failed  # only those in flight
     assert len(failed) <= clients, failed
@@ -86,12 +59,9 @@ def test_an_epp_replica_killed_under_load_costs_no_request(tmp_path: Path, h, wa
 
 def test_the_local_gateway_lists_every_replica_health_checked_with_stream_retries(
         tmp_path: Path) -> None:
-    import subprocess
-
     import yaml
 
     from kvyard.gateway.config import EPP_CLUSTER, GatewayConfig, render_yaml
-    from kvyard.gateway.envoy import envoy_binary
 
     cfg = GatewayConfig(epp_address="127.0.0.1:19002",
                         epp_addresses=["127.0.0.1:19002", "127.0.0.1:19012"],
@@ -108,11 +78,7 @@ def test_the_local_gateway_lists_every_replica_health_checked_with_stream_retrie
     ext = _ext_proc(doc)
     assert ext["failure_mode_allow"] is False  # still fail closed when no replica answers
     assert ext["grpc_service"]["retry_policy"]["num_retries"] == 1
-    conf = tmp_path / "envoy.yaml"
-    conf.write_text(text)
-    out = subprocess.run([str(envoy_binary()), "--mode", "validate", "-c", str(conf)],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
+    envoy_validates(text, tmp_path)
     one = yaml.safe_load(render_yaml(GatewayConfig(epp_address="127.0.0.1:19002")))
     single = next(c for c in one["static_resources"]["clusters"] if c["name"] == EPP_CLUSTER)
     assert "health_checks" not in single and "outlier_detection" not in single
