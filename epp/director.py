@@ -56,6 +56,8 @@ class Director:
     # break by a stable order so replicas in the same state pick the same endpoint.
     on_pick: Callable[[SchedRequest, Decision], None] | None = None
     stable_ties: bool = False
+    # SLO routing (epp/slo/): the request's facts into its cycle state once parsed.
+    on_parse: Callable[[SchedRequest, Mapping[str, str], object], None] | None = None
 
     def parse(self, headers: Mapping[str, str], body: bytes | None) -> SchedRequest:
         """Parse and hash (lazily): the request as scheduling sees it; Rejection if bad."""
@@ -65,8 +67,11 @@ class Director:
                                 now, self.pool.stale_after)
         parsed = parse_request(body, headers.get(":path", "/"), headers, self.served_models,
                                self.scheduler.objectives)
-        return SchedRequest(parsed.model, self.hasher.prompt(parsed), parsed.priority, now,
-                            self.pool.stale_after)
+        req = SchedRequest(parsed.model, self.hasher.prompt(parsed), parsed.priority, now,
+                           self.pool.stale_after)
+        if self.on_parse is not None:
+            self.on_parse(req, headers, parsed)
+        return req
 
     def schedule(self, req: SchedRequest) -> Decision | None:
         """The scheduling step admission runs, now or when it releases the request."""

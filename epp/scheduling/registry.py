@@ -17,6 +17,7 @@ from .hooks import Filter, Picker, Scorer
 from .pickers import MaxScoreParams, MaxScorePicker
 from .plugin_config import NoParams
 from .scorers.kv_utilization import KvUtilizationScorer
+from .scorers.latency import LatencyParams, LatencyScorer
 from .scorers.precise_prefix import PrecisePrefixParams, PrecisePrefixScorer
 from .scorers.prefix_cache import PrefixCacheParams, PrefixCacheScorer
 from .scorers.queue import QueueScorer
@@ -48,6 +49,7 @@ SCORERS: dict[str, PluginType] = {
     "kv-cache-utilization": PluginType(KvUtilizationScorer),
     "prefix-cache": PluginType(PrefixCacheScorer, PrefixCacheParams),
     "precise-prefix-cache": PluginType(PrecisePrefixScorer, PrecisePrefixParams),
+    "latency": PluginType(LatencyScorer, LatencyParams),
 }
 PICKERS: dict[str, PluginType] = {
     "max-score": PluginType(MaxScorePicker, MaxScoreParams),

@@ -82,8 +82,8 @@ def _endpoints_file(path: Path, addresses: list[str], kv: dict[str, str],
     return path
 
 
-def start(pods: Pods, run: Path, epp_config: Path | None, timeout_s: float = 180.0
-          ) -> RouteStack:
+def start(pods: Pods, run: Path, epp_config: Path | None, timeout_s: float = 180.0,
+          observe_responses: bool = False) -> RouteStack:
     from kvyard.gateway.config import GatewayConfig
     from kvyard.gateway.envoy import envoy_command, write_config
     from kvyard.stack.commands import epp_cmd
@@ -117,7 +117,8 @@ def start(pods: Pods, run: Path, epp_config: Path | None, timeout_s: float = 180
         gw, admin = procs.free_port(None, taken), procs.free_port(None, taken)
         conf = write_config(GatewayConfig(listen_port=gw, admin_port=admin,
                                           epp_address=f"127.0.0.1:{eports[0]}",
-                                          body_limit_bytes=16 * 1024 * 1024),
+                                          body_limit_bytes=16 * 1024 * 1024,
+                                          observe_responses=observe_responses),
                             run / "envoy.yaml")
         envoy = procs.spawn("envoy", envoy_command(conf, concurrency=2), logs / "envoy.log")
         started.append(envoy)

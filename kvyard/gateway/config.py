@@ -131,8 +131,10 @@ def _http_filters(cfg: GatewayConfig) -> list[dict[str, Any]]:
                     "request_header_mode": "SEND",
                     "request_body_mode": "STREAMED",
                     "request_trailer_mode": "SKIP",
-                    "response_header_mode": "SKIP",
-                    "response_body_mode": "NONE",
+                    # With observe_responses the EPP times each response (its SLO
+                    # predictors, epp/slo/): headers and the streamed body, chunk by chunk.
+                    "response_header_mode": "SEND" if cfg.observe_responses else "SKIP",
+                    "response_body_mode": "STREAMED" if cfg.observe_responses else "NONE",
                     "response_trailer_mode": "SKIP",
                 },
             },
