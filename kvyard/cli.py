@@ -40,6 +40,9 @@ BENCHES: dict[str, tuple[str, str]] = {
     "route": ("kvyard.bench.route",
               "routing policies and peer routers (SMG, vllm-router) on the same pods: "
               "goodput, TTFT, hit rate vs an ideal cache, EPP cost"),
+    "slo": ("kvyard.bench.slo",
+            "SLO-aware routing and admission on simulated pods (goodput, attainment per "
+            "class, predictor error) and reactive vs predictive autoscaling"),
 }
 
 

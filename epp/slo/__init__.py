@@ -5,8 +5,8 @@ How the EPP sees a request's first token and end: through ext_proc's response ph
 The latency scorer asks Envoy, per request, for the response headers and the streamed
 response body (`mode_override` in the routing answer; the gateway allows it), so the EPP
 timestamps the first body chunk that carries generated text (TTFT) and the last one
-(end), counts the generated-text events (TPOT = (end - first) / (events - 1)) and
-reads `usage.completion_tokens` when the body has it (output length). Why this way:
+(end), reads `usage.completion_tokens` when the body has it (else counts the
+generated-text events): TPOT = (end - first) / (tokens - 1), and the output length. Why this way:
 it needs nothing from the model server (stock vLLM works), it is the EPP's own clock
 (the one its decisions are made on), and it costs nothing for requests it does not
 observe (`observeFraction`): without the latency scorer no response message ever

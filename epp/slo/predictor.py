@@ -198,8 +198,9 @@ class LatencyPredictor:
                 self.abandon(f)
                 return
             self.first_token(f, t)
+        # usage counts tokens; an event may carry several (a server that batches writes)
         out = tokens if tokens is not None else events
-        tpot = (t - f.first) / (events - 1) if events > 1 else math.nan
+        tpot = (t - f.first) / (out - 1) if out > 1 and events > 1 else math.nan
         if not math.isnan(tpot):
             self._pair("tpot", f.address).update(f.x_tpot, tpot)
             self._pair("tpot", "role:" + f.role).update(f.x_tpot, tpot)

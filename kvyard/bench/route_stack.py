@@ -55,6 +55,7 @@ class RouteStack:
     url: str                       # Envoy's listener
     epp: procs.Proc
     started: list[procs.Proc] = field(default_factory=list)
+    epp_metrics: str = ""          # the EPP's metrics/debug base URL
 
 
 def _port_run(n: int, taken: set[int], rng: random.Random) -> int:
@@ -128,7 +129,8 @@ def start(pods: Pods, run: Path, epp_config: Path | None, timeout_s: float = 180
     except BaseException:
         procs.stop([p.pid for p in reversed(started)])
         raise
-    return RouteStack(addresses, kv, f"http://127.0.0.1:{gw}", epp, started)
+    return RouteStack(addresses, kv, f"http://127.0.0.1:{gw}", epp, started,
+                      f"http://127.0.0.1:{eports[2]}")
 
 
 def stop(stack: RouteStack) -> None:
