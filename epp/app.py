@@ -45,6 +45,7 @@ from .scheduling.scorers.precise_prefix import PrecisePrefixScorer
 from .server import ExtProcServicer
 from .slo.admission import SloAdmission
 from .slo.metrics import SloCollector
+from .slo.observe import Observer
 from .slo.predictor import LatencyPredictor
 from .slo.wiring import annotator, forecaster, latency_scorers
 from .tls import tls_files
@@ -239,7 +240,9 @@ class EppApp:
         c = self.cfg
         self._grpc = grpc.aio.server(options=SERVER_OPTIONS)
         self.servicer = ExtProcServicer(self.director, c.max_body_bytes,
-                                        pd_auth.load_key(c.pd_key_file), self.predictor)
+                                        pd_auth.load_key(c.pd_key_file),
+                                        None if self.predictor is None
+                                        else Observer(self.predictor))
         ep_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
         eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self.eds, self._grpc)
         self.ports["ext_proc"] = bind(self._grpc, c.host, c.ext_proc_port, "ext_proc",

@@ -6,8 +6,8 @@ happens to the request is the director's (`director.py`).
 Body handling (pinned with the gateway's Envoy config, kvyard/gateway/config.py):
 request headers SEND; request body STREAMED with
 `send_body_without_waiting_for_header_response`, behind Envoy's buffer
-filter; response headers SKIP, response body NONE (SEND and STREAMED with the
-gateway's `observe_responses`: the latency scorer's predictors time the responses). The buffer filter holds
+filter; response headers SKIP, response body NONE (the SLO predictors' timing comes
+on streams of the gateway's second, observe-only filter: `_observe`). The buffer filter holds
 the whole body (and answers 413 over the limit), so we receive it as one
 chunk with end_of_stream right after the headers. Why not BUFFERED: Envoy
 then sends no body until the headers message is answered, and we can only
@@ -42,15 +42,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from kvyard.common import pd_auth
-from kvyard.common.wire import MAX_HOLD_S
+from kvyard.common.wire import MAX_HOLD_S, OBSERVE_METADATA
 
 from . import responses
 from .admission import Held
 from .director import Director
 from .request import Rejection, body_too_large, internal
 from .scheduling.types import Decision
-from .slo.observe import ResponseTracker
-from .slo.predictor import LatencyPredictor
+from .slo.observe import Observer
 
 log = logging.getLogger("kvyard.epp")
 HOLD_MARGIN_S = 5.0  # Envoy waits this much past a held request's TTL for our answer
@@ -68,18 +67,15 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
     director: Director
     max_body_bytes: int = 4 * 1024 * 1024
     pd_key: bytes | None = None  # signs x-prefiller-host-port (kvyard.common.pd_auth)
-    # The latency scorer's predictor (epp/slo/): the requests it follows are timed from
-    # the response phases a gateway with `observe_responses` sends (ResponseTracker).
-    observer: LatencyPredictor | None = None
+    # With a latency scorer (epp/slo/): the requests its predictor follows are named in the
+    # routing answer, and the gateway's observing filter streams their responses here.
+    observer: Observer | None = None
 
-    def _routing(self, d: Decision, has_body: bool,
-                 track: list[ResponseTracker] | None = None) -> list[ep.ProcessingResponse]:
+    def _routing(self, d: Decision, has_body: bool) -> list[ep.ProcessingResponse]:
         pre = d.prefill.address if d.prefill is not None else None
         auth = pd_auth.sign(self.pd_key, pre) if pre and self.pd_key else None
-        out = [responses.routing_response(d.destination, pre, auth)]
-        flight = self.observer.claim(d.prompt) if self.observer is not None else None
-        if flight is not None and track is not None:
-            track.append(ResponseTracker(self.observer, flight))
+        flight = self.observer.watch(d.prompt) if self.observer is not None else None
+        out = [responses.routing_response(d.destination, pre, auth, flight)]
         if has_body:
             out.append(responses.body_continue())
         return out
@@ -89,9 +85,8 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         self.director.metrics.error(e.reason)
         return _refusal(e)
 
-    async def _answer(self, headers: dict[str, str] | None, body: bytes | None,
-                      track: list[ResponseTracker] | None = None
-                      ) -> AsyncIterator[ep.ProcessingResponse]:
+    async def _answer(self, headers: dict[str, str] | None,
+                      body: bytes | None) -> AsyncIterator[ep.ProcessingResponse]:
         """The answer to the request's headers (routing or immediate) and, for a body,
         its continue; a held request first gets Envoy's hold (`override_message_timeout`)."""
         if body is not None:
@@ -110,21 +105,14 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             # next request could be decided first, before `settle` knew there
             # was teaching to wait for — which broke prefix stickiness.
             self.director.finish(out)
-        for r in self._routing(out, body is not None, track):
+        for r in self._routing(out, body is not None):
             yield r
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
                       context) -> AsyncIterator[ep.ProcessingResponse]:
-        track: list[ResponseTracker] = []  # the response's timing, when observed
-        try:
-            async for r in self._process(request_iterator, context, track):
-                yield r
-        finally:
-            for t in track:
-                t.close()
-
-    async def _process(self, request_iterator: AsyncIterator[ep.ProcessingRequest], context,
-                       track: list[ResponseTracker]) -> AsyncIterator[ep.ProcessingResponse]:
+        if self.observer is not None and _observing(context):
+            await self.observer.stream(request_iterator, _headers)
+            return  # observability mode: Envoy reads no answers
         headers: dict[str, str] | None = None
         chunks: list[bytes] = []
         size = 0
@@ -152,23 +140,17 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                     chunks.append(msg.request_body.body)
                     if msg.request_body.end_of_stream:
                         decided = True
-                        async for r in self._answer(headers, _joined(chunks), track):
+                        async for r in self._answer(headers, _joined(chunks)):
                             yield r
                 elif kind == "request_trailers":
                     if not decided:  # trailers, not the body, ended the request
                         decided = True
-                        async for r in self._answer(headers, _joined(chunks), track):
+                        async for r in self._answer(headers, _joined(chunks)):
                             yield r
                     yield responses.trailers_continue()
                 elif kind == "response_headers":
-                    for t in track:
-                        t.headers(_headers(msg.response_headers))
-                        if msg.response_headers.end_of_stream:
-                            t.body(b"", True)
                     yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
                 elif kind == "response_body":
-                    for t in track:
-                        t.body(msg.response_body.body, msg.response_body.end_of_stream)
                     yield ep.ProcessingResponse(response_body=ep.BodyResponse())
                 elif kind == "response_trailers":
                     yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
@@ -176,6 +158,11 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                 log.exception("ext_proc: internal error")
                 yield self._error(internal())
                 return
+
+
+def _observing(context) -> bool:
+    """A stream of the gateway's observe-only filter (it sends OBSERVE_METADATA)."""
+    return any(k == OBSERVE_METADATA for k, _ in (context.invocation_metadata() or ()))
 
 
 def _joined(chunks: list[bytes]) -> bytes:

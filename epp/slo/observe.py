@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from kvyard.common.wire import FLIGHT_HEADER
 
 from .predictor import Flight, LatencyPredictor
 
@@ -69,3 +72,48 @@ class ResponseTracker:
         if not self.done:
             self.done = True
             self.predictor.abandon(self.flight)
+
+
+@dataclass(slots=True)
+class Observer:
+    """Pairs routed requests with the gateway's observing ext_proc streams: `watch` gives a
+    decision's flight an id (sent in FLIGHT_HEADER), `stream` reads that request's
+    response messages into its `ResponseTracker`. Ids of streams that never come (a
+    gateway without the observing filter) are dropped oldest first."""
+
+    predictor: LatencyPredictor
+    max_watching: int = 8192
+    watching: dict[str, ResponseTracker] = field(default_factory=dict)
+    serial: int = 0
+
+    def watch(self, prompt) -> str | None:
+        f = self.predictor.claim(prompt)
+        if f is None:
+            return None
+        self.serial += 1
+        fid = str(self.serial)
+        if len(self.watching) >= self.max_watching:
+            self.watching.pop(next(iter(self.watching))).close()
+        self.watching[fid] = ResponseTracker(self.predictor, f)
+        return fid
+
+    async def stream(self, messages: AsyncIterator, headers_of: Callable[[Any], dict]) -> None:
+        """One observing stream: the request's headers (its flight id), then its response."""
+        tracker: ResponseTracker | None = None
+        try:
+            async for msg in messages:
+                kind = msg.WhichOneof("request")
+                if kind == "request_headers":
+                    fid = headers_of(msg.request_headers).get(FLIGHT_HEADER)
+                    tracker = self.watching.pop(fid, None) if fid else None
+                elif tracker is None:
+                    continue
+                elif kind == "response_headers":
+                    tracker.headers(headers_of(msg.response_headers))
+                    if msg.response_headers.end_of_stream:
+                        tracker.body(b"", True)
+                elif kind == "response_body":
+                    tracker.body(msg.response_body.body, msg.response_body.end_of_stream)
+        finally:
+            if tracker is not None:
+                tracker.close()

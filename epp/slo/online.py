@@ -47,14 +47,19 @@ class Rls:
 @dataclass(slots=True)
 class Quantile:
     """The q-quantile of a stream: each sample moves the estimate up by `step * q` if it
-    is above, down by `step * (1 - q)` if below, which settles where P(x <= est) = q."""
+    is above, down by `step * (1 - q)` if below, which settles where P(x <= est) = q.
+    The first samples take larger steps (1/sqrt(n)), so a new model's spread is found in
+    tens of requests, not hundreds."""
 
     q: float = 0.9
     step: float = 0.02
     value: float = 0.0
+    n: int = 0
 
     def update(self, x: float) -> None:
-        self.value += self.step * (self.q - (1.0 if x <= self.value else 0.0))
+        self.n += 1
+        step = max(self.step, 0.5 / math.sqrt(self.n))
+        self.value += step * (self.q - (1.0 if x <= self.value else 0.0))
 
 
 @dataclass(slots=True)

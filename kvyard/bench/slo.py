@@ -2,20 +2,24 @@
 predictive autoscaling (`slo_autoscale`).
 
 Pods: `kvyard sim serve` (h100 profile, 16 pods) behind Envoy and the EPP, a fresh pool
-per policy (`route_stack`), the gateway sending the EPP the response phases so the
-latency predictors learn (`observe_responses`). `--time-scale` slows the simulator
-(simulated seconds per wall second) so a 2-core machine can drive the pool past
-saturation; every time reported is simulated seconds, SLOs included.
+per policy (`route_stack`); for the latency policies the gateway's observing filter
+streams the responses to the EPP so its predictors learn (`observe_responses`).
+`--time-scale` slows the simulator (simulated seconds per wall second) so a 2-core
+machine can drive the pool past saturation; every time reported is simulated seconds,
+SLOs included (the headers carry them in wall milliseconds).
 Workload: `route_workload`'s shared-prefix groups as multi-turn conversations
 (`--turns`), each group a tenant (fairness id) with its own natural output length
 (`sim_output_tokens`; max_tokens is a fixed cap, the output-length baseline), a third of
-the tenants batch (sheddable, priority -1, loose SLO) and the rest interactive
-(TTFT <= 0.5 s, TPOT <= 50 ms), over a rate ladder (simulated req/s).
+the tenants batch (sheddable, priority -1, TTFT <= 2 s, TPOT <= 100 ms) and the rest
+interactive (TTFT <= 0.5 s, TPOT <= 50 ms), over a rate ladder (simulated req/s).
 Policies: load, precise_prefix, precise_prefix+latency, +admission (= precise_prefix
 +latency with SLO admission). Per policy, the top rung: goodput (requests/s within their
 class's SLO), attainment per class, TTFT/TPOT p50/p90/p99, sheds, errors, the pods'
 prefix-hit rate (conversation affinity). Predictor: MAPE and p90 coverage of the last
-latency policy's EPP on its held-out requests, and output-length MAE vs max_tokens.
+latency policy's EPP on the requests after the first rung (each predicted before its
+own outcome was learned), and output-length MAE vs max_tokens; `cpu_workers`: the same
+on a real CPU worker (`slo_cpu`). `epp_cost`: decision latency with and without the
+latency scorer, paired (`slo_cost`), and the EPP's CPU per request per policy.
 """
 from __future__ import annotations
 
@@ -26,13 +30,12 @@ import math
 import random
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-QUICK = {"rates": [50.0, 110.0], "duration": 4.0, "groups": 24}
-CLASSES = {"interactive": (500, 50, "0"), "batch": (5000, 200, "-1")}  # ttft ms, tpot ms, prio
-MAX_TOKENS = 256
+QUICK = {"rates": [40.0, 100.0], "duration": 6.0, "groups": 24, "cpu_requests": 8}
+CLASSES = {"interactive": (500, 50, "0"), "batch": (2000, 100, "-1")}  # ttft ms, tpot ms, prio
+MAX_TOKENS = 128
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,16 +44,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pods", type=int, default=16)
     p.add_argument("--profile", default="h100")
     p.add_argument("--kv-blocks", type=int, default=2048)
-    p.add_argument("--time-scale", type=float, default=0.2)
+    p.add_argument("--time-scale", type=float, default=0.25,
+                   help="simulated seconds per wall second (< 1: a slower pool for a busy box)")
     p.add_argument("--groups", type=int, default=48)
-    p.add_argument("--prefix-tokens", type=int, default=2000)
+    p.add_argument("--prefix-tokens", type=int, default=1000)
     p.add_argument("--users", type=int, default=4)
-    p.add_argument("--question-tokens", type=int, default=500)
+    p.add_argument("--question-tokens", type=int, default=200)
     p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--rates", type=float, nargs="+", default=[30.0, 60.0, 90.0, 120.0])
-    p.add_argument("--duration", type=float, default=8.0, help="wall seconds per rung")
+    p.add_argument("--rates", type=float, nargs="+", default=[30.0, 60.0, 90.0, 120.0, 150.0])
+    p.add_argument("--duration", type=float, default=10.0, help="wall seconds per rung")
+    p.add_argument("--cpu-requests", type=int, default=24,
+                   help="held-out requests on a real CPU worker (0: skip that run)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pod-start", type=float, default=60.0,
+    p.add_argument("--pod-start", type=float, default=30.0,
                    help="autoscale: simulated pod start seconds")
     p.add_argument("--plot", default="docs/bench/slo-goodput.svg")
     p.add_argument("--run-dir", default=None)
@@ -82,7 +88,7 @@ def _tags(rungs, seed: int) -> list[list[Tagged]]:
         for r in rung:
             g = r.group
             if g not in natural:  # each tenant's typical answer length
-                natural[g] = int(rng.uniform(8, 64))
+                natural[g] = int(rng.uniform(4, 32))
             n = max(2, min(MAX_TOKENS, int(rng.gauss(natural[g], natural[g] * 0.15))))
             row.append(Tagged("batch" if g % 3 == 0 else "interactive", g, n))
         out.append(row)
@@ -152,19 +158,14 @@ def _rung(rate: float, results, tags, wall: float, scale: float, hit: float) -> 
             "requests": len(results)}
 
 
-def _debug(stack) -> dict:
-    try:
-        with urllib.request.urlopen(stack.epp_metrics + "/debug/endpoints", timeout=5) as r:
-            return json.loads(r.read()).get("slo") or {}
-    except (OSError, ValueError):
-        return {}
-
-
 def run_policy(name: str, scorers: list[dict], pods, work, tags, run_root: Path, scale: float
                ) -> tuple[list[dict], dict]:
+    """Every rung on a fresh pool; the EPP's SLO snapshot after the first rung and at the
+    end (`held_out`: the predictions of the later rungs, the first one warming up)."""
     from kvyard.bench import route_stack
     from kvyard.bench.route_metrics import pool_delta, scrape
     from kvyard.bench.route_policies import Policy
+    from kvyard.bench.slo_cpu import held_out, snapshot
     from kvyard.stack import procs
 
     run = run_root / name.replace("+", "plus-")
@@ -172,7 +173,7 @@ def run_policy(name: str, scorers: list[dict], pods, work, tags, run_root: Path,
     observe = any(s["type"] == "latency" for s in scorers)
     stack = route_stack.start(pods, run, Policy(name, scorers).write(run),
                               observe_responses=observe)
-    rows = []
+    rows, snaps = [], []
     cpu0, sent = procs.cpu_seconds(stack.epp.pid), 0
     try:
         for rate, reqs, texts, tg in zip(work.rates, work.rungs, work.texts, tags):
@@ -181,10 +182,12 @@ def run_policy(name: str, scorers: list[dict], pods, work, tags, run_root: Path,
             after = asyncio.run(scrape(stack.addresses))
             rows.append(_rung(rate, res, tg, wall, scale, pool_delta(before, after)[0]))
             sent += len(reqs)
-        slo = _debug(stack)
-        slo["epp_cpu_s_per_req"] = (procs.cpu_seconds(stack.epp.pid) - cpu0) / max(1, sent)
+            snaps.append(snapshot(stack) if observe else {})
+        cpu = (procs.cpu_seconds(stack.epp.pid) - cpu0) / max(1, sent)
     finally:
         route_stack.stop(stack)
+    slo = held_out(snaps[0], snaps[-1]) if len(snaps) > 1 else (snaps[0] if snaps else {})
+    slo["epp_cpu_s_per_req"] = cpu
     return rows, slo
 
 
@@ -192,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
     from kvyard.bench.route import _finite, build_workload
     from kvyard.bench.route_stack import Pods
     from kvyard.bench.slo_autoscale import compare
+    from kvyard.bench.slo_cost import epp_cost
 
     if args.quick:
         for k, v in QUICK.items():
@@ -208,10 +212,11 @@ def run(args: argparse.Namespace) -> int:
     tags = _tags(work.rungs, args.seed)
     pods = Pods("sim", args.pods, args.profile, args.kv_blocks, 8192, args.seed, scale)
     root = Path(args.run_dir or tempfile.mkdtemp(prefix="kvyard-bench-slo-"))
-    policies, by_rate, pred = {}, {}, {}
+    policies, by_rate, pred, cpu = {}, {}, {}, {}
     for name, scorers in _policies().items():
         rows, slo = run_policy(name, scorers, pods, work, tags, root, scale)
         by_rate[name] = rows
+        cpu[name] = slo.get("epp_cpu_s_per_req")
         top = rows[-1]
         policies[name] = {"goodput": top["goodput"], "attainment": top["attainment"],
                           "ttft_p90": top["ttft_p90"], "tpot_p90": top["tpot_p90"],
@@ -226,15 +231,25 @@ def run(args: argparse.Namespace) -> int:
                  "ttft_p90_coverage": ttft_cov, "tpot_p90_coverage": tpot_cov,
                  "samples": pred.get("ttft", {}).get("samples"),
                  "output_len_mae": ol.get("mae"), "output_len_mae_baseline": ol.get("mae_baseline")}
-    auto = compare(base=6.0, max_pods=args.pods, start_s=args.pod_start)
+    auto = compare(base=8.0, max_pods=args.pods, start_s=args.pod_start)
+    cost = epp_cost([16, 64], 100 if args.quick else 400)
+    cpu_run = None
+    if args.cpu_requests:
+        from kvyard.bench.slo_cpu import run_cpu
+
+        cpu_run = run_cpu(1, args.cpu_requests, 6 if args.quick else 12, root / "cpu",
+                          args.seed)
+    cost["epp_cpu_s_per_request"] = cpu  # the latency policies with response observation
     doc = {"policies": policies, "predictor": predictor,
-           "autoscale": {k: {"attainment": v["attainment"], "pod_seconds": v["pod_seconds"]}
-                         for k, v in auto.items() if k != "model"},
-           "by_rate": by_rate,
+           "autoscale": {k: {"attainment": auto[k]["attainment"],
+                             "pod_seconds": auto[k]["pod_seconds"]}
+                         for k in ("reactive", "predictive")},
+           "by_rate": by_rate, "epp_cost": cost, "cpu_workers": cpu_run,
            "config": {"pods": args.pods, "profile": args.profile, "time_scale": scale,
                       "rates_sim_rps": args.rates, "rung_wall_s": args.duration,
                       "classes": CLASSES, "max_tokens": MAX_TOKENS, "quick": args.quick,
-                      "autoscale_model": auto["model"], "run_dir": str(root),
+                      "autoscale_model": auto["model"], "autoscale_spare": auto["spare"],
+                      "run_dir": str(root),
                       "requests": desc.get("requests"), "wall_s": time.monotonic() - t0}}
     if args.plot:
         from kvyard.bench.route_plot import svg
@@ -269,4 +284,6 @@ def _table(doc: dict) -> str:
                     hit_rate=r["hit_rate"], shed=r["shed"], errors=r["errors"])
     rep.notes.append(f"predictor: {json.dumps(_finite(doc['predictor']))}")
     rep.notes.append(f"autoscale: {json.dumps(_finite(doc['autoscale']))}")
+    rep.notes.append(f"EPP cost: {json.dumps(_finite(doc['epp_cost']))}")
+    rep.notes.append(f"CPU workers: {json.dumps(_finite(doc['cpu_workers']))}")
     return rep.table()

@@ -7,8 +7,8 @@ prefill rate, the mean prompt, the mean output and the sequences it runs at the 
 objective, the numbers the EPP's scaler measures); a pod takes `start_s` to become
 ready (a GPU pod's minutes, or the spare's second); requests beyond the ready pods'
 capacity queue, and a second's arrivals meet the TTFT objective when the queue ahead of
-them drains within it. Traffic: `base` req/s for 60 s, a ramp to 2x over 60 s, 60 s at
-2x, a 30 s spike to 2.5x, then back to 2x.
+them drains within it. Traffic: `base` req/s for 60 s, a ramp to 2x over 120 s, 60 s at
+2x, a 30 s spike to 2.5x, then back to 2x (300 s).
 - reactive: the scaler's backlog signal (`epp/scaler/metric.py`'s shape): replicas =
   served load / capacity + queue / (capacity x TTFT objective), every 15 s (KEDA's
   polling), scale-down after 60 s below.
@@ -47,9 +47,9 @@ TARGET = 0.9  # KEDA's targetValue for both: replicas = ceil(metric / 0.9)
 def traffic(base: float, t: int) -> float:
     if t < 60:
         return base
-    if t < 120:
-        return base * (1.0 + (t - 60) / 60.0)
-    if 180 <= t < 210:
+    if t < 180:
+        return base * (1.0 + (t - 60) / 120.0)
+    if 240 <= t < 270:
         return base * 2.5
     return base * 2.0
 
@@ -107,10 +107,13 @@ def simulate(predictive: bool, pod: PodModel, base: float, max_pods: int, start_
             "goodput": met / duration_s, "pod_seconds": pod_s}
 
 
-def compare(base: float, max_pods: int = 16, start_s: float = 60.0,
-            pod: PodModel | None = None) -> dict:
+def compare(base: float, max_pods: int = 16, start_s: float = 30.0,
+            pod: PodModel | None = None, spare_s: float = 1.0) -> dict:
+    """Both policies with pods that start in `start_s`, and (under "spare") in `spare_s`."""
     pod = pod or PodModel()
     return {"reactive": simulate(False, pod, base, max_pods, start_s),
             "predictive": simulate(True, pod, base, max_pods, start_s),
+            "spare": {k: simulate(k == "predictive", pod, base, max_pods, spare_s)
+                      for k in ("reactive", "predictive")},
             "model": {"pod_capacity_rps": pod.capacity, "base_rps": base, "max_pods": max_pods,
-                      "pod_start_s": start_s}}
+                      "pod_start_s": start_s, "spare_start_s": spare_s}}

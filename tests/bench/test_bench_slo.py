@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.request
 from pathlib import Path
 
@@ -26,10 +27,11 @@ def test_policies_are_configs_the_epp_loads(tmp_path: Path) -> None:
 
 
 def test_predictive_scaling_starts_pods_before_the_ramp_needs_them() -> None:
-    slow = compare(base=8.0, max_pods=16, start_s=20.0)
-    assert slow["predictive"]["attainment"] > slow["reactive"]["attainment"]
-    fast = compare(base=4.0, max_pods=16, start_s=1.0)  # the spare's second: both keep up
-    assert fast["predictive"]["attainment"] >= 0.95 and fast["reactive"]["attainment"] >= 0.95
+    r = compare(base=8.0, max_pods=16, start_s=30.0)
+    assert r["predictive"]["attainment"] > r["reactive"]["attainment"] + 0.05
+    assert r["predictive"]["pod_seconds"] <= 1.1 * r["reactive"]["pod_seconds"]
+    spare = r["spare"]  # pods ready in a second: both keep up, the spike included
+    assert spare["predictive"]["attainment"] >= 0.9 and spare["reactive"]["attainment"] >= 0.9
     assert PodModel().capacity > 0
 
 
@@ -54,8 +56,14 @@ def test_the_epp_learns_ttft_tpot_and_output_length_through_envoy(tmp_path: Path
             return out
 
         assert asyncio.run(send()) == [200] * 8
-        with urllib.request.urlopen(stack.epp_metrics + "/debug/endpoints", timeout=5) as r:
-            slo = json.loads(r.read())["slo"]
+        # The observing filter sends without waiting: the last ends may still be on the way.
+        deadline = time.monotonic() + 10.0
+        while True:
+            with urllib.request.urlopen(stack.epp_metrics + "/debug/endpoints", timeout=5) as r:
+                slo = json.loads(r.read())["slo"]
+            if slo["tpot"]["samples"] == 8 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
     finally:
         route_stack.stop(stack)
     assert slo["ttft"]["samples"] == 8 and slo["tpot"]["samples"] == 8
@@ -63,3 +71,18 @@ def test_the_epp_learns_ttft_tpot_and_output_length_through_envoy(tmp_path: Path
     assert slo["in_flight"] == 0
     # After three answers of 12 tokens the tenant's history predicts 12, not max_tokens.
     assert slo["output_len"]["mae"] < slo["output_len"]["mae_baseline"]
+
+
+def test_held_out_errors_are_those_of_the_later_predictions() -> None:
+    from kvyard.bench.slo_cpu import held_out
+
+    before = {"ttft": {"samples": 10, "mape": 1.0, "p90_coverage": 0.5},
+              "tpot": {"samples": 0, "mape": None, "p90_coverage": None},
+              "output_len": {"samples": 10, "mae": 50.0, "mae_baseline": 100.0}}
+    after = {"ttft": {"samples": 30, "mape": 0.5, "p90_coverage": 0.8},
+             "tpot": {"samples": 20, "mape": 0.1, "p90_coverage": 0.9},
+             "output_len": {"samples": 30, "mae": 20.0, "mae_baseline": 100.0}}
+    h = held_out(before, after)
+    assert h["ttft"] == {"samples": 20, "mape": 0.25, "p90_coverage": 0.95}
+    assert h["tpot"]["samples"] == 20 and abs(h["tpot"]["mape"] - 0.1) < 1e-12
+    assert h["output_len"] == {"samples": 20, "mae": 5.0, "mae_baseline": 100.0}
