@@ -135,7 +135,7 @@ class LatencyPredictor:
         ld = self.load(ep.address)
         ttft, ttft90 = self._model("ttft", ep).predict(
             ttft_features(ep, ld, self.uncached(req, facts, ep)))
-        tpot, tpot90 = self._model("tpot", ep).predict(tpot_features(ep, ld))
+        tpot, tpot90 = self._model("tpot", ep).predict(tpot_features(ep, ld, req.now))
         return Prediction(ttft, ttft90, tpot, tpot90)
 
     def predict(self, req: SchedRequest, eps: list[Endpoint]) -> list[Prediction]:
@@ -158,14 +158,16 @@ class LatencyPredictor:
             return None
         now = time.monotonic()
         self._arrival(ep.role, now, facts)
-        if self.observe_fraction < 1.0 and self.rng.random() >= self.observe_fraction:
-            return None
-        pred = req.cycle.read(PREDICTIONS, {}).get(ep.address) or self.predict_one(req, facts, ep)
         ld = self.load(ep.address)
         unc = self.uncached(req, facts, ep)
+        if self.observe_fraction < 1.0 and self.rng.random() >= self.observe_fraction:
+            ld.routed(unc, now)
+            return None
+        pred = req.cycle.read(PREDICTIONS, {}).get(ep.address) or self.predict_one(req, facts, ep)
         f = Flight(ep.address, ep.role, facts, unc, ttft_features(ep, ld, unc),
-                   tpot_features(ep, ld), pred, req.priority, now)
+                   tpot_features(ep, ld, now), pred, req.priority, now)
         ld.prefill_tokens += unc
+        ld.routed(unc, now)
         if len(self.flights) >= MAX_FLIGHTS:  # never claimed (no ext_proc stream)
             self.abandon(self.flights.pop(next(iter(self.flights))))
         self.flights[id(req.prompt)] = f

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-QUICK = {"rates": [40.0, 100.0], "duration": 6.0, "groups": 24, "cpu_requests": 8}
+QUICK = {"rates": [50.0, 150.0], "duration": 6.0, "groups": 24, "cpu_requests": 8}
 CLASSES = {"interactive": (500, 50, "0"), "batch": (2000, 100, "-1")}  # ttft ms, tpot ms, prio
 MAX_TOKENS = 128
 
@@ -51,8 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--users", type=int, default=4)
     p.add_argument("--question-tokens", type=int, default=200)
     p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--rates", type=float, nargs="+", default=[30.0, 60.0, 90.0, 120.0, 150.0])
-    p.add_argument("--duration", type=float, default=10.0, help="wall seconds per rung")
+    p.add_argument("--rates", type=float, nargs="+", default=[40.0, 80.0, 120.0, 160.0, 200.0])
+    p.add_argument("--duration", type=float, default=12.0, help="wall seconds per rung")
     p.add_argument("--cpu-requests", type=int, default=24,
                    help="held-out requests on a real CPU worker (0: skip that run)")
     p.add_argument("--seed", type=int, default=0)

@@ -85,7 +85,7 @@ def chunk_cost(n: int = 20000) -> float:
     from kvyard.epp.slo.predictor import Flight, LatencyPredictor, Prediction
 
     p = LatencyPredictor()
-    f = Flight("a", "both", RequestFacts(None, 100, 64, "", "m"), 0.0, [1.0] * 7, [1.0] * 6,
+    f = Flight("a", "both", RequestFacts(None, 100, 64, "", "m"), 0.0, [1.0] * 7, [1.0] * 7,
                Prediction(0.1, 0.1, 0.02, 0.02), 0, 0.0)
     tr = ResponseTracker(p, f)
     tr.headers({":status": "200", "content-type": "text/event-stream"})

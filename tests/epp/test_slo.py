@@ -178,7 +178,7 @@ def _teach_one_slow(app: EppApp, address: str, n: int) -> None:
     from kvyard.epp.prompt import LazyPrompt
     from kvyard.epp.slo.headers import FACTS, RequestFacts, Slo
     for _ in range(n):
-        req = SchedRequest("m", LazyPrompt.of_hashes([1, 2]))
+        req = SchedRequest("m", LazyPrompt.of_hashes([1, 2]), now=time.monotonic())
         req.cycle.write(FACTS, RequestFacts(Slo(0.5, 0.05), 128, 64, "", "m"))
         f = pred.start(req, ep)
         pred.claim(req.prompt)
