@@ -2,8 +2,8 @@
 
 `Rls` is linear regression updated one sample at a time (Sherman-Morrison, O(d^2)
 per sample, d ~ 7) with exponential forgetting, so a model follows an endpoint whose
-behaviour drifts. `Quantile` tracks one quantile of a stream by stochastic
-approximation (no samples kept). The predictors pair them: the mean from `Rls`, the
+behaviour drifts (after a rate step, within a few hundred requests). `Quantile` tracks
+one quantile of a stream by stochastic approximation (no samples kept). The predictors pair them: the mean from `Rls`, the
 p90 as the mean times the tracked p90 of actual/predicted (in log space).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class Rls:
     dim: int
-    forget: float = 0.998
+    forget: float = 0.995  # memory of ~200 observations (below ~0.99 the update goes unstable)
     ridge: float = 100.0   # initial P = ridge * I: a weak prior at w = 0
     w: list[float] = field(default_factory=list)
     p: list[list[float]] = field(default_factory=list)
@@ -52,7 +52,7 @@ class Quantile:
     tens of requests, not hundreds."""
 
     q: float = 0.9
-    step: float = 0.02
+    step: float = 0.05
     value: float = 0.0
     n: int = 0
 

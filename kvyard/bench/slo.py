@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-QUICK = {"rates": [50.0, 150.0], "duration": 6.0, "groups": 24, "cpu_requests": 8}
+QUICK = {"rates": [50.0, 150.0], "duration": 5.0, "groups": 24, "cpu_requests": 6}
 CLASSES = {"interactive": (500, 50, "0"), "batch": (2000, 100, "-1")}  # ttft ms, tpot ms, prio
 MAX_TOKENS = 128
 
@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     if args.cpu_requests:
         from kvyard.bench.slo_cpu import run_cpu
 
-        cpu_run = run_cpu(1, args.cpu_requests, 6 if args.quick else 12, root / "cpu",
+        cpu_run = run_cpu(1, args.cpu_requests, 4 if args.quick else 12, root / "cpu",
                           args.seed)
     cost["epp_cpu_s_per_request"] = cpu  # the latency policies with response observation
     doc = {"policies": policies, "predictor": predictor,

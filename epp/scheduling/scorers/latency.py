@@ -3,10 +3,11 @@
 For a request with SLO headers (`epp/slo/headers.py`), each candidate's p90 TTFT and
 TPOT are predicted (`epp/slo/predictor.py`, which this plugin owns and teaches). The
 slack of an endpoint is `ttftWeight * (slo_ttft - p90_ttft) / slo_ttft + tpotWeight *
-(slo_tpot - p90_tpot) / slo_tpot`. Endpoints that meet both score in [0.5, 1] (with
-`headroom: least`, less slack scores higher, packing work where it just fits as
-llm-d's default does; `most`, the default here, more slack scores higher, which
-leaves room for the predictor's error); those that miss score in [0, 0.5), the least
+(slo_tpot - p90_tpot) / slo_tpot`. Endpoints that meet both score in [0.8, 1] (with
+`headroom: least`, the default as in llm-d, less slack scores higher: work is packed
+where it just fits and lightly loaded endpoints keep room; `most`, more slack first);
+the band is narrow so that among feasible endpoints the prefix and load scorers still
+decide (a cache hit saves the pool work). Those that miss score in [0, 0.5), the least
 late highest. When none meets and SLO admission is on (`epp/slo/admission.py`), a
 sheddable request is refused with 429 `rejected-slo-unattainable`.
 
@@ -40,7 +41,7 @@ SLO_MEETS: StateKey[bool] = StateKey("latency/meets")
 class LatencyParams:
     ttftWeight: float = param(0.8, min=0.0, doc="weight of TTFT slack")
     tpotWeight: float = param(0.2, min=0.0, doc="weight of TPOT slack")
-    headroom: str = param("most", choices=("least", "most"),
+    headroom: str = param("least", choices=("least", "most"),
                           doc="among endpoints that meet the SLO, prefer the least or most slack")
     minSamples: int = param(20, min=1, doc="observations before predictions are acted on")
     observeFraction: float = param(1.0, min=0.0, max=1.0,
@@ -89,8 +90,8 @@ class LatencyScorer(Scorer, PreRequest, PoolListener):
         out = []
         for m, p in zip(meets, preds):
             s = self.slack(slo, p)
-            if m:
-                out.append(0.5 + 0.5 * (1.0 - _clamp(s) if least else _clamp(s)))
+            if m:  # a narrow band: among feasible endpoints prefix and load still decide
+                out.append(0.8 + 0.2 * (1.0 - _clamp(s) if least else _clamp(s)))
             else:  # late: s < 0; the least late scores highest
                 out.append(0.5 * _clamp(1.0 + s) * 0.999)
         return out
