@@ -10,7 +10,7 @@ SLOs included (the headers carry them in wall milliseconds).
 Workload: `route_workload`'s shared-prefix groups as multi-turn conversations
 (`--turns`), each group a tenant (fairness id) with its own natural output length
 (`sim_output_tokens`; max_tokens is a fixed cap, the output-length baseline), a third of
-the tenants batch (sheddable, priority -1, TTFT <= 2 s, TPOT <= 100 ms) and the rest
+the tenants batch (sheddable, priority -1, TTFT <= 1 s, TPOT <= 100 ms) and the rest
 interactive (TTFT <= 0.5 s, TPOT <= 50 ms), over a rate ladder (simulated req/s).
 Policies: load, precise_prefix, precise_prefix+latency, +admission (= precise_prefix
 +latency with SLO admission). Per policy, the top rung: goodput (requests/s within their
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 QUICK = {"rates": [50.0, 150.0], "duration": 5.0, "groups": 24, "cpu_requests": 6}
-CLASSES = {"interactive": (500, 50, "0"), "batch": (2000, 100, "-1")}  # ttft ms, tpot ms, prio
+CLASSES = {"interactive": (500, 50, "0"), "batch": (1000, 100, "-1")}  # ttft ms, tpot ms, prio
 MAX_TOKENS = 128
 
 
