@@ -7,7 +7,7 @@ slack of an endpoint is `ttftWeight * (slo_ttft - p90_ttft) / slo_ttft + tpotWei
 `headroom: least`, the default as in llm-d, less slack scores higher: work is packed
 where it just fits and lightly loaded endpoints keep room; `most`, more slack first);
 the band is narrow so that among feasible endpoints the prefix and load scorers still
-decide (a cache hit saves the pool work). Those that miss score in [0, 0.5), the least
+decide (a cache hit saves the pool work). Those that miss score in [0, 0.2], the least
 late highest. When none meets and SLO admission is on (`epp/slo/admission.py`), a
 sheddable request is refused with 429 `rejected-slo-unattainable`.
 
@@ -92,8 +92,11 @@ class LatencyScorer(Scorer, PreRequest, PoolListener):
             s = self.slack(slo, p)
             if m:  # a narrow band: among feasible endpoints prefix and load still decide
                 out.append(0.8 + 0.2 * (1.0 - _clamp(s) if least else _clamp(s)))
-            else:  # late: s < 0; the least late scores highest
-                out.append(0.5 * _clamp(1.0 + s) * 0.999)
+            else:  # late: s < 0; the least late scores highest, in a narrow band too:
+                # steering every late request to the least loaded endpoint moves
+                # conversations off their cached endpoints, which adds prefill work
+                # to a pool already past saturation
+                out.append(0.2 * _clamp(1.0 + s))
         return out
 
     def pre_request(self, req: SchedRequest, ep: Endpoint) -> None:
