@@ -3,8 +3,9 @@
 `Rls` is linear regression updated one sample at a time (Sherman-Morrison, O(d^2)
 per sample, d ~ 7) with exponential forgetting, so a model follows an endpoint whose
 behaviour drifts (after a rate step, within a few hundred requests). `Quantile` tracks
-one quantile of a stream by stochastic approximation (no samples kept). The predictors pair them: the mean from `Rls`, the
-p90 as the mean times the tracked p90 of actual/predicted (in log space).
+one quantile of a stream by stochastic approximation (no samples kept). The predictors
+pair them: the mean from `Rls`, the p90 as the mean times the tracked p90 of
+actual/predicted (in log space).
 """
 from __future__ import annotations
 

@@ -95,20 +95,11 @@ def _tags(rungs, seed: int) -> list[list[Tagged]]:
     return out
 
 
-class _Headers:
-    """An aiohttp session whose posts carry one request's headers (client.stream posts)."""
-
-    def __init__(self, session, headers: dict[str, str]) -> None:
-        self.session, self.headers = session, headers
-
-    def post(self, url: str, **kw):
-        return self.session.post(url, headers=self.headers, **kw)
-
-
 async def _replay(url: str, reqs, texts, tags, scale: float):
     import aiohttp
 
     from kvyard.bench.client import completion_body, stream
+    from kvyard.bench.slo_cpu import WithHeaders
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=600)) as s:
@@ -125,7 +116,7 @@ async def _replay(url: str, reqs, texts, tags, scale: float):
                  "x-llm-d-inference-fairness-id": f"tenant-{tag.tenant}"}
             body = completion_body(None, text, MAX_TOKENS)
             body["sim_output_tokens"] = tag.natural
-            return await stream(_Headers(s, h), url, body)
+            return await stream(WithHeaders(s, h), url, body)
 
         res = await asyncio.gather(*(one(r, x, g) for r, x, g in zip(reqs, texts, tags)))
         return res, loop.time() - t0

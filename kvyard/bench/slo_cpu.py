@@ -33,6 +33,17 @@ class CpuPods:
                          "--model", "demo", "--max-num-seqs", str(self.max_num_seqs))
 
 
+class WithHeaders:
+    """An aiohttp session whose posts carry one request's headers (`client.stream` posts
+    through it: the one streaming client, unchanged)."""
+
+    def __init__(self, session, headers: dict[str, str]) -> None:
+        self.session, self.headers = session, headers
+
+    def post(self, url: str, **kw):
+        return self.session.post(url, headers=self.headers, **kw)
+
+
 def snapshot(stack) -> dict:
     """The EPP's SLO state (`/debug/endpoints` → slo); {} if it cannot be read."""
     try:
@@ -69,7 +80,6 @@ async def _send(url: str, n: int, concurrency: int, seed: int) -> int:
     import aiohttp
 
     from kvyard.bench.client import completion_body, stream
-    from kvyard.bench.slo import _Headers
 
     rng = random.Random(seed)
     tenants = {f"t{i}": rng.randint(4, 24) for i in range(4)}
@@ -84,7 +94,7 @@ async def _send(url: str, n: int, concurrency: int, seed: int) -> int:
         body = completion_body(None, words, 64, ignore_eos=False)
         body["max_tokens"] = tenants[t]  # the worker stops at the tenant's length
         async with sem:
-            r = await stream(_Headers(s, {**SLO_HEADERS, "x-llm-d-inference-fairness-id": t}),
+            r = await stream(WithHeaders(s, {**SLO_HEADERS, "x-llm-d-inference-fairness-id": t}),
                              url, body)
         ok += r.ok
 
