@@ -44,6 +44,11 @@ from .scheduling.config import build_scheduler, load_config, with_fallbacks
 from .scheduling.scheduler import Scheduler
 from .scheduling.scorers.precise_prefix import PrecisePrefixScorer
 from .server import ExtProcServicer
+from .slo.admission import SloAdmission
+from .slo.metrics import SloCollector
+from .slo.observe import Observer
+from .slo.predictor import LatencyPredictor
+from .slo.wiring import annotator, forecaster, latency_scorers
 from .tls import tls_files
 from .xds import EdsServicer
 
@@ -145,6 +150,7 @@ class EppApp:
     scaler: ScalerServer | None = field(init=False)
     kv_events: KVEventSources | None = field(init=False)  # with a precise-prefix-cache scorer
     replicas: PickBus | None = field(init=False)  # with --replica-port / --peers
+    predictor: LatencyPredictor | None = field(init=False)  # with a latency scorer (slo/)
     tokenizer_state: str = "none"  # none | loading | loaded | failed
     draining: bool = False  # SIGTERM with replicas: readiness off before stopping (drain)
     servicer: ExtProcServicer | None = None  # ext_proc; calls `director`
@@ -180,9 +186,16 @@ class EppApp:
             admission = self.flow = FlowController(fc, self.pool, sched, self.demand, fm)
             self.pool.on_change(self._membership_changed)
         routes = ModelRoutes.load(c.models_file) if c.models_file else None
+        latency = latency_scorers(sched)
+        self.predictor = latency[0].predictor if latency else None
+        if latency and latency[0].params.admission:
+            admission = SloAdmission(admission)
         self.director = Director(self.pool, sched, PromptHasher(block_size=sched.block_size),
                                  admission, self.metrics, self.finisher,
                                  routes.names if routes else _served_names(c), routes=routes)
+        if self.predictor is not None:
+            self.director.on_parse = annotator(self.predictor)
+            self.metrics.registry.register(SloCollector(self.predictor))
         self.replicas = None
         if c.replica_port is not None or c.peers or c.peers_dns:
             self.replicas = PickBus(PickApplier(sched, self.pool),
@@ -197,6 +210,8 @@ class EppApp:
         if c.scaler_port is not None:
             self.scaler = ScalerServer(self.pool, self.demand, c.pool_name)
             self.scaler.register(self.metrics.registry)
+            if self.predictor is not None:
+                self.scaler.servicer.forecast = forecaster(self.predictor)
 
     def _membership_changed(self) -> None:
         """A joining endpoint is scraped at once, so the waiting room is released the
@@ -219,7 +234,8 @@ class EppApp:
                 "flow": self.flow.snapshot() if self.flow is not None else None,
                 "kv_events": self.kv_events.snapshot() if self.kv_events is not None else None,
                 "scaler": self.scaler.snapshot() if self.scaler is not None else None,
-                "replicas": self.replicas.snapshot() if self.replicas is not None else None}
+                "replicas": self.replicas.snapshot() if self.replicas is not None else None,
+                "slo": self.predictor.snapshot() if self.predictor is not None else None}
 
     def _credentials(self) -> grpc.ServerCredentials | None:
         """One per server: each follows the files on its own (tls.py)."""
@@ -231,7 +247,9 @@ class EppApp:
         c = self.cfg
         self._grpc = grpc.aio.server(options=SERVER_OPTIONS)
         self.servicer = ExtProcServicer(self.director, c.max_body_bytes,
-                                        pd_auth.load_key(c.pd_key_file))
+                                        pd_auth.load_key(c.pd_key_file),
+                                        None if self.predictor is None
+                                        else Observer(self.predictor))
         ep_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
         eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self.eds, self._grpc)
         self.ports["ext_proc"] = bind(self._grpc, c.host, c.ext_proc_port, "ext_proc",

@@ -59,6 +59,8 @@ class Director:
     stable_ties: bool = False
     # Several models (models.py): `model` -> its pool; None: one pool, `served_models`.
     routes: ModelRoutes | None = None
+    # SLO routing (epp/slo/): the request's facts into its cycle state once parsed.
+    on_parse: Callable[[SchedRequest, Mapping[str, str], object], None] | None = None
 
     def parse(self, headers: Mapping[str, str], body: bytes | None) -> SchedRequest:
         """Parse and hash (lazily): the request as scheduling sees it; Rejection if bad."""
@@ -73,6 +75,8 @@ class Director:
         route = self.routes.get(parsed.model) if self.routes is not None else None
         if route is not None:
             req.pool, req.adapter = route.pool, route.name if route.parent else ""
+        if self.on_parse is not None:
+            self.on_parse(req, headers, parsed)
         return req
 
     def candidates(self, req: SchedRequest) -> list:

@@ -19,6 +19,8 @@ from kvyard.common.api import CHAT_ROLES, BodyError, error_json, parse_json_obje
 from kvyard.common.wire import DROPPED_REASON_HEADER
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
+# llm-d-router's name first; today's header stays as its alias.
+OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", OBJECTIVE_HEADER)
 
 
 @dataclass(slots=True)
@@ -50,6 +52,7 @@ class ParsedRequest:
     messages: list | None  # chat completions
     prompt: Any  # completions: str, list[str], list[int] or list[list[int]]
     priority: int
+    max_tokens: int | None = None  # max_tokens / max_completion_tokens, when an int
 
 
 def _bad(message: str, reason: str, param: str | None = None) -> Rejection:
@@ -57,12 +60,13 @@ def _bad(message: str, reason: str, param: str | None = None) -> Rejection:
 
 
 def priority_of(headers: dict[str, str], objectives: dict[str, int]) -> int:
-    """The request's priority from `x-gateway-inference-objective`.
+    """The request's priority from `x-llm-d-inference-objective` (or its alias
+    `x-gateway-inference-objective`).
 
     The value is either an InferenceObjective name (looked up in the EPP
     config) or a plain integer; unknown names mean priority 0 (not sheddable).
     """
-    raw = headers.get(OBJECTIVE_HEADER, "").strip()
+    raw = next((v for h in OBJECTIVE_HEADERS if (v := headers.get(h, "").strip())), "")
     if not raw:
         return 0
     if raw in objectives:
@@ -117,7 +121,9 @@ def parse_request(body: bytes, path: str, headers: dict[str, str],
             raise _bad("missing 'prompt'", "missing_prompt", "prompt")
         if not isinstance(prompt, (str, list)):
             raise _bad("'prompt' must be a string or a list", "invalid_prompt", "prompt")
-    return ParsedRequest(model, messages, prompt, priority_of(headers, objectives or {}))
+    mt = obj.get("max_completion_tokens", obj.get("max_tokens"))
+    return ParsedRequest(model, messages, prompt, priority_of(headers, objectives or {}),
+                         mt if type(mt) is int and mt > 0 else None)
 
 
 def _dropped(status: int, message: str, reason: str, code: str,
@@ -167,3 +173,9 @@ def body_too_large(limit: int) -> Rejection:
 
 def internal() -> Rejection:
     return Rejection(500, "internal error in the endpoint picker", "internal")
+
+
+def slo_unattainable() -> Rejection:
+    """SLO admission: a sheddable request no endpoint is predicted to serve within its SLO."""
+    return _dropped(429, "no endpoint is predicted to meet this request's latency objective; "
+                         "sheddable request dropped", "slo_shed", "rejected-slo-unattainable", "1")

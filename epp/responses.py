@@ -13,8 +13,8 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
 from kvyard.common.wire import (
-    DESTINATION_HEADER, DESTINATION_METADATA_NAMESPACE, PREFILLER_AUTH_HEADER, PREFILLER_HEADER,
-    ROUTING_HEADERS,
+    DESTINATION_HEADER, DESTINATION_METADATA_NAMESPACE, FLIGHT_HEADER, PREFILLER_AUTH_HEADER,
+    PREFILLER_HEADER, ROUTING_HEADERS,
 )
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -26,11 +26,17 @@ def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
 
 
 def routing_response(destination: str, prefiller: str | None = None,
-                     prefiller_auth: str | None = None) -> ep.ProcessingResponse:
+                     prefiller_auth: str | None = None,
+                     flight: str | None = None) -> ep.ProcessingResponse:
     """Answer to the request-headers message that sends the request to `destination`
-    (and, for P/D, names the prefill pod with the EPP's signature of it)."""
+    (and, for P/D, names the prefill pod with the EPP's signature of it; for a request
+    the SLO predictors time, its flight id for the gateway's observing filter)."""
     sets = [_set(DESTINATION_HEADER, destination)]
     removes = [h for h in ROUTING_HEADERS if h != DESTINATION_HEADER]
+    if flight is not None:
+        sets.append(_set(FLIGHT_HEADER, flight))
+    else:
+        removes.append(FLIGHT_HEADER)  # never a client's
     if prefiller:
         sets.append(_set(PREFILLER_HEADER, prefiller))
         removes.remove(PREFILLER_HEADER)

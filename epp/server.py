@@ -6,7 +6,8 @@ happens to the request is the director's (`director.py`).
 Body handling (pinned with the gateway's Envoy config, kvyard/gateway/config.py):
 request headers SEND; request body STREAMED with
 `send_body_without_waiting_for_header_response`, behind Envoy's buffer
-filter; response headers SKIP, response body NONE. The buffer filter holds
+filter; response headers SKIP, response body NONE (the SLO predictors' timing comes
+on streams of the gateway's second, observe-only filter: `_observe`). The buffer filter holds
 the whole body (and answers 413 over the limit), so we receive it as one
 chunk with end_of_stream right after the headers. Why not BUFFERED: Envoy
 then sends no body until the headers message is answered, and we can only
@@ -41,13 +42,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from kvyard.common import pd_auth
-from kvyard.common.wire import MAX_HOLD_S
+from kvyard.common.wire import MAX_HOLD_S, OBSERVE_METADATA
 
 from . import responses
 from .admission import Held
 from .director import Director
 from .request import Rejection, body_too_large, internal
 from .scheduling.types import Decision
+from .slo.observe import Observer
 
 log = logging.getLogger("kvyard.epp")
 HOLD_MARGIN_S = 5.0  # Envoy waits this much past a held request's TTL for our answer
@@ -65,11 +67,15 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
     director: Director
     max_body_bytes: int = 4 * 1024 * 1024
     pd_key: bytes | None = None  # signs x-prefiller-host-port (kvyard.common.pd_auth)
+    # With a latency scorer (epp/slo/): the requests its predictor follows are named in the
+    # routing answer, and the gateway's observing filter streams their responses here.
+    observer: Observer | None = None
 
     def _routing(self, d: Decision, has_body: bool) -> list[ep.ProcessingResponse]:
         pre = d.prefill.address if d.prefill is not None else None
         auth = pd_auth.sign(self.pd_key, pre) if pre and self.pd_key else None
-        out = [responses.routing_response(d.destination, pre, auth)]
+        flight = self.observer.watch(d.prompt) if self.observer is not None else None
+        out = [responses.routing_response(d.destination, pre, auth, flight)]
         if has_body:
             out.append(responses.body_continue())
         return out
@@ -104,6 +110,9 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
                       context) -> AsyncIterator[ep.ProcessingResponse]:
+        if self.observer is not None and _observing(context):
+            await self.observer.stream(request_iterator, _headers)
+            return  # observability mode: Envoy reads no answers
         headers: dict[str, str] | None = None
         chunks: list[bytes] = []
         size = 0
@@ -149,6 +158,11 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                 log.exception("ext_proc: internal error")
                 yield self._error(internal())
                 return
+
+
+def _observing(context) -> bool:
+    """A stream of the gateway's observe-only filter (it sends OBSERVE_METADATA)."""
+    return any(k == OBSERVE_METADATA for k, _ in (context.invocation_metadata() or ()))
 
 
 def _joined(chunks: list[bytes]) -> bytes:

@@ -43,6 +43,9 @@ BENCHES: dict[str, tuple[str, str]] = {
     "lora": ("kvyard.bench.lora",
              "LoRA: adapter-aware routing on simulated pods (loads, hit rate, TTFT p90 vs "
              "prefix and random) and the engine's multi-LoRA throughput"),
+    "slo": ("kvyard.bench.slo",
+            "SLO-aware routing and admission on simulated pods (goodput, attainment per "
+            "class, predictor error) and reactive vs predictive autoscaling"),
 }
 
 

@@ -48,6 +48,7 @@ class Reading:
     held: int
     prefill: float
     decode: float
+    predicted: float = 0.0  # the arrival forecast's replicas (predictive.py); 0 without
 
 
 def read(pool: EndpointPool, demand: Demand, cap: Capacity, p: ScaledObjectParams) -> Reading:

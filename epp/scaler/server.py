@@ -37,6 +37,7 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 
@@ -50,6 +51,7 @@ from ..pool.metrics_parse import WorkerMetrics
 from .capacity import Capacity, Fallback
 from .meta import WAKES, MetadataError, ScaledObjectParams, ScalerDefaults, parse_metadata
 from .metric import Reading, read
+from .predictive import Forecast, from_capacity
 
 log = logging.getLogger("kvyard.epp.scaler")
 pb2, pb2_grpc = keda.pb2, keda.pb2_grpc
@@ -79,6 +81,8 @@ class ScalerServicer(pb2_grpc.ExternalScalerServicer):
         self.streams: dict[str, set[_Stream]] = {r: set() for r in ROLES}
         self.pushes = 0  # `true`s sent because of a notification
         self._unsubscribe = demand.subscribe(self._on_notify)
+        # Set with the latency scorer: the arrival forecast per role (predictive.py).
+        self.forecast: Callable[[str], Forecast] | None = None
 
     def close(self) -> None:
         self._unsubscribe()
@@ -102,7 +106,14 @@ class ScalerServicer(pb2_grpc.ExternalScalerServicer):
         return p
 
     def read(self, p: ScaledObjectParams) -> Reading:
-        return read(self.pool, self.demand, self.capacity, p)
+        r = read(self.pool, self.demand, self.capacity, p)
+        if self.forecast is not None:  # the SLO predictors' arrivals (predictive.py)
+            f = self.forecast(p.role)
+            r.predicted = from_capacity(f, p.role, self.capacity.role(p.role),
+                                        self.capacity.fallback, p.tpot_s)
+            r.metric = max(r.metric, r.predicted)
+            r.active = r.active or f.rate > 0
+        return r
 
     async def IsActive(self, request, context):
         p = await self._params(request, context)

@@ -18,6 +18,7 @@ from .pickers import MaxScoreParams, MaxScorePicker
 from .plugin_config import NoParams
 from .scorers.kv_utilization import KvUtilizationScorer
 from .scorers.lora_affinity import LoraAffinityParams, LoraAffinityScorer
+from .scorers.latency import LatencyParams, LatencyScorer
 from .scorers.precise_prefix import PrecisePrefixParams, PrecisePrefixScorer
 from .scorers.prefix_cache import PrefixCacheParams, PrefixCacheScorer
 from .scorers.queue import QueueScorer
@@ -50,6 +51,7 @@ SCORERS: dict[str, PluginType] = {
     "prefix-cache": PluginType(PrefixCacheScorer, PrefixCacheParams),
     "precise-prefix-cache": PluginType(PrecisePrefixScorer, PrecisePrefixParams),
     "lora-affinity": PluginType(LoraAffinityScorer, LoraAffinityParams),
+    "latency": PluginType(LatencyScorer, LatencyParams),
 }
 PICKERS: dict[str, PluginType] = {
     "max-score": PluginType(MaxScorePicker, MaxScoreParams),

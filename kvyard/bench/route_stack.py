@@ -56,6 +56,7 @@ class RouteStack:
     url: str                       # Envoy's listener
     epp: procs.Proc
     started: list[procs.Proc] = field(default_factory=list)
+    epp_metrics: str = ""          # the EPP's metrics/debug base URL
 
 
 def _port_run(n: int, taken: set[int], rng: random.Random) -> int:
@@ -84,7 +85,7 @@ def _endpoints_file(path: Path, addresses: list[str], kv: dict[str, str],
 
 
 def start(pods: Pods, run: Path, epp_config: Path | None, timeout_s: float = 180.0,
-          epp_args: list[str] | None = None) -> RouteStack:
+          epp_args: list[str] | None = None, observe_responses: bool = False) -> RouteStack:
     from kvyard.gateway.config import GatewayConfig
     from kvyard.gateway.envoy import envoy_command, write_config
     from kvyard.stack.commands import epp_cmd
@@ -118,7 +119,8 @@ def start(pods: Pods, run: Path, epp_config: Path | None, timeout_s: float = 180
         gw, admin = procs.free_port(None, taken), procs.free_port(None, taken)
         conf = write_config(GatewayConfig(listen_port=gw, admin_port=admin,
                                           epp_address=f"127.0.0.1:{eports[0]}",
-                                          body_limit_bytes=16 * 1024 * 1024),
+                                          body_limit_bytes=16 * 1024 * 1024,
+                                          observe_responses=observe_responses),
                             run / "envoy.yaml")
         envoy = procs.spawn("envoy", envoy_command(conf, concurrency=2), logs / "envoy.log")
         started.append(envoy)
@@ -128,7 +130,8 @@ def start(pods: Pods, run: Path, epp_config: Path | None, timeout_s: float = 180
     except BaseException:
         procs.stop([p.pid for p in reversed(started)])
         raise
-    return RouteStack(addresses, kv, f"http://127.0.0.1:{gw}", epp, started)
+    return RouteStack(addresses, kv, f"http://127.0.0.1:{gw}", epp, started,
+                      f"http://127.0.0.1:{eports[2]}")
 
 
 def stop(stack: RouteStack) -> None:

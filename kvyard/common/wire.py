@@ -12,6 +12,11 @@ PREFILLER_HEADER = "x-prefiller-host-port"
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 PREFILLER_AUTH_HEADER = "x-kvyard-prefiller-auth"  # the EPP's signature (common/pd_auth.py)
 ROUTING_HEADERS = (DESTINATION_HEADER, PREFILLER_HEADER, PREFILLER_AUTH_HEADER)
+# SLO routing: the EPP names a request it times in this header; the gateway's observing
+# ext_proc filter (gRPC metadata OBSERVE_METADATA) sends that request's headers and
+# response to the EPP without waiting for answers (epp/slo/, gateway/config.py).
+FLIGHT_HEADER = "x-kvyard-flight"
+OBSERVE_METADATA = "x-kvyard-observe"
 # Flow control (client-set): llm-d's fairness key, and kvyard's cap on how long the EPP
 # may hold this request (milliseconds; it can only shorten the configured TTLs).
 FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"

@@ -59,7 +59,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from kvyard.common.wire import DESTINATION_HEADER, ROUTING_HEADERS, WORKERS_CLUSTER
+from kvyard.common.wire import (DESTINATION_HEADER, OBSERVE_METADATA, ROUTING_HEADERS,
+                                WORKERS_CLUSTER)
 from kvyard.gateway import epp_failover
 from kvyard.gateway.epp_cluster import epp_cluster, epp_grpc_service
 from kvyard.gateway.spec import (EPP_CLUSTER, UNCAPPED, T, GatewayConfig, duration,
@@ -109,6 +110,22 @@ def _idle_s(cfg: GatewayConfig) -> float:
     return max(cfg.stream_idle_timeout_s, cfg.max_hold_s + 30.0)
 
 
+def _observe_filter(cfg: GatewayConfig) -> dict[str, Any]:
+    """The EPP's second view of a request, for its SLO predictors (epp/slo/): the request
+    headers (the EPP's FLIGHT_HEADER names the request it times) and the response's
+    headers and streamed body, in observability mode: Envoy sends and never waits, so
+    timing costs the response nothing, and a slow or absent EPP delays nothing."""
+    svc = {**epp_grpc_service(cfg),
+           "initial_metadata": [{"key": OBSERVE_METADATA, "value": "1"}]}
+    return {"name": "kvyard.observe", "typed_config": {
+        "@type": T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+        "grpc_service": svc, "observability_mode": True, "failure_mode_allow": True,
+        "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "NONE",
+                            "request_trailer_mode": "SKIP", "response_header_mode": "SEND",
+                            "response_body_mode": "STREAMED",
+                            "response_trailer_mode": "SKIP"}}}
+
+
 def _http_filters(cfg: GatewayConfig) -> list[dict[str, Any]]:
     # The buffer filter enforces the body limit (413) before the EPP sees anything,
     # and raises the stream's buffer limit so ext_proc's BUFFERED mode can hold it.
@@ -140,6 +157,8 @@ def _http_filters(cfg: GatewayConfig) -> list[dict[str, Any]]:
                 },
             },
         })
+    if cfg.observe_responses and not cfg.direct_upstream:
+        filters.append(_observe_filter(cfg))
     filters.append({"name": "envoy.filters.http.router",
                     "typed_config": {"@type": T + "envoy.extensions.filters.http.router.v3.Router"}})
     return filters

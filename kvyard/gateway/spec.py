@@ -60,6 +60,10 @@ class GatewayConfig:
     # Retries of an ext_proc stream that fails before any answer (connect failure, reset,
     # UNAVAILABLE) on another replica; 0: none (one EPP has no other host to try).
     epp_stream_retries: int = 0
+    # A second, observe-only ext_proc filter: the EPP gets each timed request's response
+    # headers and streamed body without Envoy waiting (its latency scorer learns TTFT and
+    # TPOT from them, epp/slo/); off, the EPP sees requests only.
+    observe_responses: bool = False
 
 
 def duration(seconds: float) -> str:

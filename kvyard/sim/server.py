@@ -65,6 +65,11 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     except ApiError as e:
         return _error(pod, e)
     adapter = spec.model if spec.model in pod.adapters else None
+    # `sim_output_tokens` (simulator only): the answer's natural length, as an EOS would
+    # end it before max_tokens (benchmarks of output-length prediction need one).
+    natural = spec.raw.get("sim_output_tokens")
+    if type(natural) is int and 0 < natural < spec.max_tokens:
+        spec.max_tokens = natural
     req = SimRequest(f"{'chatcmpl' if chat else 'cmpl'}-sim-{next(_ids)}", spec.prompt_ids,
                      spec.max_tokens, remote_prefill=remote, adapter=adapter)
     if adapter is not None:  # an adapter's KV is its own (vLLM keys blocks by LoRA)

@@ -1,0 +1,48 @@
+"""The predictive scaling signal: replicas the arrival rate will need, before a violation.
+
+The reactive metric (`metric.py`) sees demand once it is queued or running; by then a
+GPU pod that takes minutes to start is late. This one reads the arrivals the EPP
+routed in the last 30 s (their rate, its trend, and the per-request cost the
+predictors see: prompt tokens and predicted output tokens, `epp/slo/predictor.py`)
+and the per-replica capacity `capacity.py` measured, and reports the replicas needed
+at the rate expected `lead_s` from now (the pod start time):
+
+    rate'    = max(0, rate + trend * lead_s)
+    prefill  = rate' * prompt_tokens / prefill_tokens_per_s            (busy replicas)
+    decode   = rate' * output_tokens * tpot_objective / sequences_at_tpot_objective
+               (Little's law: sequences in flight, each lasting output x TPOT)
+    replicas = prefill (role prefill), decode (role decode), prefill + decode (both)
+
+The scaler reports the larger of this and the reactive metric, so a backlog still
+scales the pool when the forecast is low.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .capacity import Fallback, RoleCapacity
+
+LEAD_S = 60.0
+
+
+@dataclass(slots=True, frozen=True)
+class Forecast:
+    rate: float            # arrivals per second
+    trend: float           # its change per second
+    prompt_tokens: float   # mean per request
+    output_tokens: float   # mean predicted per request
+
+
+def required_replicas(f: Forecast, role: str, prefill_tokens_per_s: float,
+                      sequences_at_tpot: float, tpot_s: float, lead_s: float = LEAD_S) -> float:
+    rate = max(0.0, f.rate + f.trend * lead_s)
+    prefill = rate * f.prompt_tokens / max(prefill_tokens_per_s, 1e-9)
+    decode = rate * f.output_tokens * tpot_s / max(sequences_at_tpot, 1e-9)
+    return {"prefill": prefill, "decode": decode}.get(role, prefill + decode)
+
+
+def from_capacity(f: Forecast, role: str, rc: RoleCapacity, fb: Fallback, tpot_s: float,
+                  lead_s: float = LEAD_S) -> float:
+    """`required_replicas` with the capacity the scaler measured for the role."""
+    return required_replicas(f, role, rc.prefill_rate(fb), rc.decode_sequences(tpot_s, fb),
+                             tpot_s, lead_s)

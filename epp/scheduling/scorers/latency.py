@@ -1,0 +1,106 @@
+"""The latency scorer: endpoints predicted to meet the request's TTFT and TPOT objectives.
+
+For a request with SLO headers (`epp/slo/headers.py`), each candidate's p90 TTFT and
+TPOT are predicted (`epp/slo/predictor.py`, which this plugin owns and teaches). The
+slack of an endpoint is `ttftWeight * (slo_ttft - p90_ttft) / slo_ttft + tpotWeight *
+(slo_tpot - p90_tpot) / slo_tpot`. Endpoints that meet both score in [0.8, 1] (with
+`headroom: least`, the default as in llm-d, less slack scores higher: work is packed
+where it just fits and lightly loaded endpoints keep room; `most`, more slack first);
+the band is narrow so that among feasible endpoints the prefix and load scorers still
+decide (a cache hit saves the pool work). Those that miss score in [0, 0.2], the least
+late highest. When none meets and SLO admission is on (`epp/slo/admission.py`), a
+sheddable request is refused with 429 `rejected-slo-unattainable`.
+
+A request without SLO headers scores 0 everywhere, so it routes exactly as without
+this scorer; so does every request until the predictor has `minSamples` observations.
+As a `PreRequest` hook the plugin starts following each routed request (the ext_proc
+server then asks Envoy for the response phases, `observe.py`), as a `PoolListener` it
+forgets a departed endpoint's models.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from ...pool.endpoints import Endpoint
+from ...request import slo_unattainable
+from ...slo.headers import FACTS
+from ...slo.predictor import LatencyPredictor, Prediction
+from ..cycle import StateKey
+from ..hooks import PoolListener, PreRequest, Scorer
+from ..plugin_config import param
+from ..types import SchedRequest
+
+# Set by SLO admission on the requests it admits: shed when nothing meets the SLO.
+SHED_UNATTAINABLE: StateKey[bool] = StateKey("latency/shed-unattainable")
+# Whether any candidate was predicted to meet the request's SLO.
+SLO_MEETS: StateKey[bool] = StateKey("latency/meets")
+
+
+@dataclass(slots=True, frozen=True)
+class LatencyParams:
+    ttftWeight: float = param(0.8, min=0.0, doc="weight of TTFT slack")
+    tpotWeight: float = param(0.2, min=0.0, doc="weight of TPOT slack")
+    headroom: str = param("least", choices=("least", "most"),
+                          doc="among endpoints that meet the SLO, prefer the least or most slack")
+    minSamples: int = param(20, min=1, doc="observations before predictions are acted on")
+    observeFraction: float = param(1.0, min=0.0, max=1.0,
+                                   doc="share of routed requests whose responses are timed")
+    admission: bool = param(False, doc="SLO admission: shed sheddable requests no endpoint "
+                                       "is predicted to meet (429)")
+
+
+def _clamp(x: float) -> float:
+    return 0.0 if x < 0.0 else 1.0 if x > 1.0 else x
+
+
+@dataclass(slots=True)
+class LatencyScorer(Scorer, PreRequest, PoolListener):
+    predictor: LatencyPredictor
+    params: LatencyParams
+    name: str = "latency"
+
+    @classmethod
+    def build(cls, p: LatencyParams) -> "LatencyScorer":
+        return cls(LatencyPredictor(p.minSamples, p.observeFraction, random.Random(0)), p)
+
+    def slack(self, slo, pr: Prediction) -> float:
+        p = self.params
+        s = 0.0
+        if slo.ttft_s is not None:
+            s += p.ttftWeight * (slo.ttft_s - pr.ttft_p90) / slo.ttft_s
+        if slo.tpot_s is not None:
+            s += p.tpotWeight * (slo.tpot_s - pr.tpot_p90) / slo.tpot_s
+        return s
+
+    def score(self, req: SchedRequest, eps: list[Endpoint]) -> list[float]:
+        facts = req.cycle.read(FACTS)
+        if facts is None or facts.slo is None or not eps:
+            return [0.0] * len(eps)
+        pred = self.predictor
+        if not all(pred.confident(e) for e in eps):
+            return [0.0] * len(eps)
+        slo = facts.slo
+        preds = pred.predict(req, eps)
+        meets = [slo.met(p.ttft_p90, p.tpot_p90) for p in preds]
+        req.cycle.write(SLO_MEETS, any(meets))
+        if not any(meets) and req.priority < 0 and req.cycle.read(SHED_UNATTAINABLE):
+            raise slo_unattainable()
+        least = self.params.headroom == "least"
+        out = []
+        for m, p in zip(meets, preds):
+            s = self.slack(slo, p)
+            if m:  # a narrow band: among feasible endpoints prefix and load still decide
+                out.append(0.8 + 0.2 * (1.0 - _clamp(s) if least else _clamp(s)))
+            else:  # late: s < 0; the least late scores highest, in a narrow band too:
+                # steering every late request to the least loaded endpoint moves
+                # conversations off their cached endpoints, which adds prefill work
+                # to a pool already past saturation
+                out.append(0.2 * _clamp(1.0 + s))
+        return out
+
+    def pre_request(self, req: SchedRequest, ep: Endpoint) -> None:
+        self.predictor.start(req, ep)
+
+    def forget(self, address: str) -> None:
+        self.predictor.forget(address)
