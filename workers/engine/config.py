@@ -25,6 +25,7 @@ class EngineConfig:
     role: str = "both"                       # prefill | decode | both (P/D)
     kv_hold_ttl_s: float = 120.0             # P/D prefill: held blocks freed if not pulled by then
     num_threads: int | None = None           # torch intra-op threads; None = all cores
+    quantization: str | None = None          # weights: None (as stored) | int8 | fp8 | int4 | gguf (docs/quantization.md)
     kv_connector: Any = None                 # a kvyard.workers.engine.api.KVConnector, or None
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -77,7 +77,7 @@ class LLMEngine:
         src = resolve_model(config.model)
         device = resolve_device(config.device)
         model, model_config = load_model(src, resolve_dtype(config.dtype, device), config.max_model_len,
-                                         device=device)
+                                         device=device, quantization=config.quantization)
         tokenizer = load_tokenizer(config.model)
         return cls(config, model, model_config, tokenizer,
                    config.served_model_name or src.served_name)

@@ -171,7 +171,8 @@ class SleepMode:
             from .fast_reload import reload_hf
 
             return reload_hf(src.path, eng.dtype, cfg.max_model_len, runner.device, arenas.ring, parts)
-        model, _ = load_model(src, eng.dtype, cfg.max_model_len, device=runner.device)
+        model, _ = load_model(src, eng.dtype, cfg.max_model_len, device=runner.device,
+                              quantization=cfg.quantization)
         return model
 
     @torch.inference_mode()

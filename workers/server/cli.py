@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     p.add_argument("--max-model-len", type=parse_size, default=None,
                    help="context length (default: the model's)")
+    p.add_argument("--quantization", "-q", choices=("int8", "fp8", "int4", "gguf"), default=None,
+                   help="weights: int8 (per-channel W8A16), fp8 (E4M3 per channel), int4 (group-wise, "
+                        "32), quantized at load; gguf: a GGUF's Q4/Q8 blocks as stored (docs/quantization.md)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=parse_size, default=1024)
@@ -123,7 +126,8 @@ def engine_config(args: argparse.Namespace) -> Any:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, **device_options(args),
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, role=args.role,
-        num_threads=args.num_threads, kv_hold_ttl_s=args.kv_hold_timeout)
+        num_threads=args.num_threads, kv_hold_ttl_s=args.kv_hold_timeout,
+        quantization=args.quantization)
 
 
 def run(args: argparse.Namespace) -> int:
