@@ -40,6 +40,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "route": ("kvyard.bench.route",
               "routing policies and peer routers (SMG, vllm-router) on the same pods: "
               "goodput, TTFT, hit rate vs an ideal cache, EPP cost"),
+    "quant": ("kvyard.bench.quant", "weight formats x KV dtypes on the demo model: size, speed, "
+              "perplexity, MC accuracy, KL vs bf16; llama.cpp's quantizations beside"),
 }
 
 
