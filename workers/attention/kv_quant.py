@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvyard.kvstore.layout import KVLayout
+
 from .reference import dense_attention
 
 SCALE_BYTES = 4
@@ -65,6 +67,18 @@ def cache_shape(shape: tuple[int, ...], fmt: KVFormat | None) -> tuple[int, ...]
 
 def head_dim_of(cache: torch.Tensor) -> int:
     return cache.shape[-1] - (SCALE_BYTES if format_of(cache) else 0)
+
+
+def block_layout(cache: torch.Tensor, num_layers: int) -> KVLayout:
+    """The kvstore layout of one block of `num_layers` caches shaped like `cache`."""
+    return KVLayout(str(cache.dtype).removeprefix("torch."), int(cache.shape[2]), num_layers,
+                    int(cache.shape[3]), head_dim_of(cache), SCALE_BYTES if format_of(cache) else 0)
+
+
+def copyable(cache: torch.Tensor) -> torch.Tensor:
+    """A view of `cache` that index_select/index_copy_ take on every device (torch has no
+    float8 index_copy_ on the CPU): fp8 caches move as their bytes."""
+    return cache.view(torch.uint8) if cache.dtype == FP8.dtype else cache
 
 
 def row_bytes(head_dim: int, fmt: KVFormat | None, elem_bytes: int) -> int:
