@@ -21,11 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from kvyard.kvstore.layout import KVLayout
-
 from .reference import dense_attention
+
+if TYPE_CHECKING:
+    from kvyard.kvstore.layout import KVLayout
 
 SCALE_BYTES = 4
 
@@ -69,8 +72,10 @@ def head_dim_of(cache: torch.Tensor) -> int:
     return cache.shape[-1] - (SCALE_BYTES if format_of(cache) else 0)
 
 
-def block_layout(cache: torch.Tensor, num_layers: int) -> KVLayout:
+def block_layout(cache: torch.Tensor, num_layers: int) -> "KVLayout":
     """The kvstore layout of one block of `num_layers` caches shaped like `cache`."""
+    from kvyard.kvstore.layout import KVLayout   # here: the GPU bench imports this module without xxhash
+
     return KVLayout(str(cache.dtype).removeprefix("torch."), int(cache.shape[2]), num_layers,
                     int(cache.shape[3]), head_dim_of(cache), SCALE_BYTES if format_of(cache) else 0)
 

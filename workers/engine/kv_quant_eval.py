@@ -62,12 +62,13 @@ def teacher_forced_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     nb = -(-n // bs)
     if nb > runner.num_blocks:
         raise ValueError("sequence longer than the KV cache")
-    meta = AttentionMetadata(slot_mapping=torch.arange(n, dtype=torch.int64), query_start_loc=[0, n],
-                             seq_lens=[n], block_tables=torch.arange(nb, dtype=torch.int64)[None, :],
+    dev = runner.device
+    meta = AttentionMetadata(slot_mapping=torch.arange(n, dtype=torch.int64, device=dev), query_start_loc=[0, n],
+                             seq_lens=[n], block_tables=torch.arange(nb, dtype=torch.int64, device=dev)[None, :],
                              num_decodes=0)
-    hidden = runner.model.forward(torch.tensor(token_ids, dtype=torch.int64), torch.arange(n),
-                                  runner.kv_caches, meta)
-    return runner.model.compute_logits(hidden).float()
+    hidden = runner.model.forward(torch.tensor(token_ids, dtype=torch.int64, device=dev),
+                                  torch.arange(n, device=dev), runner.kv_caches, meta)
+    return runner.model.compute_logits(hidden).float().cpu()
 
 
 def eval_engine(kv_cache_dtype: str, model: str = "demo", dtype: str = "auto") -> LLM:
