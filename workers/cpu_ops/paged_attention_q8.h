@@ -157,7 +157,7 @@ DEFINE_ITEM_Q8_C(item_q8c_bf16_f8, uint16_t, bf16_to_f32, f32_to_bf16, e4m3_to_f
 DEFINE_ITEM_Q8_C(item_q8c_f32_i8, float, F32_ID, F32_ID, i8_to_f32)
 DEFINE_ITEM_Q8_C(item_q8c_f32_f8, float, F32_ID, F32_ID, e4m3_to_f32)
 
-/* ---------------- AVX-512 path (head_dim % 16 == 0) ---------------- */
+/* ---------------- AVX-512 path (head_dim % 32 == 0) ---------------- */
 #ifdef __AVX512F__
 
 static inline __m512 dec16_i8(const uint8_t *p) {
@@ -174,33 +174,56 @@ static inline __m512 dec16_f8(const uint8_t *p) {
     return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), sgn));
 }
 
-static inline __m512 q8_loadq_f32(const float *p) { return _mm512_loadu_ps(p); }
+/* Decoded key rows for scoring. Float32 queries: rows of float32, scored with FMA. bf16
+ * queries with AVX512-BF16: rows of bf16 (exact: int8 and E4M3 values have at most 8
+ * significant bits), scored with vdpbf16ps on (dim, dim + 1) pairs as the bf16 path scores
+ * bf16 keys: half the instructions and half the L1 traffic of float32 rows. */
+#define Q8_DEC_F32(DECODE16, r, kr, hd) \
+    for (int c = 0; c < (hd) / 16; c++) _mm512_store_ps((float *)(kr) + c * 16, DECODE16((r) + c * 16))
+static inline __m512 q8_qprep_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 q8_dot_f32(__m512 acc, __m512 q, const void *k) { return _mm512_fmadd_ps(q, _mm512_load_ps((const float *)k), acc); }
+#ifdef __AVX512BF16__
+#define Q8_DEC_BF16(DECODE16, r, kr, hd)                                                           \
+    for (int c = 0; c < (hd) / 32; c++)                                                            \
+        _mm512_store_si512((uint16_t *)(kr) + c * 32,                                              \
+                           (__m512i)_mm512_cvtne2ps_pbh(DECODE16((r) + c * 32 + 16), DECODE16((r) + c * 32)))
+static inline __m512 q8_qprep_bf16(const uint16_t *p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
+static inline __m512 q8_dot_bf16(__m512 acc, __m512 q, const void *k) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)q, (__m512bh)_mm512_load_si512(k));
+}
+#define Q8_BF16_K(DECODE16) Q8_DEC_BF16, DECODE16, uint16_t, 32, q8_qprep_bf16, q8_dot_bf16
+#else
+static inline __m512 q8_qprep_bf16(const uint16_t *p) { return load16_bf16(p); }
+#define Q8_BF16_K(DECODE16) Q8_DEC_F32, DECODE16, float, 16, q8_qprep_bf16, q8_dot_f32
+#endif
+#define Q8_F32_K(DECODE16) Q8_DEC_F32, DECODE16, float, 16, q8_qprep_f32, q8_dot_f32
 
-/* q.k for key row i of the decoded chunk kf ([16][hd] float32). */
-#define Q8_DOT(i) ({ const float *kr_ = kf + (i) * hd; __m512 d_ = _mm512_setzero_ps();               \
-                     for (int c = 0; c < nc; c++) d_ = _mm512_fmadd_ps(qv[c], _mm512_load_ps(kr_ + c * 16), d_); \
+/* q.k for key row i of the decoded chunk kf ([16][hd] of KT). */
+#define Q8_DOT(KT, DOTK, QCH, i) ({ const KT *kr_ = kf + (i) * hd; __m512 d_ = _mm512_setzero_ps();                  \
+                     for (int c = 0; c < nq; c++) d_ = DOTK(d_, qv[c], kr_ + c * QCH);                 \
                      d_; })
 
-/* One item: query s over kv heads [h0, h1). Keys are decoded 16 rows at a time into float32
- * (once per kv head, shared by its `group` query heads), scored with hsum16, and scaled per
- * key by its row scale; values are decoded row by row with the scale folded into p. */
-#define DEFINE_ITEM_Q8_512(NAME, T, LOADQ, STOREV, DECODE16)                                      \
+/* One item: query s over kv heads [h0, h1). Keys are decoded 16 rows at a time (once per
+ * kv head, shared by its `group` query heads), scored with hsum16, and scaled per key by
+ * its row scale; values are decoded row by row with the scale folded into p. */
+#define DEFINE_ITEM_Q8_512(NAME, T, STOREV, DECODE16_V, DECK, DECODE16, KT, QCH, QPREP, DOTK)      \
 static inline __attribute__((always_inline)) void NAME(const Args *a, int s, int h0, int h1,       \
                                                       float *buf, const int hd) {                  \
     const int g = a->group, bs = a->block_size, ml = a->max_len;                                  \
     const int len = a->seq_lens[s] < ml ? a->seq_lens[s] : ml;                                    \
-    const int nc = hd / 16, nheads = (h1 - h0) * g;                                               \
+    const int nc = hd / 16, nq = hd / QCH, nheads = (h1 - h0) * g;                               \
     const int64_t row_b = hd + Q8_SCALE_BYTES, tok_b = (int64_t)a->num_kv_heads * row_b;         \
     const int64_t *bt = a->block_tables + (int64_t)a->q_rows[s] * a->bt_stride;                   \
     const T *qs = (const T *)a->q + (int64_t)s * a->q_tok_stride;                                 \
     T *out_base = (T *)a->out + ((int64_t)s * a->num_heads + h0 * g) * hd;                        \
     const Scratch sc = scratch_of(a, buf);                                                        \
+    __m512 *qall = (__m512 *)sc.q;                                                                \
     __m512 mxv[MAX_HEADS];                                                                        \
-    float kf[16 * MAX_HD] __attribute__((aligned(64)));                                           \
+    KT kf[16 * MAX_HD] __attribute__((aligned(64)));                                              \
     float ks[16];                                                                                 \
     for (int hh = 0; hh < nheads; hh++) {                                                         \
         const T *qj = qs + (int64_t)(h0 * g + hh) * a->q_head_stride;                             \
-        for (int c = 0; c < nc; c++) _mm512_storeu_ps(sc.q + hh * hd + c * 16, LOADQ(qj + c * 16)); \
+        for (int c = 0; c < nq; c++) qall[hh * nq + c] = QPREP(qj + c * QCH);                     \
         mxv[hh] = _mm512_set1_ps(-INFINITY);                                                      \
     }                                                                                             \
     for (int t0 = 0, b = 0; t0 < len; t0 += bs, b++) {                                            \
@@ -212,17 +235,16 @@ static inline __attribute__((always_inline)) void NAME(const Args *a, int s, int
             for (int h = h0; h < h1; h++) {                                                       \
                 for (int i = 0; i < 16; i++) {                                                    \
                     const uint8_t *r = blk + (int64_t)(i0 + (i < m ? i : m - 1)) * tok_b + h * row_b; \
-                    for (int c = 0; c < nc; c++) _mm512_store_ps(kf + i * hd + c * 16, DECODE16(r + c * 16)); \
+                    DECK(DECODE16, r, kf + i * hd, hd);                                           \
                     memcpy(ks + i, r + hd, 4);                                                    \
                 }                                                                                 \
                 const __m512 ksv = _mm512_mul_ps(_mm512_loadu_ps(ks), _mm512_set1_ps(a->scale));  \
                 for (int j = 0; j < g; j++) {                                                     \
                     const int hh = (h - h0) * g + j;                                              \
-                    __m512 qv[MAX_HD / 16];                                                       \
-                    for (int c = 0; c < nc; c++) qv[c] = _mm512_loadu_ps(sc.q + hh * hd + c * 16); \
-                    __m512 sv = hsum16(Q8_DOT(0), Q8_DOT(1), Q8_DOT(2), Q8_DOT(3), Q8_DOT(4), Q8_DOT(5), \
-                                       Q8_DOT(6), Q8_DOT(7), Q8_DOT(8), Q8_DOT(9), Q8_DOT(10), Q8_DOT(11), \
-                                       Q8_DOT(12), Q8_DOT(13), Q8_DOT(14), Q8_DOT(15));           \
+                    const __m512 *qv = qall + hh * nq;                                            \
+                    __m512 sv = hsum16(Q8_DOT(KT, DOTK, QCH, 0), Q8_DOT(KT, DOTK, QCH, 1), Q8_DOT(KT, DOTK, QCH, 2), Q8_DOT(KT, DOTK, QCH, 3), Q8_DOT(KT, DOTK, QCH, 4), Q8_DOT(KT, DOTK, QCH, 5), \
+                                       Q8_DOT(KT, DOTK, QCH, 6), Q8_DOT(KT, DOTK, QCH, 7), Q8_DOT(KT, DOTK, QCH, 8), Q8_DOT(KT, DOTK, QCH, 9), Q8_DOT(KT, DOTK, QCH, 10), Q8_DOT(KT, DOTK, QCH, 11), \
+                                       Q8_DOT(KT, DOTK, QCH, 12), Q8_DOT(KT, DOTK, QCH, 13), Q8_DOT(KT, DOTK, QCH, 14), Q8_DOT(KT, DOTK, QCH, 15));           \
                     sv = _mm512_mul_ps(sv, ksv);                                                  \
                     _mm512_mask_storeu_ps(sc.scores + (int64_t)hh * ml + t0 + i0, live, sv);      \
                     mxv[hh] = _mm512_mask_max_ps(mxv[hh], live, mxv[hh], sv);                     \
@@ -247,7 +269,7 @@ static inline __attribute__((always_inline)) void NAME(const Args *a, int s, int
                 float vs;                                                                         \
                 memcpy(&vs, r + hd, 4);                                                           \
                 __m512 row[MAX_HD / 16];                                                          \
-                for (int c = 0; c < nc; c++) row[c] = DECODE16(r + c * 16);                       \
+                for (int c = 0; c < nc; c++) row[c] = DECODE16_V(r + c * 16);                     \
                 for (int j = 0; j < g; j++) {                                                     \
                     const __m512 p = _mm512_set1_ps(sc.scores[(int64_t)((h - h0) * g + j) * ml + t0 + i] * vs); \
                     for (int c = 0; c < nc; c++) acc[j][c] = _mm512_fmadd_ps(p, row[c], acc[j][c]); \
@@ -264,10 +286,12 @@ static inline __attribute__((always_inline)) void NAME(const Args *a, int s, int
     }                                                                                             \
 }
 
-DEFINE_ITEM_Q8_512(body_q8_bf16_i8, uint16_t, load16_bf16, store16_bf16, dec16_i8)
-DEFINE_ITEM_Q8_512(body_q8_bf16_f8, uint16_t, load16_bf16, store16_bf16, dec16_f8)
-DEFINE_ITEM_Q8_512(body_q8_f32_i8, float, q8_loadq_f32, _mm512_storeu_ps, dec16_i8)
-DEFINE_ITEM_Q8_512(body_q8_f32_f8, float, q8_loadq_f32, _mm512_storeu_ps, dec16_f8)
+/* the key-side arguments expand to several macro arguments: go through one more expansion */
+#define DEFINE_ITEM_Q8_512_(...) DEFINE_ITEM_Q8_512(__VA_ARGS__)
+DEFINE_ITEM_Q8_512_(body_q8_bf16_i8, uint16_t, store16_bf16, dec16_i8, Q8_BF16_K(dec16_i8))
+DEFINE_ITEM_Q8_512_(body_q8_bf16_f8, uint16_t, store16_bf16, dec16_f8, Q8_BF16_K(dec16_f8))
+DEFINE_ITEM_Q8_512_(body_q8_f32_i8, float, _mm512_storeu_ps, dec16_i8, Q8_F32_K(dec16_i8))
+DEFINE_ITEM_Q8_512_(body_q8_f32_f8, float, _mm512_storeu_ps, dec16_f8, Q8_F32_K(dec16_f8))
 
 #define Q8_SPECIALIZE(DT, FMT, HD)                                                                \
 static void item_q8_##DT##_##FMT##_##HD(const Args *a, int s, int h0, int h1, float *buf) {      \
@@ -288,7 +312,7 @@ static const item_fn Q8_TABLE[2][2][3] = {
 
 static item_fn pick_q8(const Args *a, int q_bf16, int fmt) {
 #ifdef __AVX512F__
-    if (a->head_dim % 16 == 0 && a->num_heads <= MAX_HEADS)
+    if (a->head_dim % 32 == 0 && a->num_heads <= MAX_HEADS)
         return Q8_TABLE[q_bf16][fmt - 1][a->head_dim == 64 ? 0 : a->head_dim == 128 ? 1 : 2];
 #endif
     static const item_fn portable[2][2] = {{item_q8c_f32_i8, item_q8c_f32_f8}, {item_q8c_bf16_i8, item_q8c_bf16_f8}};
