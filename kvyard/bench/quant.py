@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
             row: dict[str, Any] = {"engine": "kvyard", "weights": name, "kv": kv, **local[name]}
             if kv not in kvs:
                 rep.add(**{**row, "model_MB": None, "load_s": None, "top1_agree": None, "kl": None,
-                           "engine": "kvyard (unavailable: no kv_cache_dtype in this engine)"})
+                           "engine": "kvyard (n/a: no kv_cache_dtype)"})
                 continue
             flags = ["--model", "demo", "--dtype", dtype, "--max-num-seqs", "32", "--served-model-name", "demo",
                      *threads, *(["--quantization", q] if q else []), *(["--kv-cache-dtype", kv] if kv != "auto" else [])]
