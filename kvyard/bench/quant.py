@@ -43,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="threads for both engines (default: all cores)")
     p.add_argument("--plot", type=Path, default=None, help="write the size/perplexity/tok/s SVG here")
     p.add_argument("--weights", nargs="*", default=None, help="only these weight rows (names as printed)")
+    p.add_argument("--kv", nargs="*", default=None, choices=KV_DTYPES, help="only these KV cache dtypes")
 
 
 def kv_dtypes_available() -> tuple[str, ...]:
@@ -140,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
                     kl_positions=sum(len(w) for w in kl_windows), kv_available=list(kvs))
     local = in_process(weights, kl_windows)
     for name, dtype, q in weights:
-        for kv in KV_DTYPES:
+        for kv in args.kv or KV_DTYPES:
             row: dict[str, Any] = {"engine": "kvyard", "weights": name, "kv": kv, **local[name]}
             if kv not in kvs:
                 rep.add(**{**row, "model_MB": None, "load_s": None, "top1_agree": None, "kl": None,
