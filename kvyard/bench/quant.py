@@ -162,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _peer(args, rep: Report, tok, windows, speed_prompts, n_c1: int, out_len: int) -> None:
     import os
+    import subprocess
 
     from kvyard.bench.quant_accuracy import TEXT
     from kvyard.bench.quant_peer import PEER_TYPES, LlamaCpp, workdir
@@ -176,9 +177,12 @@ def _peer(args, rep: Report, tok, windows, speed_prompts, n_c1: int, out_len: in
     files = [("Q4_1 (as shipped)", src)] + [(t, cpp.quantize(src, t, workdir())) for t in ([] if args.quick else PEER_TYPES)]
     for name, gguf in files:
         row: dict[str, Any] = {"engine": "llama.cpp", "weights": name, "kv": "f16", "model_MB": gguf.stat().st_size / 2**20}
-        row["ppl"] = cpp.perplexity(gguf, TEXT, 256, threads)
-        with cpp.server(gguf, threads, 32, 512) as server:
-            row.update(serve_row(server, tok, windows, speed_prompts, n_c1, out_len, False))
+        try:  # a failing peer is a row that says so, not a lost run
+            row["ppl"] = cpp.perplexity(gguf, TEXT, 256, threads)
+            with cpp.server(gguf, threads, 32, 512) as server:
+                row.update(serve_row(server, tok, windows, speed_prompts, n_c1, out_len, False))
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            row["engine"] = f"llama.cpp (failed: {str(e)[:120]})"
         rep.add(**row)
 
 

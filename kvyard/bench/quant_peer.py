@@ -57,7 +57,8 @@ class LlamaCpp:
     def server(self, gguf: Path, threads: int, slots: int, ctx: int) -> Server:
         port = procs.free_port()
         cmd = [str(self.bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-               "-t", str(threads), "-np", str(slots), "-c", str(ctx * slots), "--no-webui"]
+               "-t", str(threads), "-np", str(slots), "-c", str(ctx * slots), "--no-webui",
+               "--threads-http", str(slots + 2)]  # one HTTP thread per stream: the default (cores) drops c32's
         return Server(f"llama-server-{gguf.stem}", cmd, port)
 
 
