@@ -111,9 +111,7 @@ def measure_mode(torch, method: str | None, layers: int, ctx: int, bw: float) ->
     with torch.inference_mode():
         s = _time(torch, lambda: model(ids, pos, caches, meta, out_rows=last), 3)
     out["prefill_tflops"] = prefill_flops(cfg, n, layer_params(cfg)) / s / 1e12
-    del model, caches
-    torch.cuda.empty_cache()
-    return out
+    return out  # the model and caches go with this frame
 
 
 def demo_accuracy(torch, windows: int) -> dict[str, dict[str, float]]:
@@ -154,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                            "ctx": a.ctx, "quant": {}}
     for name in a.modes.split(","):
         res["quant"][name] = measure_mode(torch, MODES[name], a.layers, a.ctx, bw)
+        torch.cuda.empty_cache()
         print(name, json.dumps(res["quant"][name]), flush=True)
     try:
         res["demo_accuracy"] = demo_accuracy(torch, a.windows)
