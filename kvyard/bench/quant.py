@@ -100,14 +100,15 @@ def _peak_mb(pid: int) -> float:
     return math.nan
 
 
-def serve_row(server, tok, windows, speed_prompts, n_c1: int, out_len: int, mc: bool) -> dict[str, Any]:
+def serve_row(server, tok, windows, speed_prompts, n_c1: int, out_len: int, mc: bool,
+              force_close: bool = False) -> dict[str, Any]:
     """Speed and API accuracy of one started server (kvyard's or llama-server)."""
     from kvyard.bench.engine_client import run_load
     from kvyard.bench.quant_accuracy import api_multiple_choice, api_perplexity, mc_items
 
     url = server.base_url
-    c1 = asyncio.run(run_load(url, "demo", speed_prompts[:n_c1], 1, out_len))
-    c32 = asyncio.run(run_load(url, "demo", speed_prompts[:32], 32, out_len))
+    c1 = asyncio.run(run_load(url, "demo", speed_prompts[:n_c1], 1, out_len, force_close=force_close))
+    c32 = asyncio.run(run_load(url, "demo", speed_prompts[:32], 32, out_len, force_close=force_close))
     errors = c1.errors + c32.errors
     if errors:
         raise RuntimeError(f"{server.name}: {errors[0]}")
@@ -180,7 +181,7 @@ def _peer(args, rep: Report, tok, windows, speed_prompts, n_c1: int, out_len: in
         try:  # a failing peer is a row that says so, not a lost run
             row["ppl"] = cpp.perplexity(gguf, TEXT, 256, threads)
             with cpp.server(gguf, threads, 32, 512) as server:
-                row.update(serve_row(server, tok, windows, speed_prompts, n_c1, out_len, False))
+                row.update(serve_row(server, tok, windows, speed_prompts, n_c1, out_len, False, force_close=True))
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
             row["engine"] = f"llama.cpp (failed: {str(e)[:120]})"
         rep.add(**row)
