@@ -46,6 +46,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "slo": ("kvyard.bench.slo",
             "SLO-aware routing and admission on simulated pods (goodput, attainment per "
             "class, predictor error) and reactive vs predictive autoscaling"),
+    "quant": ("kvyard.bench.quant", "weight formats x KV dtypes on the demo model: size, speed, "
+              "perplexity, MC accuracy, KL vs bf16; llama.cpp's quantizations beside"),
 }
 
 

@@ -49,8 +49,10 @@ class LoadResult:
 
 
 async def run_load(base_url: str, model: str, prompts: Sequence[Sequence[int]],
-                   concurrency: int, output_len: int, timeout_s: float = 1800.0) -> LoadResult:
-    """Keep `concurrency` requests in flight until every prompt has been sent."""
+                   concurrency: int, output_len: int, timeout_s: float = 1800.0,
+                   force_close: bool = False) -> LoadResult:
+    """Keep `concurrency` requests in flight until every prompt has been sent. `force_close`:
+    a connection per request (llama-server closes kept-alive ones under the client)."""
     import aiohttp
 
     queue: asyncio.Queue[tuple[int, Sequence[int]]] = asyncio.Queue()
@@ -68,7 +70,7 @@ async def run_load(base_url: str, model: str, prompts: Sequence[Sequence[int]],
             res.index = i
             results.append(res)
 
-    conn = aiohttp.TCPConnector(limit=concurrency)
+    conn = aiohttp.TCPConnector(limit=concurrency, force_close=force_close)
     tmo = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(connector=conn, timeout=tmo) as session:
         t0 = time.perf_counter()

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import AttentionMetadata
+from . import AttentionMetadata, cpu_quant, kv_quant
 from .. import cpu_ops
 
 _KEY = "torch_cpu"
@@ -148,6 +148,7 @@ class TorchCPUBackend:
         self._ws: dict[torch.dtype, torch.Tensor] = {}
         # kernel=False keeps the torch path (tests compare the two).
         self.kernel = cpu_ops.load() if kernel else None
+        self.quant = cpu_quant.QuantKernels(self.kernel) if self.kernel is not None else None
 
     def _gather(self, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """src.index_select(0, index) (src 2-D, integer view) into the reused workspace."""
@@ -160,6 +161,8 @@ class TorchCPUBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if kv_quant.format_of(kv_cache) is not None:
+            return self._forward_quant(q, k, v, kv_cache, meta, scale)
         _, num_blocks, block_size, nkv, hd = kv_cache.shape
         slots = kv_cache.view(2, num_blocks * block_size, nkv, hd)
         slots[0].index_copy_(0, meta.slot_mapping, k)
@@ -188,6 +191,20 @@ class TorchCPUBackend:
             out[c.start:c.end] = self._prefill(q[c.start:c.end], k[c.start:c.end], v[c.start:c.end],
                                                kv_cache, c, scale)
         return out
+
+    def _forward_quant(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """An int8/fp8 cache (kv_quant.py): quantized on the write, dequantized as it is read,
+        in C when the kernels build, else in torch."""
+        if self.quant is None or not self.quant.supports(q.dtype):
+            kv_quant.write(kv_cache, k, v, meta.slot_mapping)
+            return kv_quant.attend(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
+        self.quant.write(kv_cache, k, v, meta.slot_mapping)
+        kp = meta.scratch.get(_KKEY)
+        if kp is None:
+            kp = meta.scratch[_KKEY] = _kernel_plan(meta, kv_cache.shape[2])
+        return self.quant.attend(q, kv_cache, kp.tables, kp.q_rows, kp.q_lens, kp.max_len, scale,
+                                 torch.empty(q.shape, dtype=q.dtype))
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, scale: float) -> torch.Tensor:
         nd, nh, hd = q.shape

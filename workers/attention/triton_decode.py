@@ -13,6 +13,9 @@
   grid depends on shapes only, never on values, so a captured launch replays
   for any lengths up to the table's width. A sequence of length 0 (a padding
   row of a captured batch) yields zeros, never NaN.
+- Quantized caches (kv_quant.py): codes are widened to q's dtype for the dots (exact:
+  int8 and E4M3 values fit bf16/fp16), the K scale multiplies each key's score and
+  the V scale folds into its probability before the PV product.
 """
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from .kv_quant import format_of, head_dim_of
+from .triton_kv_quant import decode_codes, quant_views
 
 LOG2E = 1.4426950408889634
 
@@ -63,9 +69,9 @@ def _decode_kernel(
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
     stride_cb, stride_ct, stride_ch,
     stride_pb, stride_ph, stride_lb, stride_lh,
-    scale_log2,
+    scale_log2, kf_ptr, vf_ptr, stride_fb, stride_ft, stride_fh,
     G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr, FMT: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kh = tl.program_id(1)
@@ -89,15 +95,26 @@ def _decode_kernel(
         valid = pos < end
         blk = tl.load(bt_row + pos // BS, mask=valid, other=0).to(tl.int64)
         off = (blk * stride_cb + (pos % BS) * stride_ct + kh * stride_ch)[:, None] + d[None, :]
-        k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        if FMT == 0:
+            k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        else:
+            soff = blk * stride_fb + (pos % BS) * stride_ft + kh * stride_fh + HD // 4
+            k = decode_codes(tl.load(k_ptr + off, mask=valid[:, None], other=0), FMT).to(q.dtype)
+            ks = tl.load(kf_ptr + soff, mask=valid, other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * (ks * scale_log2)[None, :]
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        if FMT == 0:
+            v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        else:
+            v = decode_codes(tl.load(v_ptr + off, mask=valid[:, None], other=0), FMT).to(q.dtype)
+            vs = tl.load(vf_ptr + soff, mask=valid, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(q.dtype), v, input_precision=PREC)
         m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -140,7 +157,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     first seq_lens[b] tokens of each sequence's blocks. block_tables: [B, max_blocks] int32/int64;
     seq_lens: [B] int32 on q's device. Returns out [B, heads, head_dim] in q's dtype."""
     B, nh, hd = q.shape
-    _, _, bs, nkv, hd_c = kv_cache.shape
+    _, _, bs, nkv, _ = kv_cache.shape
+    hd_c = head_dim_of(kv_cache)
     if hd_c != hd or nh % nkv or hd & (hd - 1) or hd < 16:
         raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(kv_cache.shape)}")
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
@@ -162,15 +180,16 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     part = workspace.partial if S > 1 else out
     lse = workspace.lse if S > 1 else out
     g = nh // nkv
-    kc, vc = kv_cache[0], kv_cache[1]
+    cache, fcache, code = quant_views(kv_cache)
+    kc, vc, kf, vf = cache[0], cache[1], fcache[0], fcache[1]
     _decode_kernel[(B, nkv, S)](
         q, kc, vc, block_tables, seq_lens, out, part, lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kc.stride(0), kc.stride(1), kc.stride(2),
         part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
-        scale * LOG2E,
+        scale * LOG2E, kf, vf, kf.stride(0), kf.stride(1), kf.stride(2),
         G=g, GP=max(16, triton.next_power_of_2(g)), HD=hd, BS=bs, BLOCK_N=config.block_n, NUM_SPLITS=S,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", FMT=code,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if S > 1:

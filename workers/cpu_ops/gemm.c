@@ -46,7 +46,7 @@ typedef struct {
     const void *bias;
     const void *other; int64_t os;
     int M, N, K, epi;
-    int qbits;    /* 0: w is dense tiles; 4 or 8: w is quantized tiles (gemm_quant.h) */
+    int qbits;    /* 0: w is dense tiles; 4, 8 or QFP8: w is quantized tiles (gemm_quant.h) */
     float qoff;   /* added to every 4-bit code (-8 for Q4_0) */
     int yf32;     /* bf16 inputs, float32 output (EPI_OUT_F32: greedy.c's screen keeps every bit it can) */
 } Gemm;
@@ -227,7 +227,7 @@ static void job_run(void *arg, int id, int nt) {
 
 static int gemm(Gemm *g, int is_bf16, int num_threads) {
     if (g->M <= 0 || g->N <= 0 || g->K <= 0 || (is_bf16 && g->K % 2)) return -1;
-    if (g->qbits && (g->K % 32 || (g->qbits != 4 && g->qbits != 8))) return -1;
+    if (g->qbits && (g->K % 32 || (g->qbits != 4 && g->qbits != 8 && g->qbits != QFP8))) return -1;
     const size_t scratch_bytes = g->qbits ? (size_t)g->K * TILE * (is_bf16 ? 2 : 4) : 0;
     const int tiles = (g->N + TILE - 1) / TILE;
     /* chunks: enough items for ~8 per thread, but never below 4 register blocks of rows */

@@ -1,5 +1,7 @@
 /* Quantized weight tiles for gemm.c: GGUF's 32-weight blocks (Q4_0, Q4_1,
- * Q8_0) kept as they are in the file and expanded, one 64-column tile at a
+ * Q8_0) kept as they are in the file, and the load-time formats of
+ * kvyard.workers.model.quant (int8 and int4 in the same block form, fp8 E4M3
+ * codes with per-channel scales: QFP8), expanded one 64-column tile at a
  * time, into a per-thread scratch tile in gemm.c's dense layout.
  *
  * Why: a decode step reads every weight once, so at a few rows per step the
@@ -14,9 +16,12 @@
  * Layout, per tile, per block of 32 k (kvyard.workers.cpu_ops.GemmWeight.pack_quant):
  *   d[64] float16, m[64] float16, then 32 rows of codes, one per k:
  *   4-bit: 32 bytes, byte j = column j (low nibble) | column j + 32 (high nibble);
- *   8-bit: 64 signed bytes.
+ *   8-bit: 64 signed bytes; QFP8: 64 E4M3 bytes (sign, 4 exponent bits biased by
+ *   7, 3 mantissa bits; no infinities, 0x7F/0xFF NaN never written).
  * Not a standalone header: gemm.c includes it after its Gemm struct. */
 #ifdef __AVX512F__
+
+#define QFP8 0x108  /* qbits of E4M3 codes: 8-bit rows, decoded by fp8_row */
 
 static inline int64_t quant_block_bytes(int qbits) { return 256 + 32 * (qbits == 4 ? 32 : 64); }
 
@@ -32,12 +37,29 @@ static inline void load_scales(const Gemm *g, const uint8_t *blk, __m512 d[4], _
         d[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32 * c)));
         m[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c)));
         if (g->qoff != 0.0f) m[c] = _mm512_fmadd_ps(_mm512_set1_ps(g->qoff), d[c], m[c]);
+        if (g->qbits == QFP8) d[c] = _mm512_mul_ps(d[c], _mm512_set1_ps(256.0f));  /* fp8_row's 2^-8, exact */
     }
+}
+
+/* 16 E4M3 bytes as float32 values times 2^-8, exactly: the byte's sign, exponent and
+ * mantissa moved into float16's fields (s eeee mmm -> s 0eeee mmm0000000) read the
+ * value with float16's bias 15 instead of 7, and E4M3 subnormals (e = 0: m 2^-9) land
+ * on float16 subnormals (m 2^7 2^-24) with the same factor; load_scales folds the 2^8
+ * back into d. */
+static inline __m512 fp8_row(const uint8_t *codes) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)codes));
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+    const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7);
+    return _mm512_cvtph_ps(_mm256_or_si256(sign, mag));
 }
 
 /* 64 float32 weights of one k row into w[0..3] (16 columns each). */
 static inline void dequant_row(const Gemm *g, const uint8_t *codes, const __m512 d[4], const __m512 m[4], __m512 w[4]) {
     __m512i q[4];
+    if (g->qbits == QFP8) {
+        for (int c = 0; c < 4; c++) w[c] = _mm512_fmadd_ps(fp8_row(codes + 16 * c), d[c], m[c]);
+        return;
+    }
     if (g->qbits == 4) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)codes), mask = _mm256_set1_epi8(0x0F);
         const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);

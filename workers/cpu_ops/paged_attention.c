@@ -280,3 +280,5 @@ int paged_attention_isa(void) {
 #endif
     return isa;
 }
+
+#include "paged_attention_q8.h"  /* int8 / fp8 KV caches: their write and attention */

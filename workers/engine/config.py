@@ -20,11 +20,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024       # per-step token budget (decodes + prefill chunks)
     kv_cache_memory_bytes: int | None = None  # KV cache capacity, sets num_blocks; None: CPU 1 GiB,
                                              # CUDA gpu_memory_utilization of the card less what is in use
+    kv_cache_dtype: str = "auto"             # auto (the model's dtype) | int8 | fp8 (E4M3; alias fp8_e4m3)
     enable_prefix_caching: bool = True
     seed: int = 0
     role: str = "both"                       # prefill | decode | both (P/D)
     kv_hold_ttl_s: float = 120.0             # P/D prefill: held blocks freed if not pulled by then
     num_threads: int | None = None           # torch intra-op threads; None = all cores
+    quantization: str | None = None          # weights: None (as stored) | int8 | fp8 | int4 | gguf (docs/quantization.md)
     kv_connector: Any = None                 # a kvyard.workers.engine.api.KVConnector, or None
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -13,12 +13,12 @@ import numpy as np
 import torch
 
 from kvyard.kvstore.layout import KVLayout
+from kvyard.workers.attention.kv_quant import block_layout, copyable
 
 
 def layout_of(caches: Sequence[torch.Tensor]) -> KVLayout:
-    t = caches[0]
-    return KVLayout(str(t.dtype).removeprefix("torch."), int(t.shape[2]), len(caches),
-                    int(t.shape[3]), int(t.shape[4]))
+    """The block layout, KV dtype (and a quantized cache's scales) included."""
+    return block_layout(caches[0], len(caches))
 
 
 # Inference mode, not no_grad: after a wake from sleep the caches may be inference tensors,
@@ -33,6 +33,7 @@ def gather(caches: Sequence[torch.Tensor], block_ids: Sequence[int], out: np.nda
     n = len(block_ids)
     if n == 0:
         return
+    caches = [copyable(t) for t in caches]
     t0 = caches[0]
     shape = (n, len(caches), 2, *t0.shape[2:])
     ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=t0.device)
@@ -54,8 +55,9 @@ def scatter(caches: Sequence[torch.Tensor], block_ids: Sequence[int],
     n = len(block_ids)
     if n == 0:
         return
-    t0 = caches[0]
     nbytes = layout_of(caches).nbytes
+    caches = [copyable(t) for t in caches]
+    t0 = caches[0]
     src = _rows(payloads[:n], nbytes)
     if src is None:
         src = np.empty((n, nbytes), dtype=np.uint8)

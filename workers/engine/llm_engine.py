@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence as Seq
 import torch
 
 from kvyard.common.models import resolve_model
+from kvyard.workers.attention.kv_quant import resolve_kv_format
 
 from .api import EngineStats, RemoteKV, RequestOutput, SamplingParams
 from .block_manager import BlockManager, KVEvent
@@ -43,11 +44,12 @@ class LLMEngine:
         device = torch.device(getattr(model, "device", "cpu"))
         self.dtype = resolve_dtype(config.dtype, device)
         bs = config.block_size
-        num_blocks = num_blocks_for(model_config, bs, self.dtype, kv_cache_bytes(config, device))
+        kv_format = resolve_kv_format(config.kv_cache_dtype)
+        num_blocks = num_blocks_for(model_config, bs, self.dtype, kv_cache_bytes(config, device), kv_format)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.runner = ModelRunner(model, model_config, bs, num_blocks, self.dtype, config.num_threads,
                                   cuda_graphs=not config.enforce_eager, max_batch=config.max_num_seqs,
-                                  max_model_len=config.max_model_len,
+                                  max_model_len=config.max_model_len, kv_format=kv_format,
                                   prefill_graph_tokens=min(config.max_num_batched_tokens, PREFILL_GRAPH_MAX_TOKENS))
         self.connector = config.kv_connector
         self.kv_loader: KVLoader | None = None
@@ -78,7 +80,7 @@ class LLMEngine:
         src = resolve_model(config.model)
         device = resolve_device(config.device)
         model, model_config = load_model(src, resolve_dtype(config.dtype, device), config.max_model_len,
-                                         device=device)
+                                         device=device, quantization=config.quantization)
         tokenizer = load_tokenizer(config.model)
         return cls(config, model, model_config, tokenizer,
                    config.served_model_name or src.served_name)

@@ -16,6 +16,7 @@ from functools import lru_cache
 import torch
 
 from kvyard.workers.attention import AttentionMetadata
+from kvyard.workers.attention.kv_quant import KVFormat, cache_shape, row_bytes
 
 from .kv_prefault import Prefaulter
 from .prompt_logprobs import append_prompt_logprobs
@@ -65,14 +66,16 @@ def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
         raise ValueError(f"unsupported dtype {name!r}: auto, float32 or bfloat16") from None
 
 
-def kv_block_bytes(model_config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block costs across all layers (K and V)."""
-    per_layer = 2 * block_size * model_config.num_kv_heads * model_config.head_dim
-    return per_layer * model_config.num_layers * torch.empty((), dtype=dtype).element_size()
+def kv_block_bytes(model_config, block_size: int, dtype: torch.dtype, kv_format: KVFormat | None = None) -> int:
+    """Bytes one block costs across all layers (K and V); a quantized `kv_format` stores
+    one-byte codes and a scale per row (attention/kv_quant.py)."""
+    row = row_bytes(model_config.head_dim, kv_format, torch.empty((), dtype=dtype).element_size())
+    return 2 * block_size * model_config.num_kv_heads * row * model_config.num_layers
 
 
-def num_blocks_for(model_config, block_size: int, dtype: torch.dtype, memory_bytes: int) -> int:
-    return memory_bytes // kv_block_bytes(model_config, block_size, dtype)
+def num_blocks_for(model_config, block_size: int, dtype: torch.dtype, memory_bytes: int,
+                   kv_format: KVFormat | None = None) -> int:
+    return memory_bytes // kv_block_bytes(model_config, block_size, dtype, kv_format)
 
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -136,14 +139,16 @@ class ModelRunner:
     def __init__(self, model, model_config, block_size: int, num_blocks: int, dtype: torch.dtype,
                  num_threads: int | None = None, single_thread_max_tokens: int | None = None,
                  cuda_graphs: bool = True, max_batch: int = 128, max_model_len: int | None = None,
-                 fixed_addresses: bool = True, prefill_graph_tokens: int = 0) -> None:
+                 fixed_addresses: bool = True, kv_format: KVFormat | None = None,
+                 prefill_graph_tokens: int = 0) -> None:
         """On CUDA (the model's device) decode steps of up to `max_batch` sequences of up
         to `max_model_len` tokens replay CUDA graphs unless `cuda_graphs` is False
         (--enforce-eager), and so do one sequence's prefill/extend steps of up to
         `prefill_graph_tokens` new tokens (cuda_prefill.py; 0: none); plain greedy rows take
         their argmax on the GPU. With
         `fixed_addresses` the weights and KV cache live in sleep_arena.py's arenas, so a
-        wake from sleep keeps the graphs (False, or no driver VMM API: plain allocations)."""
+        wake from sleep keeps the graphs (False, or no driver VMM API: plain allocations).
+        A quantized `kv_format` stores the cache as one-byte codes with per-row scales."""
         # OpenMP's thread count is per calling thread: the engine may run steps on a
         # thread of its own, which would not inherit a set_num_threads made elsewhere,
         # so every step sets it (a no-op when unchanged).
@@ -162,9 +167,11 @@ class ModelRunner:
         self.device = torch.device(getattr(model, "device", "cpu"))
         if self.device.type == "cpu":
             keep_step_memory()  # a step's buffers reuse memory, not fresh mappings (step_memory.py)
-        shape = (2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
+        shape = cache_shape((2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim),
+                            kv_format)
+        self.kv_dtype = dtype if kv_format is None else kv_format.dtype
         maps: list[mmap.mmap] = []
-        self.kv_caches = [_zeroed(shape, dtype, self.device, maps)
+        self.kv_caches = [_zeroed(shape, self.kv_dtype, self.device, maps)
                           for _ in range(model_config.num_layers)]
         self.prefault = Prefaulter(maps)  # the engine's idle work (async_engine.py)
         self.arenas = None  # sleep_arena.SleepArenas on CUDA with fixed_addresses
@@ -185,11 +192,11 @@ class ModelRunner:
 
         self.kv_caches = []
         torch.cuda.empty_cache()
-        self.arenas = SleepArenas.create(self.model, shape, self.dtype, self.model_config.num_layers, self.device)
+        self.arenas = SleepArenas.create(self.model, shape, self.kv_dtype, self.model_config.num_layers, self.device)
         if self.arenas is not None:
             self.kv_caches = self.arenas.kv_caches
         else:
-            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                               for _ in range(self.model_config.num_layers)]
 
     def rebuild_device_state(self) -> None:

@@ -167,11 +167,12 @@ class SleepMode:
         cfg, runner = eng.config, eng.runner
         src = resolve_model(cfg.model)
         arenas = getattr(runner, "arenas", None)
-        if arenas is not None and arenas.ring is not None and src.kind == "hf":
+        if arenas is not None and arenas.ring is not None and src.kind == "hf" and cfg.quantization is None:
             from .fast_reload import reload_hf
 
             return reload_hf(src.path, eng.dtype, cfg.max_model_len, runner.device, arenas.ring, parts)
-        model, _ = load_model(src, eng.dtype, cfg.max_model_len, device=runner.device)
+        model, _ = load_model(src, eng.dtype, cfg.max_model_len, device=runner.device,
+                              quantization=cfg.quantization)
         return model
 
     @torch.inference_mode()

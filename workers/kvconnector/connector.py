@@ -32,6 +32,7 @@ from kvyard.kvstore.codec import HEADER_BYTES
 from kvyard.kvstore.malloc import CHUNK_BYTES
 from kvyard.kvstore.metrics import KVStoreCollector
 
+from kvyard.workers.attention.kv_quant import block_layout, copyable
 from kvyard.workers.pinned_arena import PinnedArena
 
 from .staging import StagedPaths
@@ -85,8 +86,7 @@ class StoreConnector(StagedPaths):
         if any(t.shape != t0.shape or t.dtype != t0.dtype or not t.is_contiguous()
                for t in caches):
             raise ValueError("all layers' KV caches must share shape and dtype, contiguous")
-        layout = KVLayout(str(t0.dtype).removeprefix("torch."), block_size, len(caches),
-                          int(t0.shape[3]), int(t0.shape[4]))
+        layout = block_layout(t0, len(caches))
         if self.expected_layout is not None and self.expected_layout != layout:
             raise ValueError(f"KV cache layout {layout} differs from configured "
                              f"{self.expected_layout}")
@@ -100,7 +100,7 @@ class StoreConnector(StagedPaths):
                 self.store.close()
             store = KVStore.from_config(ns, self.config)
         self.layout = layout
-        self._caches = caches
+        self._caches = [copyable(t) for t in caches]  # blocks move as elements, fp8 as bytes
         self.store = store
         self._device = t0.device
         self._staged = t0.device.type != "cpu" or self._force_staging

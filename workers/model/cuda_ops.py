@@ -93,8 +93,14 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for dense weights; a quantized one (quant/cuda_quant.QuantWeight) multiplies itself."""
+    return F.linear(x, w, bias) if isinstance(w, torch.Tensor) else w.linear(x, bias)
+
+
 class CudaOps(TorchOps):
-    """Dense weights on the GPU: F.linear (cuBLAS) for every matrix, the residual add
+    """Weights on the GPU: F.linear (cuBLAS) for every dense matrix (quantized ones: their
+    own kernels, quant/cuda_quant.py), the residual add
     inside the next RMSNorm (`add_rms_norm`), SiLU*up in one pass. RoPE: with
     `rope_in_attention` the layer hands q/k unrotated to the attention backend, whose KV
     write rotates them (the loader gives it the tables); else torch from the table.
@@ -106,6 +112,7 @@ class CudaOps(TorchOps):
         eps = cfg.rms_norm_eps
         self.eps = eps
         self.norm = lambda x, w: rms_norm(x, w, eps)
+        self.linear = linear
 
     def rope(self, positions, table, t):
         if not self.rope_in_attention:
@@ -115,16 +122,16 @@ class CudaOps(TorchOps):
         return lambda qkv: qkv[:, :qk_size].view(t, nh + nkv, hd)
 
     def mlp_add(self, h, lw, x):
-        return x + F.linear(silu_mul(F.linear(h, lw.gate_up)), lw.down)
+        return x + linear(silu_mul(linear(h, lw.gate_up)), lw.down)
 
     def o_add_norm(self, o, lw, x):
-        y = F.linear(o, lw.o, lw.o_bias)
+        y = linear(o, lw.o, lw.o_bias)
         if not x.is_contiguous():
             x = x.contiguous()
         return x, add_rms_norm(y, x, lw.post_norm, self.eps)
 
     def mlp_add_norm(self, h, lw, x, next_norm):
-        y = F.linear(silu_mul(F.linear(h, lw.gate_up)), lw.down)
+        y = linear(silu_mul(linear(h, lw.gate_up)), lw.down)
         if next_norm is None:
             return x + y, None
         return x, add_rms_norm(y, x, next_norm, self.eps)

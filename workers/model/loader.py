@@ -23,6 +23,8 @@ from .gguf_file import GGUFFile, int4_parts, quant_parts
 from .linear_ops import GemmOps
 from .ops import select_ops
 from .llama import Int4Weight, LayerWeights, LlamaForCausalLM
+from .quant import validate_method
+from .quant.apply import quantized_matrix, target_for
 from .rope import rope_table
 from . import weight_cache
 
@@ -149,9 +151,13 @@ def _int4(src: WeightSource, names: list[str], dtype: torch.dtype) -> Int4Weight
 def build(cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, max_len: int | None = None,
           freq_factors: torch.Tensor | None = None, progress: bool = False,
           int4_max_tokens: int = 8, cpu_kernels: bool = True,
-          device: torch.device | str = "cpu", ops=None, backend=None) -> LlamaForCausalLM:
+          device: torch.device | str = "cpu", ops=None, backend=None,
+          quantization: str | None = None) -> LlamaForCausalLM:
     """The model on `device` with the linear-ops strategy `select_ops` picks there and the
-    attention backend for the device (`ops`, `backend`: others, for tests)."""
+    attention backend for the device (`ops`, `backend`: others, for tests). `quantization`:
+    int8 | fp8 | int4 quantize the layers' matrices here (quant/apply.py; the head and the
+    embedding stay as loaded), gguf keeps a GGUF's Q4/Q8 blocks as stored in bf16 too."""
+    validate_method(quantization)
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -175,10 +181,14 @@ def build(cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, max_len: int 
         int4_max_tokens = 0  # gemm.c serves every step size, faster than torch's int4 kernel here
     # float32 reads GGUF blocks in place (5-9 bits a weight, expanded exactly: measured 1.1-1.9x
     # faster at 1 row, even at 32); bf16 keeps dense tiles, faster there than expanding blocks
-    quant_tiles = tiled and dtype == torch.float32
+    quant_tiles = tiled and (dtype == torch.float32 or quantization == "gguf")
+    requant = quantization not in (None, "gguf")
+    target = target_for(ops)
 
     def mat(*names: str) -> torch.Tensor | cpu_ops.GemmWeight:
         """Rows of `names` fused: quantized GEMM tiles when the file allows, else dense."""
+        if requant:  # from the checkpoint's float values (a GGUF's dequantized ones)
+            return quantized_matrix([src.get(n) for n in names], quantization, dtype, device, target)
         q = _quant(src, list(names), dtype) if quant_tiles else None
         if q is not None:
             return q
@@ -189,13 +199,14 @@ def build(cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, max_len: int 
         p = f"model.layers.{i}."
         qkv_b = [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
         int4 = None
-        if int4_max_tokens > 0 and dtype == torch.bfloat16:  # torch's fp32 int4 kernel is slow (CPU only)
+        if int4_max_tokens > 0 and dtype == torch.bfloat16 and quantization is None:  # torch's fp32 int4 kernel is slow (CPU only)
             ws = [_int4(src, [p + f"self_attn.{x}_proj.weight" for x in "qkv"], dtype),
                   _int4(src, [p + "self_attn.o_proj.weight"], dtype),
                   _int4(src, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], dtype),
                   _int4(src, [p + "mlp.down_proj.weight"], dtype)]
             int4 = tuple(ws) if all(w is not None for w in ws) else None
-        gate, up = mat(p + "mlp.gate_proj.weight"), mat(p + "mlp.up_proj.weight")
+        g_name, u_name = p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"
+        gate, up = (mat(g_name), mat(u_name)) if tiled else (None, None)
         split = isinstance(gate, cpu_ops.GemmWeight) and isinstance(up, cpu_ops.GemmWeight)
         layers.append(LayerWeights(
             input_norm=w(p + "input_layernorm.weight"),
@@ -204,7 +215,7 @@ def build(cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, max_len: int 
             o=mat(p + "self_attn.o_proj.weight"),  # type: ignore[arg-type]
             o_bias=w(p + "self_attn.o_proj.bias") if src.has(p + "self_attn.o_proj.bias") else None,
             post_norm=w(p + "post_attention_layernorm.weight"),
-            gate_up=None if split else cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+            gate_up=None if split else mat(g_name, u_name) if requant else cat(g_name, u_name),
             down=mat(p + "mlp.down_proj.weight"),  # type: ignore[arg-type]
             int4=int4,  # type: ignore[arg-type]
             gate=gate if split else None,  # type: ignore[arg-type]
@@ -230,7 +241,8 @@ def build(cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, max_len: int 
 def load_model(src: ModelSource, dtype: torch.dtype, max_len: int | None = None,
                on_progress: Callable[[str], None] | None = None,
                int4_max_tokens: int = 8, cpu_kernels: bool = True,
-               device: torch.device | str = "cpu") -> tuple[LlamaForCausalLM, ModelConfig]:
+               device: torch.device | str = "cpu",
+               quantization: str | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load `src` (from `kvyard.common.models.resolve_model`) in `dtype` (float32 or bfloat16).
 
     `max_len` bounds the RoPE table (defaults to the model's max positions).
@@ -241,7 +253,11 @@ def load_model(src: ModelSource, dtype: torch.dtype, max_len: int | None = None,
     (AVX-512; AVX512-BF16 for bf16) it serves every step and int4 is not built.
     `cpu_kernels=False` keeps the model on torch's ops (tests compare the two).
     `device`: where weights live and the step runs ('cuda': cuBLAS + Triton, cuda_ops.py).
+    `quantization` (vLLM's `--quantization`): None keeps the checkpoint's precision (a GGUF's
+    Q4/Q8 blocks read in place in float32); int8 | fp8 | int4 quantize the linear layers at
+    load, gguf reads the GGUF's blocks in place in bf16 too (see docs/quantization.md).
     """
+    validate_method(quantization)
     t0 = time.perf_counter()
     if src.kind == "gguf":
         f = GGUFFile(src.path)
@@ -259,7 +275,8 @@ def load_model(src: ModelSource, dtype: torch.dtype, max_len: int | None = None,
         # file, dtype and kernel build were built before (a cold start skips the packing).
         ops = select_ops(cfg, dtype, torch.device(device), cpu_kernels) \
             if torch.device(device).type == "cpu" else None
-        cache = weight_cache.path_for(src, dtype, ops) if ops is not None else None
+        # quantized models are not cached: the cache's key does not name a format
+        cache = weight_cache.path_for(src, dtype, ops) if ops is not None and quantization is None else None
         got = weight_cache.load(cache) if cache is not None else None
         if got is not None:
             rope = rope_table(cfg, max_len or cfg.max_position_embeddings, dtype, factors)
@@ -271,7 +288,7 @@ def load_model(src: ModelSource, dtype: torch.dtype, max_len: int | None = None,
             model = build(cfg, weights, dtype, max_len, factors,
                           progress=weights.nbytes >= _PROGRESS_MIN_BYTES,
                           int4_max_tokens=int4_max_tokens, cpu_kernels=cpu_kernels,
-                          device=device, ops=ops)
+                          device=device, ops=ops, quantization=quantization)
             if cache is not None:
                 weight_cache.save(cache, model)
     if on_progress:

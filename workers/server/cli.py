@@ -60,12 +60,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     p.add_argument("--max-model-len", type=parse_size, default=None,
                    help="context length (default: the model's)")
+    p.add_argument("--quantization", "-q", choices=("int8", "fp8", "int4", "gguf"), default=None,
+                   help="weights: int8 (per-channel W8A16), fp8 (E4M3 per channel), int4 (group-wise, "
+                        "32), quantized at load; gguf: a GGUF's Q4/Q8 blocks as stored (docs/quantization.md)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=parse_size, default=1024)
     p.add_argument("--kv-cache-memory-bytes", type=parse_size, default=None,
                    help="KV-cache capacity, e.g. 1GiB, 512MiB, 2G (G = 10^9, Gi = 2^30); default: "
                         "1GiB on CPU, --gpu-memory-utilization on CUDA")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8", "fp8_e4m3"), default="auto",
+                   help="KV-cache storage: auto (the model's dtype), int8 or fp8 (E4M3; fp8_e4m3 is an alias), "
+                        "per-token-per-head scales (docs/kv-cache-dtype.md)")
     add_device_arguments(p)  # --device, --gpu-memory-utilization, --enforce-eager
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True)
@@ -121,9 +127,11 @@ def engine_config(args: argparse.Namespace) -> Any:
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
         dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes, **device_options(args),
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_dtype=args.kv_cache_dtype,
+        **device_options(args),
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, role=args.role,
-        num_threads=args.num_threads, kv_hold_ttl_s=args.kv_hold_timeout)
+        num_threads=args.num_threads, kv_hold_ttl_s=args.kv_hold_timeout,
+        quantization=args.quantization)
 
 
 def run(args: argparse.Namespace) -> int:

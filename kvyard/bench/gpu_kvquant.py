@@ -1,0 +1,108 @@
+"""bf16 vs fp8 (and int8) KV cache for the 8B shape's paged decode attention on a GPU.
+
+Runs on the GPU host without kvyard installed (tools/device_gpu.sh's shim tree on
+PYTHONPATH): `python3 -m kvyard.bench.gpu_kvquant --out FILE.json [--quick]`.
+For each (batch, context) the same Triton decode kernel reads a bf16 cache and a
+quantized one (codes + a float32 scale per token and KV head, kv_quant.py) holding
+the same random K/V; times are CUDA-event medians over captured graphs
+(gpu_kernels._time_ms). Bytes are those the kernel must read: K and V rows of every
+context token (+ q and out). Keys match issue 30's `kv_fp8`:
+- `kv_bytes_ratio`: quantized bytes per token / bf16's (132 / 256 at head_dim 128);
+- `attn_throughput_per_byte_vs_bf16`: (bytes / time) quantized over bf16's, i.e. how
+  well the kernel turns the smaller cache into speed (1.0: time halves with the bytes);
+- `speedup_vs_bf16`: bf16 time / quantized time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+NH, NKV, HD, BS = 32, 8, 128, 16   # Llama-3-8B's attention
+SHAPES = [(1, 32768), (8, 8192), (32, 4096), (64, 2048), (128, 1024), (256, 512)]
+QUICK_SHAPES = [(8, 4096), (64, 1024)]
+
+
+def _geomean(xs: list[float]) -> float:
+    xs = [x for x in xs if x > 0 and math.isfinite(x)]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else math.nan
+
+
+def measure(torch, B: int, ctx: int, fmts: list[str], rounds: int) -> dict[str, Any]:
+    from kvyard.bench.gpu_kernels import _time_ms
+    from kvyard.workers.attention import kv_quant
+    from kvyard.workers.attention.triton_decode import decode_config, paged_decode
+
+    dev = "cuda"
+    nb = -(-ctx // BS)
+    blocks = B * nb + 1
+    cache = torch.randn(2, blocks, BS, NKV, HD, dtype=torch.bfloat16, device=dev)
+    tables = torch.randperm(B * nb, device=dev).view(B, nb).to(torch.int32)
+    lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+    q = torch.randn(B, NH, HD, dtype=torch.bfloat16, device=dev)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = decode_config(B, NKV, nb * BS, sms)
+    out = torch.empty_like(q)
+    scale = HD ** -0.5
+    row = {"batch": B, "context": ctx, "splits": cfg.num_splits}
+    ref = None
+    for name in ["bf16", *fmts]:
+        if name == "bf16":
+            c = cache
+        else:
+            fmt = kv_quant.resolve_kv_format(name)
+            c = torch.empty(kv_quant.cache_shape(tuple(cache.shape), fmt), dtype=fmt.dtype, device=dev)
+            c.view(torch.uint8).copy_(kv_quant.quantize(cache, fmt))
+        ms = _time_ms(torch, lambda: paged_decode(q, c, tables, lens, scale, out=out, config=cfg), 20, rounds,
+                      graph=True)
+        got = paged_decode(q, c, tables, lens, scale, config=cfg).float()
+        if ref is None:
+            ref = got
+        per_tok = 2 * NKV * (HD * 2 if name == "bf16" else HD + kv_quant.SCALE_BYTES)
+        nbytes = B * ctx * per_tok + 2 * q.numel() * 2
+        row[name] = {"ms": round(ms, 4), "bytes": nbytes, "gbps": round(nbytes / (ms * 1e-3) / 1e9, 1),
+                     "rel_err_vs_bf16": round(float((got - ref).norm() / ref.norm()), 5)}
+        del c
+    for name in fmts:
+        r, b = row[name], row["bf16"]
+        r["kv_bytes_ratio"] = round(r["bytes"] / b["bytes"], 4)
+        r["speedup_vs_bf16"] = round(b["ms"] / r["ms"], 3)
+        r["attn_throughput_per_byte_vs_bf16"] = round((r["bytes"] / r["ms"]) / (b["bytes"] / b["ms"]), 3)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="JSON results file")
+    p.add_argument("--quick", action="store_true", help="two shapes, fewer rounds (a functional check)")
+    p.add_argument("--formats", nargs="+", default=["fp8", "int8"])
+    args = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA device", file=sys.stderr)
+        return 2
+    rounds = 3 if args.quick else 7
+    rows = []
+    for B, ctx in (QUICK_SHAPES if args.quick else SHAPES):
+        rows.append(measure(torch, B, ctx, args.formats, rounds))
+        print(json.dumps(rows[-1]), flush=True)
+    summary = {"device": torch.cuda.get_device_name(0), "shape": {"heads": NH, "kv_heads": NKV, "head_dim": HD,
+                                                                   "block_size": BS}, "rows": rows}
+    for name in args.formats:
+        summary[f"kv_{name}"] = {
+            "kv_bytes_ratio": rows[0][name]["kv_bytes_ratio"],
+            "attn_throughput_per_byte_vs_bf16": round(_geomean([r[name]["attn_throughput_per_byte_vs_bf16"]
+                                                                for r in rows]), 3),
+            "speedup_vs_bf16": round(_geomean([r[name]["speedup_vs_bf16"] for r in rows]), 3),
+        }
+    with open(args.out, "w") as f:
+        json.dump(summary, f, indent=1)
+    print(json.dumps({k: v for k, v in summary.items() if k.startswith("kv_")}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,170 @@
+"""Weight quantization (`--quantization`): the formats, gemm.c's quantized tiles, the CUDA
+paths (Triton dequant-GEMMs under TRITON_INTERPRET=1 without a GPU, fp8 `_scaled_mm`) and
+whole models built by the loader against the same dequantized weights on torch's ops.
+
+References are float64 over the dequantized weights the kernels must compute with, so each
+test checks the kernel, not the format's accuracy (the bench measures that).
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def _cuda_ops_tests():
+    """test_cuda_ops.py's module: importing it sets TRITON_INTERPRET=1 without a GPU (before
+    triton loads) with its interpreter fix; its tiny-model helpers are reused here."""
+    spec = importlib.util.spec_from_file_location("_kvyard_cuda_ops_tests", Path(__file__).with_name("test_cuda_ops.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+cuda_t = _cuda_ops_tests()
+
+from kvyard.workers import cpu_ops  # noqa: E402
+from kvyard.workers.attention.reference import SeqStep, build_metadata  # noqa: E402
+from kvyard.workers.model.config import ModelConfig  # noqa: E402
+from kvyard.workers.model.cuda_ops import CudaOps  # noqa: E402
+from kvyard.workers.model.linear_ops import GemmOps, TorchOps  # noqa: E402
+from kvyard.workers.model.loader import build, kv_cache_shape  # noqa: E402
+from kvyard.workers.model.quant import dequantize, quantize, validate_method  # noqa: E402
+from kvyard.workers.model.quant.apply import place  # noqa: E402
+from kvyard.workers.model.quant.cuda_quant import QuantWeight, dequant_gemm, quantize_rows_fp8  # noqa: E402
+
+METHODS = ("int8", "fp8", "int4")
+OPS = cpu_ops.load()
+DEV = cuda_t.DEV
+
+
+def _w(n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * k ** -0.5
+    w[1] = 0.0  # an all-zero row: scale 1, codes 0
+    w[2, :32] *= 40  # an outlier group
+    return w
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double().cpu() - ref.double().cpu()).norm() / ref.double().cpu().norm()).item()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_formats_round_trip(method) -> None:
+    w = _w(70, 96, 1)
+    p = quantize(w, method)
+    deq = dequantize(p)
+    assert p.codes.shape == w.shape and p.d.shape == p.m.shape == (70, 3)
+    assert torch.equal(deq[1], torch.zeros(96))
+    # worst case per format: half a step of the row's (int8, fp8: channel's; int4: group's) grid
+    step = {"int8": w.abs().amax(1, keepdim=True) / 127, "fp8": torch.maximum(w.abs() * 2 ** -3, p.d[:, :1].float() * 2 ** -9),  # 3 mantissa bits; subnormals
+            "int4": (w.view(70, 3, 32).amax(2) - w.view(70, 3, 32).amin(2)).repeat_interleave(32, 1) / 15}[method]
+    assert ((deq - w).abs() <= step * 0.5 * 1.01 + 1e-6).all()
+    if method == "fp8":  # the codes are torch's own E4M3 rounding of w / scale
+        s = p.d[:, :1].float()
+        want = (w / s).to(torch.float8_e4m3fn).view(torch.uint8)
+        assert torch.equal(p.codes, want)
+    assert p.nbytes < w.numel() * (1.1 if method != "int4" else 0.7)
+
+
+def test_unknown_method_is_refused() -> None:
+    with pytest.raises(ValueError, match="choose one of"):
+        validate_method("int3")
+
+
+@pytest.mark.skipif(OPS is None or not OPS.has_gemm(torch.float32), reason="gemm.c needs AVX-512")
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_tiles_against_float64(method, dtype) -> None:
+    """float32 rows: in-register expansion (<= 12 rows) and the scratch tile (40 rows);
+    bf16 rows: the scratch tile in bf16; both against x @ dequantized W in float64."""
+    if not OPS.has_gemm(dtype):
+        pytest.skip("no AVX512-BF16")
+    w = _w(200, 96, 2)  # 200 columns: a partial last tile
+    p = quantize(w, method)
+    gw = place(p, dtype, "cpu", "tiles")
+    ref_w = dequantize(p).double()
+    if dtype == torch.bfloat16:
+        ref_w = ref_w.to(torch.bfloat16).double()  # the kernel's tile holds W rounded to bf16
+    for m in (1, 5, 40):
+        x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m)).to(dtype)
+        y = OPS.gemm(x, gw)
+        assert _rel(y, x.double() @ ref_w.T) < (1e-6 if dtype == torch.float32 else 8e-3)
+
+
+def _cfg() -> ModelConfig:
+    return ModelConfig(architecture="llama", vocab_size=97, hidden_size=64, intermediate_size=96,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                       rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128,
+                       tie_word_embeddings=False, attention_bias=False)
+
+
+def _dequantized(src, method: str):
+    """The same checkpoint with every layer matrix replaced by its quantized values."""
+    return cuda_t._Dict({k: dequantize(quantize(v, method)) if ".layers." in k and v.dim() == 2 else v
+                         for k, v in src.t.items()})
+
+
+def _logits(model, ids: torch.Tensor, dev: str) -> torch.Tensor:
+    cfg = model.config
+    caches = [torch.zeros(kv_cache_shape(cfg, 2, 16), dtype=model.dtype, device=dev) for _ in range(cfg.num_layers)]
+    with torch.inference_mode():
+        h = model(ids.to(dev), torch.arange(len(ids)).to(dev), caches, build_metadata([SeqStep([0, 1], 0, len(ids))], 16, 0))
+        return model.compute_logits(h).cpu()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_quantized_model_equals_its_dequantized_weights(method) -> None:
+    """The loader's quantized model (gemm.c tiles where they build, else the dense fallback)
+    computes what torch computes on the dequantized weights (float32)."""
+    cfg = _cfg()
+    src = cuda_t._weights(cfg)
+    ours = build(cfg, src, torch.float32, quantization=method)
+    if OPS is not None and OPS.has_gemm(torch.float32):
+        assert isinstance(ours.ops, GemmOps) and ours.layers[0].qkv.bits
+    ref = build(cfg, _dequantized(src, method), torch.float32, ops=TorchOps(cfg), cpu_kernels=False)
+    ids = torch.randint(0, cfg.vocab_size, (19,), generator=torch.Generator().manual_seed(5))
+    assert _rel(_logits(ours, ids, "cpu"), _logits(ref, ids, "cpu")) < 1e-5
+    plain = build(cfg, src, torch.float32, ops=TorchOps(cfg), cpu_kernels=False)
+    assert _rel(_logits(ours, ids, "cpu"), _logits(plain, ids, "cpu")) > 1e-5  # it did quantize
+
+
+@pytest.mark.parametrize("int4", [False, True])
+@pytest.mark.parametrize("rows", [1, 17, 70])
+def test_triton_dequant_gemm_against_float64(int4, rows) -> None:
+    method = "int4" if int4 else "int8"
+    w = _w(100, 128, 3)
+    qw = QuantWeight.build(quantize(w, method), torch.device(DEV))
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+    y = dequant_gemm(x.to(DEV), qw.codes, qw.scale, qw.zero, qw.n, int4)
+    ref = x.double() @ dequantize(quantize(w, method)).double().T
+    assert y.shape == (rows, 100) and _rel(y, ref) < 1e-6
+    assert _rel(qw.linear(x.to(DEV)), ref) < 1e-6  # the layer's entry point
+
+
+def test_fp8_rows_and_scaled_mm() -> None:
+    """Per-row E4M3 activations, and the W8A8 product against float64 of both quantized sides."""
+    w, x = _w(64, 96, 4), torch.randn(5, 96, generator=torch.Generator().manual_seed(9))
+    xq, a = quantize_rows_fp8(x)
+    assert ((xq.float() * a - x).abs() <= x.abs().amax(1, keepdim=True) * 2 ** -4).all()
+    qw = QuantWeight.build(quantize(w, "fp8"), torch.device("cpu"))
+    ref = (xq.double() * a.double()) @ qw.dense(torch.float64).T
+    if qw.fp8_mm:  # torch's CPU build has it; else the layer dequantizes (checked below)
+        y = qw.linear(x.to(torch.bfloat16))
+        assert _rel(y, ref) < 1e-2
+    assert _rel(qw.linear(x), x.double() @ qw.dense(torch.float64).T) < 1e-6  # float32: dequantized
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_model_on_cuda_ops_with_quantized_weights(method) -> None:
+    """CudaOps with QuantWeight matrices (TRITON_INTERPRET on CPU) = torch on the dequantized weights."""
+    cfg = _cfg()
+    src = cuda_t._weights(cfg)
+    ours = build(cfg, src, torch.float32, device=DEV, ops=CudaOps(cfg), quantization=method)
+    assert isinstance(ours.layers[0].qkv, QuantWeight) and ours.layers[0].qkv.method == method
+    ref = build(cfg, _dequantized(src, method), torch.float32, ops=TorchOps(cfg), cpu_kernels=False)
+    ids = torch.randint(0, cfg.vocab_size, (11,), generator=torch.Generator().manual_seed(6))
+    assert _rel(_logits(ours, ids, DEV), _logits(ref, ids, "cpu")) < 1e-5

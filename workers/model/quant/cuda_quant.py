@@ -1,0 +1,152 @@
+"""Quantized linear layers on CUDA: Triton dequant-GEMMs for int8 and int4, fp8 through
+`torch._scaled_mm` where the device has fp8 matmuls (Hopper), a dequantizing fallback
+elsewhere.
+
+  int8  W8A16: codes int8 [N, K], one float32 scale per output channel. The kernel
+        multiplies activations by the codes cast to the activation dtype (exact: |q| <=
+        127) with float32 accumulation and applies the scale once per output.
+  int4  group-wise: two codes a byte along K ([N, K/2] uint8), float16 d and m per 32
+        inputs; each K tile is expanded (q d + m) in registers before its dot product.
+  fp8   W8A8: E4M3 weights [N, K] and per-channel scales; activations quantized per row
+        (absmax / 448) on the fly, then `_scaled_mm` with row-wise scales. Where that
+        raises (no fp8 GEMM on the device), the weight is dequantized per call instead.
+
+Kernels run under TRITON_INTERPRET=1 on CPU tensors too (tests compare with a float64
+reference). Launch grids depend on shapes only (CUDA-graph capturable).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .formats import FP8_MAX, GROUP, QuantParts
+
+
+@triton.jit
+def _dq_gemm_kernel(x_ptr, q_ptr, d_ptr, m_ptr, y_ptr, M, N, K, sxm, sym,
+                    INT4: tl.constexpr, IEEE: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """y[M, N] = x[M, K] @ W^T with W from int8 codes x per-channel scale (INT4 = False) or
+    from int4 codes x group scale + min (INT4 = True). K is a multiple of BK."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    mm, mn = rm < M, rn < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    rm64, rn64 = rm.to(tl.int64), rn.to(tl.int64)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + rm64[:, None] * sxm + rk[None, :], mask=mm[:, None], other=0.0)
+        if INT4:
+            b = tl.load(q_ptr + rn64[None, :] * (K // 2) + rk[:, None] // 2, mask=mn[None, :], other=0)
+            q = ((b >> ((rk[:, None] % 2) * 4).to(tl.uint8)) & 0xF).to(tl.float32)
+            g = rn64[None, :] * (K // 32) + rk[:, None] // 32
+            d = tl.load(d_ptr + g, mask=mn[None, :], other=0.0).to(tl.float32)
+            m = tl.load(m_ptr + g, mask=mn[None, :], other=0.0).to(tl.float32)
+            w = (q * d + m).to(x.dtype)
+        else:
+            w = tl.load(q_ptr + rn64[None, :] * K + rk[:, None], mask=mn[None, :], other=0).to(x.dtype)
+        if IEEE:
+            acc += tl.dot(x, w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w)
+    if not INT4:
+        acc = acc * tl.load(d_ptr + rn, mask=mn, other=0.0)[None, :]
+    tl.store(y_ptr + rm64[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mm[:, None] & mn[None, :])
+
+
+def _tiles(m: int, k: int) -> tuple[int, int, int]:
+    bk = 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
+    if m <= 16:
+        return 16, 64, bk
+    if m <= 64:
+        return 32, 64, bk
+    return 64, 128, min(bk, 64)
+
+
+def dequant_gemm(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+                 n: int, int4: bool) -> torch.Tensor:
+    """x [M, K] (unit inner stride) times the quantized W [N, K] transposed, in x's dtype."""
+    rows, k = x.shape
+    if x.stride(1) != 1 or k % GROUP:
+        raise ValueError("dequant_gemm: [M, K] rows with K a multiple of 32 expected")
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows:
+        bm, bn, bk = _tiles(rows, k)
+        _dq_gemm_kernel[(triton.cdiv(rows, bm), triton.cdiv(n, bn))](
+            x, q, d, d if m is None else m, y, rows, n, k, x.stride(0), y.stride(0),
+            INT4=int4, IEEE=x.dtype == torch.float32, BM=bm, BN=bn, BK=bk, num_warps=4)
+    return y
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row dynamic E4M3 activations: (codes [M, K] float8_e4m3fn, scales [M, 1] float32)."""
+    a = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_(min=1e-12)
+    return (x.float() / a).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), a
+
+
+@functools.cache
+def scaled_mm_works(device: torch.device) -> bool:
+    """Whether `_scaled_mm` with row-wise scales runs here (Hopper on CUDA; some CPU builds)."""
+    try:
+        a = torch.ones(16, 32, device=device).to(torch.float8_e4m3fn)
+        torch._scaled_mm(a, a.t(), torch.ones(16, 1, device=device), torch.ones(1, 16, device=device),
+                         out_dtype=torch.bfloat16)
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+@dataclass(slots=True)
+class QuantWeight:
+    """A [N, K] linear weight in `method`'s device layout; `linear(x, bias)` multiplies."""
+
+    method: str
+    n: int
+    k: int
+    codes: torch.Tensor             # int8 [N, K] | uint8 [N, K/2] | float8_e4m3fn [N, K]
+    scale: torch.Tensor             # float32 [N] (int8, fp8) | float16 d [N, K/32] (int4)
+    zero: torch.Tensor | None       # float16 m [N, K/32] (int4)
+    fp8_mm: bool = False            # fp8 through _scaled_mm (else dequantized per call)
+
+    @classmethod
+    def build(cls, p: QuantParts, device: torch.device) -> "QuantWeight":
+        n, k = p.codes.shape
+        if p.method == "int4":
+            c = p.codes.to(torch.uint8)
+            packed = (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()
+            return cls("int4", n, k, packed.to(device), p.d.to(device), p.m.to(device))
+        scale = p.d[:, 0].float().contiguous().to(device)  # per channel: every block's d is the row's
+        if p.method == "int8":
+            return cls("int8", n, k, p.codes.contiguous().to(device), scale, None)
+        codes = p.codes.view(torch.float8_e4m3fn).contiguous().to(device)
+        return cls("fp8", n, k, codes, scale, None, scaled_mm_works(torch.device(device)))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero) if t is not None)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight dequantized, [N, K] in `dtype` (the fallback and the tests' reference)."""
+        if self.method == "int4":
+            q = torch.stack((self.codes & 0xF, self.codes >> 4), dim=-1).view(self.n, self.k).float()
+            d = self.scale.float().repeat_interleave(GROUP, 1)
+            return torch.addcmul(self.zero.float().repeat_interleave(GROUP, 1), q, d).to(dtype)
+        return (self.codes.float() * self.scale[:, None]).to(dtype)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.method == "fp8":
+            if self.fp8_mm and x.dtype != torch.float32:
+                xq, a = quantize_rows_fp8(x)
+                y = torch._scaled_mm(xq, self.codes.t(), a, self.scale[None, :], out_dtype=x.dtype)
+            else:
+                y = F.linear(x, self.dense(x.dtype))
+        else:
+            y = dequant_gemm(x if x.stride(1) == 1 else x.contiguous(), self.codes, self.scale,
+                             self.zero, self.n, self.method == "int4")
+        return y if bias is None else y + bias
