@@ -44,7 +44,9 @@ class Pods:
         if events is not None:
             cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
                    "endpoint": f"tcp://*:{events}", "replay_endpoint": f"tcp://*:{replay}"}
-            cmd += ["--kv-events-config", json.dumps(cfg)]
+            # newer vLLM's tagged-map events: the EPP reads either form, vllm-router's
+            # kv_aware only this one
+            cmd += ["--kv-events-config", json.dumps(cfg), "--kv-events-form", "map"]
         return cmd
 
 
