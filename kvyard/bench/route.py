@@ -2,8 +2,8 @@
 
 Targets, each on a fresh pool of pods (cold caches) and the same requests:
 kvyard's EPP policies through Envoy (`route_policies`: random, round_robin, load,
-approx_prefix, precise_prefix, precise_prefix with 2 EPP replicas; those the build
-cannot express are listed as unavailable) and the peer routers in front of the same
+approx_prefix, precise_prefix, precise_prefix with 2 and 4 active-active EPP replicas
+as `kvyard up --epp-replicas N` runs them) and the peer routers in front of the same
 pods (`route_peers`: `smg:cache_aware`, `vllm-router:cache_aware`,
 `vllm-router:kv_aware`; absent ones are "not installed").
 
@@ -31,9 +31,11 @@ from pathlib import Path
 
 DATA = Path(__file__).parent / "data"
 SYNTHETIC_TRACE = DATA / "route_mooncake_synthetic.jsonl"
+# Ten targets, each on a fresh pool: rungs of 4 s keep the whole run near two and a half
+# minutes on an idle 2-core box.
 QUICK = {"pods": 8, "groups": 16, "prefix_tokens": 1000, "users": 4, "question_tokens": 200,
-         "output_tokens": 32, "rates": [4.0, 8.0], "duration": 6.0, "cost_pods": [8, 64],
-         "cost_iterations": 30, "cost_watch": 2.0}
+         "output_tokens": 32, "rates": [4.0, 8.0], "duration": 4.0, "cost_pods": [8, 64],
+         "cost_iterations": 20, "cost_watch": 1.0}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
