@@ -7,6 +7,10 @@ SGLang's router (smg 1.13) and vllm-router 0.1.17 probe, per the paths in their 
 /get_model_info, /get_server_info, /server_info, /get_load(s), /version, /ping,
 /health_generate, /flush_cache (and vLLM's /reset_prefix_cache); `smg launch --policy
 cache_aware` registers simulated pods and routes chat and streamed completions to them.
+No vLLM /v1/completions/render or /tokenize: vllm-router 0.1.17 asks every worker for each
+request's rendering (N calls per request), which on real pods costs each pod's own CPU but
+here would all land on this one process, slowing every pod for that router alone; without
+them it keys its prefix tree by the request text.
 Every answer carries
 `x-kvyard-endpoint`. P/D: a decode pod given a signed `x-prefiller-host-port` asks
 that prefill pod for the prefill (`max_tokens` 1, `kv_transfer_params.do_remote_decode`),
@@ -205,39 +209,6 @@ async def _flush(request: web.Request) -> web.Response:
     return web.Response(text="ok", headers=pod.headers)
 
 
-async def _prompt_ids(request: web.Request) -> list[int] | web.Response:
-    """The ids a generate request with this body would prefill (chat when it has messages)."""
-    pod = request.app[POD]
-    data = await request.read()
-    try:
-        chat = request.path.startswith("/v1/chat/") or b'"messages"' in data
-        spec = await parse_generate(data, chat, pod.tokenizer, pod.served, pod.max_model_len)
-    except ApiError as e:
-        return _error(pod, e)
-    return spec.prompt_ids
-
-
-async def _tokenize(request: web.Request) -> web.Response:
-    """vLLM's /tokenize (as `kvyard worker` answers it)."""
-    ids = await _prompt_ids(request)
-    if isinstance(ids, web.Response):
-        return ids
-    pod = request.app[POD]
-    return web.json_response({"tokens": ids, "count": len(ids),
-                              "max_model_len": pod.max_model_len}, headers=pod.headers)
-
-
-async def _render(request: web.Request) -> web.Response:
-    """vLLM's /v1/completions/render: the engine prompts, not generated. vllm-router's
-    cache_aware keys its prefix tree by these ids and routes cache-blind without them."""
-    ids = await _prompt_ids(request)
-    if isinstance(ids, web.Response):
-        return ids
-    # One entry per prompt with the ids as `token_ids`: vllm-router 0.1.17 rejects an
-    # entry keyed `prompt_token_ids` (invalid_token_ids) and falls back to the text.
-    return web.json_response([{"token_ids": ids}], headers=request.app[POD].headers)
-
-
 def make_app(pod: Pod) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[POD] = pod
@@ -257,6 +228,4 @@ def make_app(pod: Pod) -> web.Application:
     app.router.add_get("/flush_cache", _flush)
     app.router.add_post("/v1/completions", _generate)
     app.router.add_post("/v1/chat/completions", _generate)
-    app.router.add_post("/tokenize", _tokenize)
-    app.router.add_post("/v1/completions/render", _render)
     return app
