@@ -111,3 +111,17 @@ def test_up_sim_without_kv_events_names_no_streams(tmp_path: Path) -> None:
         assert _completion(state.gateway_url, doc + "two") == first
     finally:
         assert _kvyard("down", "--run-dir", str(rd)).returncode == 0
+
+
+def test_a_real_workers_kv_events_reach_the_epps_index(real_stack: StackState) -> None:
+    """The real engine publishes (one worker, kvyard up's default) and the EPP indexes it."""
+    [row] = yaml.safe_load((Path(real_stack.run_dir) / "endpoints.yaml").read_text())
+    assert row["kv_events"].startswith("tcp://127.0.0.1:") and row["kv_events_replay"]
+    [stream] = _debug(real_stack)["kv_events"]["streams"]
+    assert stream["endpoint"] == row["kv_events"]
+    _completion(real_stack.gateway_url, "a real prompt of several full blocks " * 12)
+    deadline = time.monotonic() + 60
+    while (n := _debug(real_stack)["kv_events"]["index"]["per_endpoint"]
+           .get(row["address"], 0)) < 4:
+        assert time.monotonic() < deadline, n
+        time.sleep(0.1)
