@@ -170,12 +170,14 @@ def run(args: argparse.Namespace) -> int:
     peers = [p for p in route_peers.PEERS if args.peers is None or p.name in args.peers]
     run_root = Path(args.run_dir or tempfile.mkdtemp(prefix="kvyard-bench-route-"))
     results = {}
-    for policy in select(args.policies):
-        results[policy.name] = run_target(policy.name, pods, work, run_root, args.timeout,
-                                          policy=policy).summary(slo)
-    for peer in peers:
-        results[peer.name] = run_target(peer.name, pods, work, run_root, args.timeout,
-                                        peer=peer).summary(slo)
+    targets = [(p.name, {"policy": p}) for p in select(args.policies)]
+    targets += [(p.name, {"peer": p}) for p in peers]
+    for name, kind in targets:
+        try:
+            results[name] = run_target(name, pods, work, run_root, args.timeout,
+                                       **kind).summary(slo)
+        except Exception as e:  # noqa: BLE001 - one target's failure is its row, not the run's
+            results[name] = {"unavailable": f"failed: {str(e)[-300:]}", "errors": 1}
     cost = route_cost.epp_cost(args.cost_pods, args.cost_iterations, args.cost_watch)
     per_req = {n: r["epp_cpu_s_per_req"] for n, r in results.items()
                if "epp_cpu_s_per_req" in r and not math.isnan(r["epp_cpu_s_per_req"])}

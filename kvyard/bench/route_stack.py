@@ -74,9 +74,22 @@ def _endpoints_file(path: Path, addresses: list[str], kv: dict[str, str],
 
 
 def start(pods: Pods, run: Path, epp_config: Path | None, timeout_s: float = 180.0,
-          epp_replicas: int = 1) -> RouteStack:
+          epp_replicas: int = 1, attempts: int = 3) -> RouteStack:
     """Pods, then the EPP (`epp_replicas` > 1: that many sharing their picks, started
-    and fronted as `kvyard up --epp-replicas N` does), then Envoy."""
+    and fronted as `kvyard up --epp-replicas N` does), then Envoy. A start that fails is
+    tried again on fresh ports: on a shared machine another process can take one of the
+    runs of free ports between the check and the pods' bind."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return _start(pods, run, epp_config, timeout_s, epp_replicas)
+        except Exception:  # noqa: BLE001 - everything started was stopped; the last is raised
+            if attempt == attempts:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start(pods: Pods, run: Path, epp_config: Path | None, timeout_s: float,
+           epp_replicas: int) -> RouteStack:
     from kvyard.gateway.config import GatewayConfig
     from kvyard.gateway.envoy import envoy_command, write_config
     from kvyard.stack.epp_replicas import epp_gateway, replicas_healthy, spawn_epps
