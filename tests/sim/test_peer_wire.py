@@ -1,5 +1,6 @@
-"""KV events as peer routers read them from a simulated pod: newer vLLM's form, a
-positional batch of maps tagged "type" (vllm-router's kv_aware), beside the positional one."""
+"""What peer routers read from a simulated pod besides generation: vLLM's /tokenize and
+/v1/completions/render (vllm-router keys requests by these ids), and KV events in newer
+vLLM's form, a positional batch of maps tagged "type" (vllm-router's kv_aware)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +13,27 @@ import zmq.asyncio
 
 from kvyard.common import kv_events
 from kvyard.common.kv_events import KVEventsConfig
+
+
+async def test_tokenize_and_render_give_the_ids_the_pod_prefills(start_pods, tok) -> None:
+    prompt = "the same ids as a generate request " * 4
+    want = tok.encode(prompt, add_special_tokens=True)
+    async with start_pods(1) as g, aiohttp.ClientSession() as s:
+        base = f"http://{g.pods[0].address}"
+        async with s.post(base + "/tokenize", json={"prompt": prompt}) as r:
+            assert r.status == 200
+            doc = await r.json()
+        assert doc["tokens"] == want and doc["count"] == len(want) and doc["max_model_len"] > 0
+        async with s.post(base + "/v1/completions/render",
+                          json={"prompt": prompt, "max_tokens": 4}) as r:
+            assert r.status == 200
+            assert await r.json() == [{"token_ids": want}]
+        async with s.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}) as r:
+            assert (await r.json())["usage"]["prompt_tokens"] == len(want)
+        async with s.post(base + "/v1/completions/render", json={"prompt": ""}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "prompt"
+        async with s.post(base + "/tokenize", json={"model": "nope", "prompt": "x"}) as r:
+            assert r.status == 404
 
 
 def test_tagged_map_events_decode_as_the_positional_ones() -> None:
