@@ -123,13 +123,16 @@ def _served_names(cfg: EppConfig) -> list[str]:
         return []
 
 
-def _kv_event_sources(sched: Scheduler, pool: EndpointPool,
-                      port: int | None) -> KVEventSources | None:
+def _kv_event_sources(sched: Scheduler, pool: EndpointPool, port: int | None,
+                      subscribe: bool = True) -> KVEventSources | None:
     """The event streams behind the config's precise-prefix-cache scorers (one index,
-    shared by every profile's); None when the config has none."""
+    shared by every profile's); None when the config has none, or when `subscribe` is
+    off: the built-in default config on an EPP without a tokenizer (--model none keys no
+    request as the engine does, so the scorers' approximate fallback scores every endpoint;
+    a config that names the scorer is followed as written)."""
     precise = [s for prof in sched.profiles.values() for s, _ in prof.scorers
                if isinstance(s, PrecisePrefixScorer)]
-    if not precise:
+    if not precise or not subscribe:
         return None
     for s in precise[1:]:
         s.index = precise[0].index
@@ -170,7 +173,8 @@ class EppApp:
             sched_cfg = with_fallbacks(sched_cfg, c.destination_fallbacks)
         sched = build_scheduler(sched_cfg, seed=c.seed)
         self.pool.on_remove(sched.forget)
-        self.kv_events = _kv_event_sources(sched, self.pool, c.kv_events_port)
+        self.kv_events = _kv_event_sources(sched, self.pool, c.kv_events_port,
+                                           bool(c.config) or c.model.lower() != "none")
         if self.kv_events is not None:
             self.kv_events.register(self.metrics.registry)
         self.pool.on_remove(self.metrics.forget)

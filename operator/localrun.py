@@ -78,6 +78,10 @@ class LocalRun:
                 pod.ports[p["containerPort"]] = procs.free_port(None, taken)
             if container["name"] == "envoy":
                 pod.ports[wire.GATEWAY_ADMIN_PORT] = procs.free_port(None, taken)
+            if "--kv-events-config" in container.get("args", []):
+                # every pod publishes on the same conventional ports; here they share one host
+                for port in (wire.WORKER_KV_EVENTS_PORT, wire.WORKER_KV_REPLAY_PORT):
+                    pod.ports[port] = procs.free_port(None, taken)
             self.pods.append(pod)
 
     # -- addressing -------------------------------------------------------------------
@@ -172,6 +176,12 @@ class LocalRun:
                 i += 2
                 continue
             nxt = args[i + 1] if i + 1 < len(args) else None
+            if a == "--kv-events-config" and nxt:
+                out += [a, re.sub(r"tcp://\*:(\d+)",
+                                  lambda m: f"tcp://127.0.0.1:{pod.ports.get(int(m.group(1)), m.group(1))}",
+                                  nxt)]
+                i += 2
+                continue
             if a.startswith("--") and a.endswith("port") and nxt and nxt.isdigit() \
                     and int(nxt) in pod.ports:
                 out += [a, str(pod.ports[int(nxt)])]
@@ -184,9 +194,18 @@ class LocalRun:
         return out
 
     def _endpoints_file(self, pod: Pod) -> Path:
+        """The workers as the EPP's Kubernetes discovery would see them: address, role,
+        pool, and the KV-event ports their annotations name (here, each pod's own)."""
+        def events(w: Pod) -> dict[str, str]:
+            if wire.WORKER_KV_EVENTS_PORT not in w.ports:
+                return {}
+            return {"kv_events": f"tcp://127.0.0.1:{w.ports[wire.WORKER_KV_EVENTS_PORT]}",
+                    "kv_events_replay": f"tcp://127.0.0.1:{w.ports[wire.WORKER_KV_REPLAY_PORT]}"}
+
         rows = [{"address": f"127.0.0.1:{w.port('http')}",
                  "role": w.labels.get(wire.ROLE_LABEL, "both"),
-                 **({"pool": w.labels[wire.POOL_LABEL]} if wire.POOL_LABEL in w.labels else {})}
+                 **({"pool": w.labels[wire.POOL_LABEL]} if wire.POOL_LABEL in w.labels else {}),
+                 **events(w)}
                 for w in self.pods if w.labels.get(wire.COMPONENT_LABEL) == "worker"]
         path = pod.root / "endpoints.yaml"
         path.write_text(yaml.safe_dump(rows))

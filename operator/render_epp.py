@@ -4,7 +4,9 @@ the ServiceAccount/Role/RoleBinding its pod discovery needs (pods: get/list/watc
 
 The scheduler config has the shape of epp/scheduler.example.yaml (one profile) or,
 with a prefill pool, epp/scheduler.pd.example.yaml (decode first); a test loads the
-rendered one with the EPP's own config loader.
+rendered one with the EPP's own config loader. Its prefix scorer is precise-prefix-cache
+(the workers' KV events, found through their pod annotations) wherever the EPP has the
+workers' tokenizer, else prefix-cache.
 """
 from __future__ import annotations
 
@@ -57,9 +59,17 @@ def epp_block_size(worker_block: int) -> int:
     return worker_block * max(1, -(-64 // worker_block))
 
 
+def precise_routing(s: ServiceSpec) -> bool:
+    """Whether the EPP routes by the workers' KV events (the workers always publish them,
+    render_workers.kv_events_args): only where it has their tokenizer to key a request
+    as the engine does (epp_model_arg); else its approximate index alone."""
+    return epp_model_arg(s, "") != "none"
+
+
 def _scorers(s: ServiceSpec, kv_util: bool) -> list[dict[str, Any]]:
     r = s.routing
-    out = [{"type": "prefix-cache", "weight": r.prefix_cache, "lruCapacityPerServer": 31250},
+    prefix = "precise-prefix-cache" if precise_routing(s) else "prefix-cache"
+    out = [{"type": prefix, "weight": r.prefix_cache, "lruCapacityPerServer": 31250},
            {"type": "queue", "weight": r.queue}]
     if kv_util:
         out.append({"type": "kv-cache-utilization", "weight": r.kv_cache_utilization})

@@ -7,6 +7,7 @@ a load-balanced path around the EPP.
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from kvyard.common import wire
@@ -44,6 +45,15 @@ def _kvstore_args(s: ServiceSpec) -> list[str]:
     return args
 
 
+def kv_events_args() -> list[str]:
+    """Every worker (kvyard's or stock vLLM's) publishes its KV events on the pod's
+    conventional ports, which the pod's annotations name for the EPP (precise routing)."""
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
+           "endpoint": f"tcp://*:{wire.WORKER_KV_EVENTS_PORT}",
+           "replay_endpoint": f"tcp://*:{wire.WORKER_KV_REPLAY_PORT}"}
+    return ["--kv-events-config", json.dumps(cfg, separators=(",", ":"))]
+
+
 def kvyard_args(s: ServiceSpec, role: str, model_arg: str) -> list[str]:
     e = s.engine
     args = ["worker", "--model", model_arg, "--host", "0.0.0.0",
@@ -57,7 +67,7 @@ def kvyard_args(s: ServiceSpec, role: str, model_arg: str) -> list[str]:
         args += ["--kv-cache-memory-bytes", e.kv_cache_memory]
     if s.disaggregated and role in ("prefill", "both"):
         args += ["--kv-peer-port", str(s.defaults.kv_peer_port)]
-    return args + _kvstore_args(s) + lora_args(s) + e.extra_args
+    return args + kv_events_args() + _kvstore_args(s) + lora_args(s) + e.extra_args
 
 
 def vllm_args(s: ServiceSpec, model_arg: str) -> list[str]:
@@ -70,7 +80,7 @@ def vllm_args(s: ServiceSpec, model_arg: str) -> list[str]:
         args += ["--max-model-len", str(e.max_model_len)]
     if e.kv_cache_memory:
         args += ["--kv-cache-memory-bytes", str(quantity_bytes(e.kv_cache_memory))]
-    return args + lora_args(s) + e.extra_args
+    return args + kv_events_args() + lora_args(s) + e.extra_args
 
 
 def _env(s: ServiceSpec) -> list[dict[str, Any]]:
@@ -196,7 +206,9 @@ def render_pool(s: ServiceSpec, pool: Pool, keda: bool = True) -> list[dict[str,
     if s.engine.tolerations:
         pod["tolerations"] = [dict(t) for t in s.engine.tolerations]
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(wire.WORKER_HTTP_PORT),
-                   "prometheus.io/path": "/metrics"}
+                   "prometheus.io/path": "/metrics",
+                   wire.KV_EVENTS_PORT_ANNOTATION: str(wire.WORKER_KV_EVENTS_PORT),
+                   wire.KV_REPLAY_PORT_ANNOTATION: str(wire.WORKER_KV_REPLAY_PORT)}
     ports = [("http", wire.WORKER_HTTP_PORT)]
     if any(p["name"] == "kv-peer" for p in container["ports"]):
         ports.append(("kv-peer", s.defaults.kv_peer_port))

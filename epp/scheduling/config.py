@@ -6,7 +6,7 @@
       default:
         filters: [healthy, prefer-fresh, role]
         scorers:
-          - {type: prefix-cache, weight: 3, lruCapacityPerServer: 31250}
+          - {type: precise-prefix-cache, weight: 3, lruCapacityPerServer: 31250}
           - {type: queue, weight: 2}
           - {type: kv-cache-utilization, weight: 2}
           - {type: lora-affinity, weight: 4}
@@ -37,7 +37,8 @@ from .scheduler import Scheduler
 DEFAULT_PROFILE: dict[str, Any] = {
     "filters": ["healthy", "prefer-fresh", "role"],
     "scorers": [
-        {"type": "prefix-cache", "weight": 3, "lruCapacityPerServer": 31_250},
+        # KV events where an endpoint publishes them, else prefix-cache's approximate index
+        {"type": "precise-prefix-cache", "weight": 3, "lruCapacityPerServer": 31_250},
         {"type": "queue", "weight": 2},
         {"type": "kv-cache-utilization", "weight": 2},
         {"type": "lora-affinity", "weight": 4},  # neutral for base models

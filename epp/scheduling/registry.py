@@ -14,7 +14,7 @@ from typing import Any
 from .filters import DecodeRoleFilter, HealthyFilter, PreferFreshFilter, PrefillRoleFilter
 from .handlers import DisaggParams, DisaggProfileHandler, SingleProfileHandler
 from .hooks import Filter, Picker, Scorer
-from .pickers import MaxScoreParams, MaxScorePicker
+from .pickers import MaxScoreParams, MaxScorePicker, RoundRobinPicker
 from .plugin_config import NoParams
 from .scorers.kv_utilization import KvUtilizationScorer
 from .scorers.lora_affinity import LoraAffinityParams, LoraAffinityScorer
@@ -55,6 +55,7 @@ SCORERS: dict[str, PluginType] = {
 }
 PICKERS: dict[str, PluginType] = {
     "max-score": PluginType(MaxScorePicker, MaxScoreParams),
+    "round-robin": PluginType(RoundRobinPicker, MaxScoreParams),
 }
 PROFILE_HANDLERS: dict[str, PluginType] = {
     "single-profile": PluginType(SingleProfileHandler),

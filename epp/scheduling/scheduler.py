@@ -52,8 +52,10 @@ class Scheduler:
 
     @property
     def prefix_scorer(self) -> Any:
-        """The primary profile's prefix-cache scorer (for tests and debugging)."""
-        return next((s for s, _ in self.scorers if s.name == "prefix-cache"), None)
+        """The primary profile's prefix-cache scorer, or the one a precise-prefix-cache
+        scorer uses for endpoints without events (for tests and debugging)."""
+        return next((s if s.name == "prefix-cache" else s.fallback for s, _ in self.scorers
+                     if s.name in ("prefix-cache", "precise-prefix-cache")), None)
 
     def _is(self, plugin: object, hook: type[H]) -> bool:
         kinds = self._implements.get(type(plugin))

@@ -2,8 +2,8 @@
 
 Targets, each on a fresh pool of pods (cold caches) and the same requests:
 kvyard's EPP policies through Envoy (`route_policies`: random, round_robin, load,
-approx_prefix, precise_prefix, precise_prefix with 2 EPP replicas; those the build
-cannot express are listed as unavailable) and the peer routers in front of the same
+approx_prefix, precise_prefix, precise_prefix with 2 and 4 active-active EPP replicas
+as `kvyard up --epp-replicas N` runs them) and the peer routers in front of the same
 pods (`route_peers`: `smg:cache_aware`, `vllm-router:cache_aware`,
 `vllm-router:kv_aware`; absent ones are "not installed").
 
@@ -31,9 +31,11 @@ from pathlib import Path
 
 DATA = Path(__file__).parent / "data"
 SYNTHETIC_TRACE = DATA / "route_mooncake_synthetic.jsonl"
+# Ten targets, each on a fresh pool: rungs of 4 s keep the whole run near two and a half
+# minutes on an idle 2-core box.
 QUICK = {"pods": 8, "groups": 16, "prefix_tokens": 1000, "users": 4, "question_tokens": 200,
-         "output_tokens": 32, "rates": [4.0, 8.0], "duration": 6.0, "cost_pods": [8, 64],
-         "cost_iterations": 30, "cost_watch": 2.0}
+         "output_tokens": 32, "rates": [4.0, 8.0], "duration": 4.0, "cost_pods": [8, 64],
+         "cost_iterations": 20, "cost_watch": 1.0}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -168,12 +170,14 @@ def run(args: argparse.Namespace) -> int:
     peers = [p for p in route_peers.PEERS if args.peers is None or p.name in args.peers]
     run_root = Path(args.run_dir or tempfile.mkdtemp(prefix="kvyard-bench-route-"))
     results = {}
-    for policy in select(args.policies):
-        results[policy.name] = run_target(policy.name, pods, work, run_root, args.timeout,
-                                          policy=policy).summary(slo)
-    for peer in peers:
-        results[peer.name] = run_target(peer.name, pods, work, run_root, args.timeout,
-                                        peer=peer).summary(slo)
+    targets = [(p.name, {"policy": p}) for p in select(args.policies)]
+    targets += [(p.name, {"peer": p}) for p in peers]
+    for name, kind in targets:
+        try:
+            results[name] = run_target(name, pods, work, run_root, args.timeout,
+                                       **kind).summary(slo)
+        except Exception as e:  # noqa: BLE001 - one target's failure is its row, not the run's
+            results[name] = {"unavailable": f"failed: {str(e)[-300:]}", "errors": 1}
     cost = route_cost.epp_cost(args.cost_pods, args.cost_iterations, args.cost_watch)
     per_req = {n: r["epp_cpu_s_per_req"] for n, r in results.items()
                if "epp_cpu_s_per_req" in r and not math.isnan(r["epp_cpu_s_per_req"])}

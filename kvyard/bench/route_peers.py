@@ -112,6 +112,9 @@ LOG_SIGNS = {
     "KV event batch must be an array": "it could not decode the pods' KV-event batches "
                                        "(it wants vLLM's positional msgpack form), so its "
                                        "KV index stayed empty",
+    "KV event must be a tagged map": "it could not decode the pods' KV events (it wants "
+                                     "newer vLLM's maps tagged \"type\" in a positional "
+                                     "batch), so its KV index stayed empty",
 }
 
 

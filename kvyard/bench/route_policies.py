@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvyard.epp.scheduling.registry import SCORERS
+from kvyard.epp.scheduling.registry import PICKERS, SCORERS
 
 FILTERS = ["healthy", "prefer-fresh", "role"]
 PICKER = {"type": "max-score", "maxEndpoints": 1}
@@ -24,11 +24,13 @@ class Policy:
     scorers: list[dict] = field(default_factory=list)
     unavailable: str | None = None
     epp_args: list[str] = field(default_factory=list)
+    picker: dict = field(default_factory=lambda: dict(PICKER))
+    replicas: int = 1  # EPPs sharing their picks behind the one Envoy (kvyard up's)
 
     def config(self) -> dict:
         return {"profileHandler": {"type": "single-profile"},
                 "profiles": {"default": {"filters": FILTERS, "scorers": self.scorers,
-                                         "picker": PICKER}}}
+                                         "picker": self.picker}}}
 
     def write(self, run: Path) -> Path:
         path = run / f"scheduler-{self.name}.yaml"
@@ -43,18 +45,20 @@ def _precise_scorer() -> str | None:
 
 def policies() -> list[Policy]:
     precise = _precise_scorer()
-    needs = "unavailable (needs the precise-prefix-cache scorer)"
+    needs = None if precise else "unavailable (needs the precise-prefix-cache scorer)"
+    scored = [{"type": precise, "weight": 3}, *LOAD] if precise else []
+    rr = "round-robin" in PICKERS
     return [
         # No scorer: every total is 0 and max-score picks uniformly among the ties.
         Policy("random"),
-        Policy("round_robin", unavailable="unavailable (the EPP registers no round-robin "
-                                          "picker, and no config of its plugins is one)"),
+        # No scorer, every endpoint tied: the round-robin picker takes them in turn.
+        Policy("round_robin", picker={**PICKER, "type": "round-robin"},
+               unavailable=None if rr else "unavailable (no round-robin picker)"),
         Policy("load", list(LOAD)),
         Policy("approx_prefix", [{"type": "prefix-cache", "weight": 3}, *LOAD]),
-        Policy("precise_prefix", [{"type": precise, "weight": 3}, *LOAD] if precise else [],
-               unavailable=None if precise else needs),
-        Policy("precise_prefix_x2", unavailable="unavailable (EPP replicas are not built: one "
-                                                "EPP process per pool)"),
+        Policy("precise_prefix", list(scored), unavailable=needs),
+        Policy("precise_prefix_x2", list(scored), unavailable=needs, replicas=2),
+        Policy("precise_prefix_x4", list(scored), unavailable=needs, replicas=4),
     ]
 
 

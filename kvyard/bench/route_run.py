@@ -87,6 +87,11 @@ class TargetRun:
         return top
 
 
+def _epp_cpu(stack) -> float:
+    """CPU-seconds of every EPP replica together."""
+    return sum(procs.cpu_seconds(e.pid) for e in stack.epps)
+
+
 def run_target(name: str, pods: Pods, work: Workload, run_root: Path, timeout_s: float,
                policy: Policy | None = None, peer: Peer | None = None) -> TargetRun:
     """One target over every rung, on a pool of its own."""
@@ -102,7 +107,8 @@ def run_target(name: str, pods: Pods, work: Workload, run_root: Path, timeout_s:
     run = run_root / name.replace(":", "-")
     shutil.rmtree(run, ignore_errors=True)
     run.mkdir(parents=True)
-    stack = route_stack.start(pods, run, policy.write(run) if policy else None)
+    stack = route_stack.start(pods, run, policy.write(run) if policy else None,
+                              epp_replicas=policy.replicas if policy else 1)
     front = None
     try:
         url = stack.url
@@ -113,7 +119,7 @@ def run_target(name: str, pods: Pods, work: Workload, run_root: Path, timeout_s:
                 out.unavailable = front
                 return out
             url = front.url
-        cpu0, sent = procs.cpu_seconds(stack.epp.pid), 0
+        cpu0, sent = _epp_cpu(stack), 0
         for rate, reqs, texts, ideal in zip(work.rates, work.rungs, work.texts, work.ideal):
             before = asyncio.run(scrape(stack.addresses))
             results, wall = asyncio.run(replay(url, model, reqs, texts, timeout_s))
@@ -122,7 +128,7 @@ def run_target(name: str, pods: Pods, work: Workload, run_root: Path, timeout_s:
             out.rungs.append(RungResult(rate, results, wall, hit, imbalance, ideal))
             sent += len(reqs)
         if peer is None:
-            out.epp_cpu_s_per_req = (procs.cpu_seconds(stack.epp.pid) - cpu0) / max(1, sent)
+            out.epp_cpu_s_per_req = (_epp_cpu(stack) - cpu0) / max(1, sent)
     finally:
         if front is not None and not isinstance(front, str):
             route_peers.stop(front)

@@ -45,7 +45,9 @@ class Pods:
         if events is not None:
             cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
                    "endpoint": f"tcp://*:{events}", "replay_endpoint": f"tcp://*:{replay}"}
-            cmd += ["--kv-events-config", json.dumps(cfg)]
+            # newer vLLM's tagged-map events: the EPP reads either form, vllm-router's
+            # kv_aware only this one
+            cmd += ["--kv-events-config", json.dumps(cfg), "--kv-events-form", "map"]
         return cmd
 
 
@@ -54,20 +56,9 @@ class RouteStack:
     addresses: list[str]
     kv_events: dict[str, str]      # address -> its PUB endpoint (empty: the pods publish none)
     url: str                       # Envoy's listener
-    epp: procs.Proc
+    epps: list[procs.Proc]         # one, or kvyard up's active-active replicas
     started: list[procs.Proc] = field(default_factory=list)
     epp_metrics: str = ""          # the EPP's metrics/debug base URL
-
-
-def _port_run(n: int, taken: set[int], rng: random.Random) -> int:
-    """The first of `n` consecutive free ports (the simulator offsets event ports per pod)."""
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
-        run = range(base, base + n)
-        if not taken.intersection(run) and all(procs.port_free(p) for p in run):
-            taken.update(run)
-            return base
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def _endpoints_file(path: Path, addresses: list[str], kv: dict[str, str],
@@ -85,11 +76,30 @@ def _endpoints_file(path: Path, addresses: list[str], kv: dict[str, str],
 
 
 def start(pods: Pods, run: Path, epp_config: Path | None, timeout_s: float = 180.0,
-          epp_args: list[str] | None = None, observe_responses: bool = False) -> RouteStack:
+          epp_replicas: int = 1, attempts: int = 3, epp_args: list[str] | None = None,
+          observe_responses: bool = False) -> RouteStack:
+    """Pods, then the EPP (`epp_replicas` > 1: that many sharing their picks, started
+    and fronted as `kvyard up --epp-replicas N` does), then Envoy. A start that fails is
+    tried again on fresh ports: on a shared machine another process can take one of the
+    runs of free ports between the check and the pods' bind."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return _start(pods, run, epp_config, timeout_s, epp_replicas, epp_args or [], observe_responses)
+        except Exception:  # noqa: BLE001 - everything started was stopped; the last is raised
+            if attempt == attempts:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start(pods: Pods, run: Path, epp_config: Path | None, timeout_s: float,
+           epp_replicas: int, more_epp_args: list[str], observe_responses: bool) -> RouteStack:
     from kvyard.gateway.config import GatewayConfig
     from kvyard.gateway.envoy import envoy_command, write_config
-    from kvyard.stack.commands import epp_cmd
+    from kvyard.stack.epp_replicas import epp_gateway, replicas_healthy, spawn_epps
+    from kvyard.stack.kv_events import port_run
     from kvyard.stack.readiness import epp_sees
+    from kvyard.stack.sim_pool import epp_args
+    from kvyard.stack.spec import StackSpec
 
     logs = run / "logs"
     taken: set[int] = set()
@@ -100,7 +110,7 @@ def start(pods: Pods, run: Path, epp_config: Path | None, timeout_s: float = 180
     kv: dict[str, str] = {}
     rp: dict[str, str] = {}
     if pods.backend == "sim":
-        events, replay = _port_run(pods.count, taken, rng), _port_run(pods.count, taken, rng)
+        events, replay = port_run(pods.count, taken, rng), port_run(pods.count, taken, rng)
         kv = {a: f"tcp://127.0.0.1:{events + i}" for i, a in enumerate(addresses)}
         rp = {a: f"tcp://127.0.0.1:{replay + i}" for i, a in enumerate(addresses)}
     started: list[procs.Proc] = []
@@ -109,29 +119,34 @@ def start(pods: Pods, run: Path, epp_config: Path | None, timeout_s: float = 180
         started.append(host)
         procs.wait_ready([(host, lambda: all(procs.http_ok(f"http://{a}/health")
                                              for a in addresses))], timeout_s)
-        eports = tuple(procs.free_port(None, taken) for _ in range(3))
-        extra = ["--scaler-port", str(procs.free_port(None, taken)), *(epp_args or [])]
+        # The scrape interval grows with the pool, as `kvyard up --sim N` sets it.
+        extra = ["--scaler-port", str(procs.free_port(None, taken)), *epp_args(pods.count), *more_epp_args]
         if epp_config is not None:
             extra = ["--config", str(epp_config), *extra]
-        epp = procs.spawn("epp", epp_cmd("demo", eports, _endpoints_file(
-            run / "endpoints.yaml", addresses, kv, rp), extra), logs / "epp.log")
-        started.append(epp)
+        spec = StackSpec(run_dir=run, model="demo", epp_replicas=epp_replicas,
+                         epp_ports=(None, None, None))
+        epps = spawn_epps(spec, _endpoints_file(run / "endpoints.yaml", addresses, kv, rp),
+                          extra, taken, logs, lambda p: started.append(p) or p)
         gw, admin = procs.free_port(None, taken), procs.free_port(None, taken)
-        conf = write_config(GatewayConfig(listen_port=gw, admin_port=admin,
-                                          epp_address=f"127.0.0.1:{eports[0]}",
-                                          body_limit_bytes=16 * 1024 * 1024,
-                                          observe_responses=observe_responses),
-                            run / "envoy.yaml")
+        cfg = GatewayConfig(listen_port=gw, admin_port=admin,
+                            epp_address=f"127.0.0.1:{epps[0].ports['ext_proc']}",
+                            body_limit_bytes=16 * 1024 * 1024, observe_responses=observe_responses)
+        checks = [(e, epp_sees(f"http://127.0.0.1:{e.ports['metrics']}", pods.count))
+                  for e in epps]
+        envoy_ready = lambda: procs.http_ok(f"http://127.0.0.1:{admin}/ready")  # noqa: E731
+        if len(epps) > 1:  # Envoy health-checks the replicas: start it once they are ready
+            epp_gateway(cfg, epps)
+            procs.wait_ready(checks, timeout_s)
+            checks, envoy_ready = [], replicas_healthy(f"http://127.0.0.1:{admin}", len(epps))
+        conf = write_config(cfg, run / "envoy.yaml")
         envoy = procs.spawn("envoy", envoy_command(conf, concurrency=2), logs / "envoy.log")
         started.append(envoy)
-        procs.wait_ready([(epp, epp_sees(f"http://127.0.0.1:{eports[2]}", pods.count)),
-                          (envoy, lambda: procs.http_ok(f"http://127.0.0.1:{admin}/ready"))],
-                         timeout_s)
+        procs.wait_ready([*checks, (envoy, envoy_ready)], timeout_s)
     except BaseException:
         procs.stop([p.pid for p in reversed(started)])
         raise
-    return RouteStack(addresses, kv, f"http://127.0.0.1:{gw}", epp, started,
-                      f"http://127.0.0.1:{eports[2]}")
+    return RouteStack(addresses, kv, f"http://127.0.0.1:{gw}", epps, started,
+                      f"http://127.0.0.1:{epps[0].ports['metrics']}")
 
 
 def stop(stack: RouteStack) -> None:

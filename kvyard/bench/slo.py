@@ -165,7 +165,7 @@ def run_policy(name: str, scorers: list[dict], pods, work, tags, run_root: Path,
     stack = route_stack.start(pods, run, Policy(name, scorers).write(run),
                               observe_responses=observe)
     rows, snaps = [], []
-    cpu0, sent = procs.cpu_seconds(stack.epp.pid), 0
+    cpu0, sent = procs.cpu_seconds(stack.epps[0].pid), 0
     try:
         for rate, reqs, texts, tg in zip(work.rates, work.rungs, work.texts, tags):
             before = asyncio.run(scrape(stack.addresses))
@@ -174,7 +174,7 @@ def run_policy(name: str, scorers: list[dict], pods, work, tags, run_root: Path,
             rows.append(_rung(rate, res, tg, wall, scale, pool_delta(before, after)[0]))
             sent += len(reqs)
             snaps.append(snapshot(stack) if observe else {})
-        cpu = (procs.cpu_seconds(stack.epp.pid) - cpu0) / max(1, sent)
+        cpu = (procs.cpu_seconds(stack.epps[0].pid) - cpu0) / max(1, sent)
     finally:
         route_stack.stop(stack)
     slo = held_out(snaps[0], snaps[-1]) if len(snaps) > 1 else (snaps[0] if snaps else {})

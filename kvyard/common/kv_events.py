@@ -69,12 +69,19 @@ def default_topic(address: str, model: str) -> str:
     return f"kv@{address}@{model}"
 
 
-def encode_batch(ts: float, events: list[dict[str, Any]], dp_rank: int = 0) -> bytes:
+def encode_batch(ts: float, events: list[dict[str, Any]], dp_rank: int = 0,
+                 tagged_maps: bool = False) -> bytes:
     """The positional form vLLM's msgspec structs (`array_like=True`, `tag=True`) write:
     [ts, [[tag, field, ...], ...], dp_rank]; consumers that decode into vLLM's structs
-    (vllm-router, llm-d) read only this form."""
-    rows = [[ev["type"], *(ev.get(f) for f in _POSITIONAL[ev["type"]][:_width(ev)])]
-            for ev in events]
+    (vllm-router, llm-d) read only a positional batch. `tagged_maps`: each event as a
+    map tagged "type" inside that batch instead, newer vLLM's event form, the only one
+    vllm-router >= 0.1.17's kv_aware index accepts ("KV event must be a tagged map")."""
+    if tagged_maps:
+        rows: list[Any] = [{"type": ev["type"], **{f: ev[f] for f in _POSITIONAL[ev["type"]]
+                                                    if f in ev}} for ev in events]
+    else:
+        rows = [[ev["type"], *(ev.get(f) for f in _POSITIONAL[ev["type"]][:_width(ev)])]
+                for ev in events]
     return msgpack.packb([ts, rows, dp_rank])
 
 

@@ -100,6 +100,12 @@ COMPONENT_LABEL = "kvyard.io/component"  # worker | epp | gateway
 COMPONENTS = ("worker", "epp", "gateway")
 WORKER_HTTP_PORT = 8000
 WORKER_KV_PEER_PORT = 8001               # P/D: the prefill side's KV transfer endpoint
+# A worker pod's KV-event publisher (vLLM's usual PUB and replay ports) and the pod
+# annotations the EPP's Kubernetes discovery reads them from (the operator writes them).
+WORKER_KV_EVENTS_PORT = 5557
+WORKER_KV_REPLAY_PORT = 5558
+KV_EVENTS_PORT_ANNOTATION = "kvyard.io/kv-events-port"
+KV_REPLAY_PORT_ANNOTATION = "kvyard.io/kv-events-replay-port"
 GATEWAY_HTTP_PORT = 8080
 GATEWAY_ADMIN_PORT = 9901                # bound to 127.0.0.1 inside the pod
 IMAGE_REPOSITORY = "ghcr.io/kvyard/kvyard"  # tag: the kvyard version

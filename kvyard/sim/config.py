@@ -105,6 +105,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-events-replay-endpoint", default=None, help="ROUTER for replays")
     g.add_argument("--event-batch-size", type=int, default=0,
                    help="events per published batch at most (0: a step's events together)")
+    g.add_argument("--kv-events-form", choices=("array", "map"), default="array",
+                   help="each event positional (vLLM's array_like structs) or a map tagged "
+                        "\"type\" (newer vLLM; what vllm-router's kv_aware reads); the batch "
+                        "is positional either way")
     p.add_argument("--log-level", default="warning")
 
 

@@ -55,6 +55,7 @@ class SimPublisher:
     config: wire_events.KVEventsConfig
     topic: bytes = b""
     batch_size: int = 0                 # events per batch at most; 0: a step's events together
+    tagged_maps: bool = False           # events as maps tagged "type" (newer vLLM's form)
     seq: int = 0
     batches: int = 0
     _buffer: deque = field(init=False)
@@ -94,7 +95,8 @@ class SimPublisher:
             return
         n = self.batch_size or len(events)
         for i in range(0, len(events), n):
-            payload = wire_events.encode_batch(time.time(), events[i:i + n])
+            payload = wire_events.encode_batch(time.time(), events[i:i + n],
+                                               tagged_maps=self.tagged_maps)
             try:
                 self._pub.send_multipart((self.topic, self.seq.to_bytes(8, "big"), payload),
                                          flags=zmq.NOBLOCK)

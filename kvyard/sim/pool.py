@@ -49,6 +49,7 @@ class PodSettings:
     seed: int | None = None
     first_pod: int = 0                   # this process's first pod in the pool (seeds)
     event_batch_size: int = 0
+    event_maps: bool = False             # --kv-events-form map
     served: list[str] = field(default_factory=list)
     pd_key: bytes | None = None
     enable_lora: bool = False
@@ -67,7 +68,7 @@ def build_pod(plan: PodPlan, i: int, s: PodSettings, tok: ChatTokenizer,
     if plan.kv_events is not None:
         served = s.served[0] if s.served else tok.name
         topic = plan.kv_events.topic.replace("{address}", plan.address).replace("{model}", served)
-        pub = SimPublisher(plan.kv_events, topic.encode(), s.event_batch_size)
+        pub = SimPublisher(plan.kv_events, topic.encode(), s.event_batch_size, s.event_maps)
     lora = AdapterSlots(dict(s.lora_modules), max(1, s.max_loras), s.lora_load_s) \
         if s.enable_lora or s.lora_modules else None
     engine = SimEngine(pool, model, s.profile.max_num_seqs, ids, s.min_step_s,
@@ -128,7 +129,8 @@ def settings_of(a: Any, profile: LatencyProfile) -> PodSettings:
                        enable_kvcache=a.enable_kvcache, max_model_len=a.max_model_len,
                        time_scale=a.time_scale, min_step_s=a.min_step, seed=a.seed,
                        first_pod=a.first_pod,
-                       event_batch_size=a.event_batch_size, served=list(a.served_model_name),
+                       event_batch_size=a.event_batch_size,
+                       event_maps=a.kv_events_form == "map", served=list(a.served_model_name),
                        pd_key=key, enable_lora=a.enable_lora,
                        lora_modules=parse_lora_modules(a.lora_modules), max_loras=a.max_loras,
                        lora_load_s=DEFAULT_LOAD_S if a.lora_load_time is None

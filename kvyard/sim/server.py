@@ -7,6 +7,9 @@ SGLang's router (smg 1.13) and vllm-router 0.1.17 probe, per the paths in their 
 /get_model_info, /get_server_info, /server_info, /get_load(s), /version, /ping,
 /health_generate, /flush_cache (and vLLM's /reset_prefix_cache); `smg launch --policy
 cache_aware` registers simulated pods and routes chat and streamed completions to them.
+vLLM's /tokenize and /v1/completions/render: vllm-router 0.1.17 keys requests by their ids
+and routes cache-blind without them; it asks every worker per request, so the process
+renders each body once for all its pods (real pods would render in parallel).
 Every answer carries
 `x-kvyard-endpoint`. P/D: a decode pod given a signed `x-prefiller-host-port` asks
 that prefill pod for the prefill (`max_tokens` 1, `kv_transfer_params.do_remote_decode`),
@@ -15,6 +18,7 @@ then pays the transfer time instead of the prefill (pd.py).
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 
 from aiohttp import web
 
@@ -218,6 +222,54 @@ async def _flush(request: web.Request) -> web.Response:
     return web.Response(text="ok", headers=pod.headers)
 
 
+# The last bodies rendered, shared by the process's pods: vllm-router asks every worker to
+# render each request, which real pods do in parallel on their own CPUs; here the N asks of
+# one body cost one tokenization, not N on this one process.
+_RENDERED: OrderedDict[bytes, list[int]] = OrderedDict()
+_RENDERED_MAX = 256
+
+
+async def _prompt_ids(request: web.Request) -> list[int] | web.Response:
+    """The ids a generate request with this body would prefill (chat when it has messages)."""
+    pod = request.app[POD]
+    data = await request.read()
+    ids = _RENDERED.get(data)
+    if ids is not None:
+        _RENDERED.move_to_end(data)
+        return ids
+    try:
+        chat = request.path.startswith("/v1/chat/") or b'"messages"' in data
+        spec = await parse_generate(data, chat, pod.tokenizer, pod.served, pod.max_model_len)
+    except ApiError as e:
+        return _error(pod, e)
+    _RENDERED[data] = spec.prompt_ids
+    if len(_RENDERED) > _RENDERED_MAX:
+        _RENDERED.popitem(last=False)
+    return spec.prompt_ids
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize (as `kvyard worker` answers it)."""
+    ids = await _prompt_ids(request)
+    if isinstance(ids, web.Response):
+        return ids
+    pod = request.app[POD]
+    return web.json_response({"tokens": ids, "count": len(ids),
+                              "max_model_len": pod.max_model_len}, headers=pod.headers)
+
+
+async def _render(request: web.Request) -> web.Response:
+    """vLLM's /v1/completions/render: the engine prompts, not generated. vllm-router's
+    cache_aware and kv_aware key requests by these ids (or /tokenize's) and route
+    cache-blind without either."""
+    ids = await _prompt_ids(request)
+    if isinstance(ids, web.Response):
+        return ids
+    # One entry per prompt with the ids as `token_ids`: vllm-router 0.1.17 rejects an
+    # entry keyed `prompt_token_ids` (invalid_token_ids) and falls back to the text.
+    return web.json_response([{"token_ids": ids}], headers=request.app[POD].headers)
+
+
 def make_app(pod: Pod) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[POD] = pod
@@ -237,4 +289,6 @@ def make_app(pod: Pod) -> web.Application:
     app.router.add_get("/flush_cache", _flush)
     app.router.add_post("/v1/completions", _generate)
     app.router.add_post("/v1/chat/completions", _generate)
+    app.router.add_post("/tokenize", _tokenize)
+    app.router.add_post("/v1/completions/render", _render)
     return app

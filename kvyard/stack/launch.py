@@ -19,6 +19,7 @@ from kvyard.stack import procs
 from kvyard.stack.commands import kv_layout, pd_key_file, pd_scheduler_config, worker_cmd
 from kvyard.stack.endpoints_file import write_endpoints
 from kvyard.stack.epp_replicas import epp_gateway, replicas_healthy, spawn_epps
+from kvyard.stack.kv_events import EventPorts, wanted
 from kvyard.stack.procs import Proc
 from kvyard.stack.readiness import epp_sees, ready_check
 from kvyard.stack.spec import StackSpec
@@ -59,6 +60,8 @@ def start_stack(spec: StackSpec) -> StackState:
         pd_key = pd_key_file(run) if spec.disaggregated else None
         sim_pods = bool(spec.sim) and not spec.scale_to_zero  # many pods per process
         pools: list[str] | None = None
+        # KV events for one pool's workers; several models' pools are scored approximately
+        events = EventPorts.allocate(len(roles), taken) if wanted(spec) and not spec.named_models else None
         if spec.named_models:  # a pool per model (stack/models.py)
             from kvyard.stack.models import spawn_model_pools
 
@@ -68,13 +71,15 @@ def start_stack(spec: StackSpec) -> StackState:
         elif sim_pods:
             from kvyard.stack.sim_pool import spawn_sim_pods
 
-            addresses, sim_checks = spawn_sim_pods(spec, roles, taken, logs, pd_key, started.add)
+            addresses, sim_checks = spawn_sim_pods(spec, roles, taken, logs, pd_key, started.add,
+                                                   extra=events.flag() if events else [])
             checks += sim_checks
         for i, role in enumerate([] if sim_pods or pools is not None else roles):
             base = spec.worker_base_port
             port = procs.free_port(None if base is None else base + i, taken)
             addresses.append(f"127.0.0.1:{port}")
             cmd = worker_cmd(spec, port, kv_args=kv_args, role=role, pd_key=pd_key)
+            cmd += events.flag(i) if events else []
             p = procs.spawn(f"worker-{i}", cmd,
                             logs / f"worker-{i}.log", env_files=kv_env_files,
                             ports={"http": port})
@@ -82,7 +87,8 @@ def start_stack(spec: StackSpec) -> StackState:
             checks.append((p, ready_check(f"http://127.0.0.1:{port}/health")))
         # Workers load models in parallel; wait for them before the EPP scrapes.
         procs.wait_ready(checks, spec.ready_timeout_s)
-        endpoints_file = write_endpoints(run / "endpoints.yaml", addresses, roles, pools)
+        endpoints_file = write_endpoints(run / "endpoints.yaml", addresses, roles, pools,
+                                         events.streams(addresses) if events else None)
         scaler_port = procs.free_port(spec.scaler_port, taken)
         epp_args = ["--scaler-port", str(scaler_port), "--pool-name", spec.pool_name,
                     *spec.epp_args]

@@ -55,9 +55,11 @@ def epp_args(n: int) -> list[str]:
 
 def spawn_sim_pods(spec: StackSpec, roles: list[str], taken: set[int], logs: Path,
                    pd_key: Path | None, add: Callable[[Proc], Proc],
-                   name_prefix: str = SIM_PREFIX
+                   name_prefix: str = SIM_PREFIX, extra: list[str] | None = None
                    ) -> tuple[list[str], list[tuple[Proc, Callable[[], bool]]]]:
-    """Start the sim processes; the pods' addresses (in `roles` order) and readiness checks."""
+    """Start the sim processes (`extra`: more flags for each, e.g. the KV-event ports,
+    which each pod offsets by its index); the pods' addresses (in `roles` order) and
+    readiness checks."""
     base = spec.worker_base_port
     ports = [procs.free_port(None if base is None else base + i, taken) for i in range(len(roles))]
     n_procs = max(1, math.ceil(len(ports) / PODS_PER_PROCESS))
@@ -70,7 +72,8 @@ def spawn_sim_pods(spec: StackSpec, roles: list[str], taken: set[int], logs: Pat
         cmd = _sim_cmd("serve", "--first-pod", str(mine[0]),
                        "--ports", ",".join(str(ports[i]) for i in mine),
                         "--roles", ",".join(roles[i] for i in mine),
-                        *(["--pd-key-file", str(pd_key)] if pd_key else []), *sim_args(spec))
+                        *(["--pd-key-file", str(pd_key)] if pd_key else []), *sim_args(spec),
+                        *(extra or []))
         name = f"{name_prefix}{k}"
         p = add(procs.spawn(name, cmd, logs / f"{name}.log",
                             ports={f"pod-{i}": ports[i] for i in mine}))

@@ -69,6 +69,8 @@ class StackSpec:
     kv_ssd_gb: float = 4.0
     kv_redis_max_memory: int = DEFAULT_MAX_MEMORY_BYTES
     worker_args: list[str] = field(default_factory=list)
+    # Each worker publishes its KV events and the EPP subscribes (kvyard.stack.kv_events).
+    kv_events: bool = True
     epp_args: list[str] = field(default_factory=list)
     # Active-active EPPs behind the one Envoy, sharing their picks (kvyard.epp.replicas).
     epp_replicas: int = 1

@@ -85,6 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="N active-active EPPs behind Envoy, sharing their picks so they route "
                         "as one (Envoy balances ext_proc streams and retries a failed one on "
                         "another replica)")
+    p.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=True,
+                   help="each worker publishes its KV events and the EPP routes by them "
+                        "(precise prefix routing; default on). Off: the EPP's prefix scores "
+                        "come from its own picks only")
     # Model-free workers, for tests and routing benchmarks.
     p.add_argument("--standin-workers", action="store_true", help=argparse.SUPPRESS)
     add_run_dir(p)
@@ -222,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
                      kv_redis_max_memory=args.kv_redis_max_memory,
                      scale_to_zero=args.scale_to_zero, idle_seconds=args.idle_seconds,
                      polling_seconds=args.polling_seconds, prestart=args.prestart,
-                     epp_replicas=args.epp_replicas)
+                     epp_replicas=args.epp_replicas, kv_events=args.kv_events)
     if args.standin_workers:
         # Test stacks share a machine: a preferred port could be taken between the
         # free-port check and the bind, so every port is any free one.

@@ -19,7 +19,9 @@ from kvyard.epp.scheduling.config import build_scheduler, load_config
 def test_every_available_policy_is_a_config_the_epp_loads(tmp_path: Path) -> None:
     names = [p.name for p in policies()]
     assert names == ["random", "round_robin", "load", "approx_prefix", "precise_prefix",
-                     "precise_prefix_x2"]
+                     "precise_prefix_x2", "precise_prefix_x4"]
+    assert not any(p.unavailable for p in policies())
+    assert [p.replicas for p in policies()][-3:] == [1, 2, 4]
     for p in policies():
         if p.unavailable:
             assert p.unavailable.startswith("unavailable (")
@@ -87,7 +89,7 @@ def test_tiny_run_reports_every_key(tmp_path: Path) -> None:
             "--backend", "sim", "--pods", "2", "--groups", "3", "--prefix-tokens", "64",
             "--users", "2", "--question-tokens", "16", "--output-tokens", "4",
             "--rates", "4", "8", "--duration", "1", "--policies", "random", "approx_prefix",
-            "round_robin", "--peers", "smg:cache_aware", "--cost-pods", "4",
+            "round_robin", "precise_prefix_x2", "--peers", "smg:cache_aware", "--cost-pods", "4",
             "--cost-iterations", "5", "--cost-watch", "0.5", "--plot", str(plot),
             "--run-dir", str(tmp_path / "run")]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=240)
@@ -96,10 +98,12 @@ def test_tiny_run_reports_every_key(tmp_path: Path) -> None:
     assert set(doc) == {"config", "policies", "epp_cost"}
     assert doc["config"]["pods"] == 2 and doc["config"]["requests"] == 12
     pol = doc["policies"]
-    assert set(pol) == {"random", "approx_prefix", "round_robin", "smg:cache_aware"}
-    assert "unavailable" in pol["round_robin"]
+    assert set(pol) == {"random", "approx_prefix", "round_robin", "precise_prefix_x2",
+                        "smg:cache_aware"}
     ran = {n: p for n, p in pol.items() if "unavailable" not in p}
-    assert {"random", "approx_prefix"} <= set(ran)
+    assert {"random", "approx_prefix", "round_robin", "precise_prefix_x2"} <= set(ran)
+    for row in ran["round_robin"]["by_rate"]:  # in turn: the pods' counts differ by <= 1
+        assert row["imbalance"] <= math.ceil(row["requests"] / 2) / (row["requests"] / 2)
     for name, p in ran.items():
         assert set(KEYS) <= set(p), name
         assert p["errors"] == 0 and p["shed"] == 0, name
@@ -108,7 +112,7 @@ def test_tiny_run_reports_every_key(tmp_path: Path) -> None:
         assert p["ttft_p50"] <= p["ttft_p90"] <= p["ttft_p99"], name
         assert p["imbalance"] >= 1.0 and p["throughput_tok_s"] > 0, name
         assert [r["rate"] for r in p["by_rate"]] == [4.0, 8.0], name
-    assert ran["approx_prefix"]["hit_rate"] > 0
+    assert ran["approx_prefix"]["hit_rate"] > 0 and ran["precise_prefix_x2"]["hit_rate"] > 0
     assert doc["config"]["cache_demand_ratio"] <= 1.0
     if "unavailable" in pol["smg:cache_aware"]:
         assert pol["smg:cache_aware"]["unavailable"] == "not installed"
@@ -116,7 +120,8 @@ def test_tiny_run_reports_every_key(tmp_path: Path) -> None:
     assert cost["idle"][0]["pods"] == 4 and cost["idle"][0]["idle_cpu_cores"] >= 0
     d = cost["decisions"][0]
     assert 0 < d["decision_p50"] <= d["decision_p99"] and d["index_mb"] > 0
-    assert set(cost["cpu_s_per_request"]) == {"random", "approx_prefix"}
+    assert set(cost["cpu_s_per_request"]) == {"random", "approx_prefix", "round_robin",
+                                              "precise_prefix_x2"}
     assert plot.read_text().startswith("<svg")
 
 
