@@ -215,3 +215,14 @@ def test_accuracy_stays_close_to_auto() -> None:
         assert a.positions >= 16
         assert a.top1_agreement >= agree and a.mean_kl <= kl, a
         assert a.kv_bytes_per_token * 4 * 64 == kv_quant_eval.kv_bytes_per_token(engines["auto"]) * 68
+
+
+def test_worker_flag_reaches_the_engine_config() -> None:
+    from kvyard.cli import build_parser
+    from kvyard.workers.server.cli import engine_config
+
+    for flag, want in (([], "auto"), (["--kv-cache-dtype", "fp8_e4m3"], "fp8_e4m3"), (["--kv-cache-dtype", "int8"], "int8")):
+        args = build_parser(["worker"]).parse_args(["worker", *flag])
+        assert engine_config(args).kv_cache_dtype == want
+    with pytest.raises(SystemExit):
+        build_parser(["worker"]).parse_args(["worker", "--kv-cache-dtype", "int4"])
