@@ -33,7 +33,7 @@ def _geomean(xs: list[float]) -> float:
 def measure(torch, B: int, ctx: int, fmts: list[str], rounds: int) -> dict[str, Any]:
     from kvyard.bench.gpu_kernels import _time_ms
     from kvyard.workers.attention import kv_quant
-    from kvyard.workers.attention.triton_decode import decode_config, paged_decode
+    from kvyard.workers.attention.triton_decode import DecodeWorkspace, decode_config, paged_decode
 
     dev = "cuda"
     nb = -(-ctx // BS)
@@ -45,6 +45,7 @@ def measure(torch, B: int, ctx: int, fmts: list[str], rounds: int) -> dict[str, 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cfg = decode_config(B, NKV, nb * BS, sms)
     out = torch.empty_like(q)
+    ws = DecodeWorkspace.allocate(B, NH, HD, cfg.num_splits, dev) if cfg.num_splits > 1 else None
     scale = HD ** -0.5
     row = {"batch": B, "context": ctx, "splits": cfg.num_splits}
     ref = None
@@ -55,9 +56,10 @@ def measure(torch, B: int, ctx: int, fmts: list[str], rounds: int) -> dict[str, 
             fmt = kv_quant.resolve_kv_format(name)
             c = torch.empty(kv_quant.cache_shape(tuple(cache.shape), fmt), dtype=fmt.dtype, device=dev)
             c.view(torch.uint8).copy_(kv_quant.quantize(cache, fmt))
-        ms = _time_ms(torch, lambda: paged_decode(q, c, tables, lens, scale, out=out, config=cfg), 20, rounds,
-                      graph=True)
-        got = paged_decode(q, c, tables, lens, scale, config=cfg).float()
+        def call(c=c):
+            return paged_decode(q, c, tables, lens, scale, out=out, config=cfg, workspace=ws)
+        ms = _time_ms(torch, call, 20, rounds, graph=True)
+        got = call().float()
         if ref is None:
             ref = got
         per_tok = 2 * NKV * (HD * 2 if name == "bf16" else HD + kv_quant.SCALE_BYTES)

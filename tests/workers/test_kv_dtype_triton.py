@@ -112,14 +112,14 @@ def test_decode_matches_reference(fmt: kv_quant.KVFormat, dtype: torch.dtype, sp
 @pytest.mark.parametrize("dtype", DTYPES[-1:])
 def test_prefill_matches_reference(fmt: kv_quant.KVFormat, dtype: torch.dtype) -> None:
     bs, nkv, gqa, hd = 16, 2, 4, 64
-    batch = _Batch([(0, 37), (20, 5), (32, 16), (45, 1)], bs, nkv, nkv * gqa, hd, dtype, seed=21)
+    batch = _Batch([(0, 21), (20, 5), (32, 3), (45, 1)], bs, nkv, nkv * gqa, hd, dtype, seed=21)
     _dequantized_context(batch, fmt)
     cache = _quantized(batch, fmt)
     k, v = batch.new_kv()
     write_kv(k, v, cache, batch.slots())
     cfg = None if CUDA else PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
     out = paged_prefill(batch.q, cache, batch.tables(torch.int64), batch.query_start(), batch.lens(), hd ** -0.5,
-                        max_query_len=37, out=_poisoned(batch.q), config=cfg)
+                        max_query_len=21, out=_poisoned(batch.q), config=cfg)
     assert torch.isfinite(out).all()
     assert _rel(out, batch.reference(hd ** -0.5)) < 2 * TOL[dtype]
 

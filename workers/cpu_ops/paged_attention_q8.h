@@ -296,24 +296,24 @@ DEFINE_ITEM_Q8_512_(body_q8_f32_f8, float, _mm512_storeu_ps, dec16_f8, Q8_F32_K(
 #define Q8_SPECIALIZE(DT, FMT, HD)                                                                \
 static void item_q8_##DT##_##FMT##_##HD(const Args *a, int s, int h0, int h1, float *buf) {      \
     body_q8_##DT##_##FMT(a, s, h0, h1, buf, HD); }
-#define Q8_SPECIALIZE_ALL(DT, FMT) Q8_SPECIALIZE(DT, FMT, 64) Q8_SPECIALIZE(DT, FMT, 128)        \
+/* head_dim 64 (the demo's) unrolled; others through the generic body (each specialization
+ * costs build time at every first start) */
+#define Q8_SPECIALIZE_ALL(DT, FMT) Q8_SPECIALIZE(DT, FMT, 64)                                    \
 static void item_q8_##DT##_##FMT##_any(const Args *a, int s, int h0, int h1, float *buf) {       \
     body_q8_##DT##_##FMT(a, s, h0, h1, buf, a->head_dim); }
 Q8_SPECIALIZE_ALL(bf16, i8) Q8_SPECIALIZE_ALL(bf16, f8) Q8_SPECIALIZE_ALL(f32, i8) Q8_SPECIALIZE_ALL(f32, f8)
 
-/* [q dtype: 0 f32, 1 bf16][fmt - 1][64, 128, any] */
-static const item_fn Q8_TABLE[2][2][3] = {
-    {{item_q8_f32_i8_64, item_q8_f32_i8_128, item_q8_f32_i8_any},
-     {item_q8_f32_f8_64, item_q8_f32_f8_128, item_q8_f32_f8_any}},
-    {{item_q8_bf16_i8_64, item_q8_bf16_i8_128, item_q8_bf16_i8_any},
-     {item_q8_bf16_f8_64, item_q8_bf16_f8_128, item_q8_bf16_f8_any}},
+/* [q dtype: 0 f32, 1 bf16][fmt - 1][64, any] */
+static const item_fn Q8_TABLE[2][2][2] = {
+    {{item_q8_f32_i8_64, item_q8_f32_i8_any}, {item_q8_f32_f8_64, item_q8_f32_f8_any}},
+    {{item_q8_bf16_i8_64, item_q8_bf16_i8_any}, {item_q8_bf16_f8_64, item_q8_bf16_f8_any}},
 };
 #endif /* __AVX512F__ */
 
 static item_fn pick_q8(const Args *a, int q_bf16, int fmt) {
 #ifdef __AVX512F__
     if (a->head_dim % 32 == 0 && a->num_heads <= MAX_HEADS)
-        return Q8_TABLE[q_bf16][fmt - 1][a->head_dim == 64 ? 0 : a->head_dim == 128 ? 1 : 2];
+        return Q8_TABLE[q_bf16][fmt - 1][a->head_dim == 64 ? 0 : 1];
 #endif
     static const item_fn portable[2][2] = {{item_q8c_f32_i8, item_q8c_f32_f8}, {item_q8c_bf16_i8, item_q8c_bf16_f8}};
     return portable[q_bf16][fmt - 1];
