@@ -61,3 +61,10 @@ def block_hashes(
 def seed_for(name: str) -> int:
     """A stable 64-bit seed from a string (e.g. the served model name)."""
     return xxhash.xxh3_64_intdigest(name.encode())
+
+
+def adapter_seed(lora_name: str | None) -> int:
+    """The engine's hash seed for a request's blocks: 0 for the base model, else from the
+    LoRA adapter's name, so two adapters (or an adapter and the base) never share KV, and
+    an adapter's blocks have the same hashes on every worker (the kvstore keys, P/D)."""
+    return 0 if lora_name is None else seed_for("lora:" + lora_name)
