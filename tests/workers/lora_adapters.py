@@ -9,18 +9,18 @@ import torch
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_adapters(base_model, out_dir: Path, specs: list[tuple[str, int, int, list[str]]],
+def make_adapters(base_model, out_dir: Path, specs: list[tuple[str, int, int, list[str], bool]],
                   std: float = 0.05, seed: int = 0):
-    """A PeftModel over `base_model` holding one adapter per (name, rank, alpha, modules),
-    each saved to out_dir/name with non-trivial random A and B (PEFT initialises B to
+    """A PeftModel over `base_model` holding one adapter per spec
+    (name, rank, alpha, modules, rsLoRA), each saved to out_dir/name with non-trivial random A and B (PEFT initialises B to
     zero: such an adapter would change nothing)."""
     from peft import LoraConfig, get_peft_model
 
     model = None
     gen = torch.Generator().manual_seed(seed)
-    for name, rank, alpha, modules in specs:
+    for name, rank, alpha, modules, rslora in specs:
         conf = LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules, lora_dropout=0.0,
-                          bias="none", task_type="CAUSAL_LM")
+                          bias="none", task_type="CAUSAL_LM", use_rslora=rslora)
         if model is None:
             model = get_peft_model(base_model, conf, adapter_name=name)
         else:
