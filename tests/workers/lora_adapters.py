@@ -36,30 +36,10 @@ def make_adapters(base_model, out_dir: Path, specs: list[tuple[str, int, int, li
     return model
 
 
+
 def write_peft_adapter(out: Path, cfg, rank: int = 4, alpha: int = 8, std: float = 0.1,
                        modules: tuple[str, ...] = ("q_proj", "v_proj"), seed: int = 0) -> Path:
-    """PEFT's files written directly (for server tests that need no HF model): keys
-    `base_model.model.model.layers.{i}.self_attn.{m}.lora_{A,B}.weight`."""
-    import json
+    """PEFT's files written directly (for server tests that need no HF model)."""
+    from kvyard.bench._lora_files import write_adapter
 
-    from safetensors.torch import save_file
-
-    from kvyard.workers.lora.adapter import MODULE_PROJ, projection_shapes
-
-    gen = torch.Generator().manual_seed(seed)
-    shapes = projection_shapes(cfg)
-    tensors = {}
-    for i in range(cfg.num_layers):
-        for m in modules:
-            proj, j = MODULE_PROJ[m]
-            fan_in, slices = shapes[proj]
-            part = "self_attn" if proj in ("qkv", "o") else "mlp"
-            key = f"base_model.model.model.layers.{i}.{part}.{m}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * std
-            tensors[f"{key}.lora_B.weight"] = torch.randn(slices[j][1], rank, generator=gen) * std
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(modules),
-         "bias": "none", "task_type": "CAUSAL_LM"}))
-    return out
+    return write_adapter(out, cfg, rank=rank, alpha=alpha, std=std, modules=modules, seed=seed)
