@@ -173,16 +173,21 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument("--parts", default="decode,parity", help="decode, parity or both")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     t0 = time.time()
     doc: dict[str, Any] = {"card": torch.cuda.get_device_name(), "layers": args.layers, "ctx": args.ctx,
-                           "rank": RANK, "dtype": "bfloat16", "decode": decode(args.layers, args.ctx, args.iters)}
-    if not args.skip_parity:
+                           "rank": RANK, "dtype": "bfloat16"}
+    if "decode" in parts:
+        doc["decode"] = decode(args.layers, args.ctx, args.iters)
+    if "parity" in parts:
         doc["parity_detail"] = parity()
-    b64 = doc["decode"].get("64", {})
-    doc["lora"] = {"b64_16_adapters_vs_base": b64.get("triton_16_vs_base"),
-                   **({"parity": doc["parity_detail"]["parity"]} if "parity_detail" in doc else {})}
+    doc["lora"] = {}
+    if "decode" in parts:
+        doc["lora"]["b64_16_adapters_vs_base"] = doc["decode"]["64"]["triton_16_vs_base"]
+    if "parity" in parts:
+        doc["lora"]["parity"] = doc["parity_detail"]["parity"]
     doc["seconds"] = time.time() - t0
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print(json.dumps(doc, indent=1))
