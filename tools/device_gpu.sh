@@ -2,7 +2,7 @@
 # kvyard's CUDA tests and `kvyard bench gpu` on the device tool's GPU host (docs/gpu-notes.md
 # lists the stages and what to carry).
 # Usage: bash tools/device_gpu.sh STAGE [ARGS]; STAGE is one of tests, kv, stall, bench, hf,
-# wake, wakeserve, serve, kernels, worker, pytest, module (the case below). Results go to $OUT.
+# wake, wakeserve, serve, kernels, lora, worker, pytest, module (the case below). Results go to $OUT.
 # The host has no network and kvyard is not installed there, so a shim tree maps kvyard.workers
 # etc. as setup.py does, and the packages the engine imports beyond the host's (gguf, redis-py)
 # come as wheels in the ignored .whl/. The demo GGUF is larger than one call may carry, so it
@@ -57,6 +57,10 @@ case "$1" in
     python3 -m pytest --noconftest -p no:cacheprovider -q -rs "${@:2}" 2>&1 | tee -a $OUT/pytest.log ;;
   module)  # a standalone bench module: module NAME [ARGS] (kvyard.bench.NAME --out $OUT/NAME.json)
     python3 -W ignore -m "kvyard.bench.$2" --out "$OUT/$2.json" "${@:3}" 2>&1 | tee -a "$OUT/$2.log" ;;
+  lora)
+    python3 -W ignore -m kvyard.bench.gpu_lora --out $OUT/gpu-lora.json "${@:2}" 2>&1 | tee $OUT/lora.log
+    [[ "$*" == *parity* ]] && python3 -m pytest --noconftest -p no:cacheprovider -q -rs \
+      $R/tests/workers/test_lora_cuda.py $R/tests/workers/test_lora_triton.py 2>&1 | tee $OUT/lora-tests.log ;;
   kernels)
     python3 -W ignore -m kvyard.cli bench gpu --parts kernels --no-sweep --label "$2" --out $OUT/kernels.json 2>&1 \
       | tee $OUT/kernels.log ;;

@@ -48,11 +48,12 @@ def external_hash(h: int) -> int:
 
 
 def block_stored(block_hashes: list[int], parent: int | None, token_ids: list[int],
-                 block_size: int) -> dict[str, Any]:
+                 block_size: int, lora_name: str | None = None) -> dict[str, Any]:
+    """`lora_name`: the adapter the blocks were computed with (vLLM's field; None: the base)."""
     return {"type": "BlockStored", "block_hashes": [external_hash(h) for h in block_hashes],
             "parent_block_hash": None if parent is None else external_hash(parent),
             "token_ids": list(token_ids), "block_size": block_size, "lora_id": None,
-            "medium": MEDIUM, "lora_name": None}
+            "medium": MEDIUM, "lora_name": lora_name}
 
 
 def block_removed(block_hashes: list[int]) -> dict[str, Any]:

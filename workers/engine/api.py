@@ -36,6 +36,7 @@ class SamplingParams:
                                       # object satisfying this schema (guided/schema.py)
     guided_choice: list[str] | None = None  # vLLM's guided_choice: the output is one of these
     guided_regex: str | None = None   # vLLM's guided_regex: the whole output matches it
+    lora_name: str | None = None      # the LoRA adapter this request runs with (None: the base model)
 
     @property
     def adjusts_logits(self) -> bool:
@@ -94,6 +95,9 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     prompt_tokens_pending: int = 0  # prompt tokens not computed yet: queued, parked, mid-prefill
+    max_lora: int = 0               # --max-loras with LoRA on, else 0 (then no LoRA metric)
+    running_lora_adapters: list[str] = field(default_factory=list)  # adapters of running requests
+    waiting_lora_adapters: list[str] = field(default_factory=list)  # ... of waiting ones
 
 
 class KVConnector(Protocol):

@@ -30,6 +30,7 @@ class KVEvent:
     parent_block_hash: int | None = None      # "stored": hash of the block before the first
     token_ids: list[int] = field(default_factory=list)  # "stored": the blocks' tokens
     block_size: int = 0
+    lora_name: str | None = None              # "stored": the adapter the blocks were computed with
 
 
 def cdiv(a: int, b: int) -> int:
@@ -144,6 +145,7 @@ class BlockManager:
                     parent_block_hash=hashes[start - 1] if start else None,
                     token_ids=seq.token_ids[start * bs:n_full * bs],
                     block_size=bs,
+                    lora_name=seq.params.lora_name,
                 ))
         return newly
 

@@ -28,6 +28,7 @@ class EngineConfig:
     num_threads: int | None = None           # torch intra-op threads; None = all cores
     quantization: str | None = None          # weights: None (as stored) | int8 | fp8 | int4 | gguf (docs/quantization.md)
     kv_connector: Any = None                 # a kvyard.workers.engine.api.KVConnector, or None
+    lora: Any = None                         # a kvyard.workers.lora.config.LoRAConfig (--enable-lora), or None
     extra: dict[str, Any] = field(default_factory=dict)
 
 

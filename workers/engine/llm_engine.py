@@ -17,6 +17,8 @@ import torch
 from kvyard.common.models import resolve_model
 from kvyard.workers.attention.kv_quant import resolve_kv_format
 
+from kvyard.workers.lora.manager import build_manager
+
 from .api import EngineStats, RemoteKV, RequestOutput, SamplingParams
 from .block_manager import BlockManager, KVEvent
 from .config import EngineConfig
@@ -61,13 +63,20 @@ class LLMEngine:
         # a sequence can never outgrow the whole cache: cap it, or it would preempt itself forever
         self.max_model_len = min(limit, num_blocks * bs)
         self.eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.lora = build_manager(config.lora, model_config, device, self.dtype)
+        self.runner.lora = self.lora
+        self.runner.lora_in_use = self._loras_in_use
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.connector, self.kv_loader,
-                                   self.handoff, self.eos_token_ids, self.max_model_len)
+                                   self.handoff, self.eos_token_ids, self.max_model_len,
+                                   max_loras=config.lora.max_loras if self.lora is not None else 0)
         self.sampler = Sampler(config.seed)
         self.guided = None if tokenizer is None else GuidedVocab(tokenizer, model_config.vocab_size)
         self.last_step_time = 0.0
         self._sleep: Any = None      # sleep_mode.SleepMode after the first sleep
+
+    def _loras_in_use(self) -> set[str]:
+        return {s.params.lora_name for s in self.scheduler.requests.values()} - {None}
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -108,6 +117,9 @@ class LLMEngine:
             raise ValueError("min_tokens must be in [0, max_tokens]")
         if params.repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be positive")
+        if params.lora_name is not None and (self.lora is None or not self.lora.serves(params.lora_name)):
+            raise ValueError(f"The model `{params.lora_name}` does not exist: no such LoRA adapter"
+                             + ("" if self.lora is not None else " (LoRA is not enabled)"))
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                     *, hold_kv: bool = False, hold_id: str | None = None,
@@ -267,7 +279,20 @@ class LLMEngine:
             prompt_tokens_total=self.scheduler.prompt_tokens_total,
             generation_tokens_total=self.scheduler.generation_tokens_total,
             prompt_tokens_pending=self._prompt_tokens_pending(),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        """vLLM's lora_requests_info labels (read from the server's thread: copies first)."""
+        if self.lora is None:
+            return {}
+        sch = self.scheduler
+
+        def names(seqs) -> list[str]:
+            return sorted({s.params.lora_name for s in seqs} - {None})
+        return {"max_lora": self.config.lora.max_loras, "running_lora_adapters": names(list(sch.running)),
+                "waiting_lora_adapters": names([*list(sch.waiting), *list(sch.parked.values()),
+                                                *list(sch.loading.values())])}
 
     def _prompt_tokens_pending(self) -> int:
         sch = self.scheduler

@@ -177,6 +177,8 @@ class ModelRunner:
         self.arenas = None  # sleep_arena.SleepArenas on CUDA with fixed_addresses
         if self.device.type == "cuda" and fixed_addresses:
             self._move_to_arenas(shape)
+        self.lora = None  # workers.lora.manager.LoRAManager with --enable-lora (set by the engine)
+        self.lora_in_use = set  # the adapters requests in the engine name (kept in host memory)
         self.graphs = None
         self.prefill_graphs = None
         self._graph_shape = None  # (max batch, max blocks) when decode steps are CUDA graphs
@@ -274,8 +276,12 @@ class ModelRunner:
                 hi = min(end, seq.num_prompt_tokens - 1)
                 if hi > lo:
                     prompt_spans.append((seq, lo, qsl[-2] + lo - c, hi - lo))
+        lora = None
+        if self.lora is not None and any(s.params.lora_name for s in sched.seqs):
+            rows = [s.params.lora_name for s, n in zip(sched.seqs, sched.num_new_tokens) for _ in range(n)]
+            lora = self.lora.batch(rows, self.lora_in_use())  # LoRA steps run eager
         cuda = self.device.type == "cuda"
-        if cuda and self.graphs is not None and sched.num_decodes == len(tables) and not prompt_spans \
+        if cuda and lora is None and self.graphs is not None and sched.num_decodes == len(tables) and not prompt_spans \
                 and self.graphs.fits(len(tables), max(len(t) for t in tables)):
             slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
             logits = self.graphs.run(ids, pos, slots, seq_lens, tables)
@@ -305,6 +311,10 @@ class ModelRunner:
             num_decodes=sched.num_decodes,
         )
         threads = 1 if len(ids) <= self.single_thread_max_tokens else self.num_threads
+        if lora is not None and getattr(self.model, "gemm", None) is not None:
+            # gemm.c's own team runs the big GEMMs; torch's few small LoRA ops are faster on
+            # one thread than waking an OpenMP team beside it (measured 0.05 vs 35 ms per pair)
+            threads = 1
         before = torch.get_num_threads()
         if before != threads:
             torch.set_num_threads(threads)
@@ -314,7 +324,8 @@ class ModelRunner:
             narrow = not prompt_spans and len(sample_rows) < len(ids)
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta,
                                         torch.tensor(sample_rows, dtype=torch.int64,  # may be empty
-                                                     device=self.device) if narrow else None)
+                                                     device=self.device) if narrow else None,
+                                        **({"lora": lora} if lora is not None else {}))
             for seq, p0, r0, n in prompt_spans:
                 for j in range(0, n, PROMPT_LOGITS_ROWS):
                     k = min(PROMPT_LOGITS_ROWS, n - j)

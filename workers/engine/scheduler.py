@@ -78,7 +78,8 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, connector: Any = None,
                  loader: KVLoader | None = None, handoff: Any = None,
-                 eos_token_ids: frozenset[int] = frozenset(), max_model_len: int = 1 << 62) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), max_model_len: int = 1 << 62,
+                 max_loras: int = 0) -> None:
         """`loader` runs the connector's loads (required with a connector); `handoff`
         (handoff.Handoff) sees prompt blocks of P/D prefills as they compute."""
         if connector is not None and loader is None:
@@ -95,6 +96,7 @@ class Scheduler:
         self.handoff = handoff
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.max_loras = max_loras               # distinct LoRA adapters running at once (0: no LoRA)
         self.loading: dict[str, Sequence] = {}   # WAITING_FOR_KV_LOAD: owners and waiters
         self._loading_hashes: dict[int, KVLoad] = {}  # block hash -> the in-flight load of it
         self.blocked_on_loads = False  # the last step was empty and only a load can change that
@@ -256,9 +258,17 @@ class Scheduler:
 
     def _admit(self, picked: list[tuple[Sequence, int]], budget: int) -> int:
         bs = self.bm.block_size
+        # LoRA: at most max_loras adapters in the batch; a request whose adapter finds no
+        # slot waits and those behind it go ahead (vLLM's rule), in their order
+        loras = {s.params.lora_name for s in self.running} - {None} if self.max_loras else None
+        skipped: list[Sequence] = []
         while self.waiting and budget > 0 \
                 and len(self.running) + len(self.loading) < self.max_num_seqs:
             seq = self.waiting[0]
+            lora = seq.params.lora_name
+            if loras is not None and lora is not None and lora not in loras and len(loras) >= self.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
             prefix: list[int] = []
             k = m = 0
             if not seq.block_table:             # else back from a load, holding its blocks
@@ -295,6 +305,9 @@ class Scheduler:
             self.running.append(seq)
             picked.append((seq, n))
             budget -= n
+            if loras is not None and lora is not None:
+                loras.add(lora)
+        self.waiting.extendleft(reversed(skipped))
         return budget
 
     # ---- connector loads (kv_loads.py) -----------------------------------------

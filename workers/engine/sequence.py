@@ -9,7 +9,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvyard.common.hashing import NONE_HASH, block_hashes
+from kvyard.common.hashing import NONE_HASH, adapter_seed, block_hashes
 
 from .api import RequestOutput, SamplingParams
 
@@ -80,7 +80,8 @@ class Sequence:
         if (len(self.token_ids) // block_size) > done:
             parent = self.block_hashes[-1] if done else NONE_HASH
             self.block_hashes += block_hashes(
-                self.token_ids[done * block_size:], block_size, parent=parent
+                self.token_ids[done * block_size:], block_size, parent=parent,
+                seed=adapter_seed(self.params.lora_name),
             )
         return self.block_hashes
 

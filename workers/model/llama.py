@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionBackend, AttentionMetadata
+from ..lora import layer as lora_layer
 from .config import ModelConfig
 from .linear_ops import GemmOps, Int4Ops, Int4Weight, TorchOps
 from .ops import select_ops
@@ -98,7 +99,8 @@ class LlamaForCausalLM(nn.Module):
         return self.embed.device
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, out_rows: torch.Tensor | None = None,
+                lora=None) -> torch.Tensor:
         """Hidden states after the last layer, of every token or of `out_rows` (indices) only.
         Every token's K/V reaches the cache either way.
 
@@ -106,11 +108,14 @@ class LlamaForCausalLM(nn.Module):
         layer's attention (which every token's K/V and query still go through), only those
         rows go on through its o projection and MLP, 84% of a layer's weights: a 1,024-token
         prefill step that samples 4 rows skips a thirtieth of its GEMMs, and the kept rows
-        are bit-identical. Elsewhere every row runs and the result is indexed."""
+        are bit-identical. Elsewhere every row runs and the result is indexed.
+
+        `lora`: the step's workers.lora.batch.LoRABatch when some rows use an adapter; its
+        deltas are added after the qkv, o, gate/up and down projections (lora/layer.py)."""
         t = input_ids.shape[0]
-        ops = self.small_ops if t <= self.int4_max_tokens else self.ops
+        ops = self.small_ops if t <= self.int4_max_tokens and lora is None else self.ops
         if out_rows is not None and not ops.rows_independent:
-            return self.forward(input_ids, positions, kv_caches, meta)[out_rows]
+            return self.forward(input_ids, positions, kv_caches, meta, lora=lora)[out_rows]
         cfg = self.config
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qk_size, scale, attn = cfg.q_size + cfg.kv_size, self.scale, self.backend.forward
@@ -123,12 +128,20 @@ class LlamaForCausalLM(nn.Module):
         h = ops.norm(x, layers[0].input_norm)
         for i, (lw, cache) in enumerate(zip(layers, kv_caches)):
             qkv = ops.qkv(h, lw)
+            if lora is not None:
+                lora.apply(i, "qkv", h, qkv)
             qk = rope(qkv)
             o = attn(qk[:, :nh], qk[:, nh:], qkv[:, qk_size:].view(t, nkv, hd), cache, meta, scale)
             if i == last and out_rows is not None:
                 if not out_rows.numel():  # a step that samples nothing (a prompt's middle chunk)
                     return x[:0]
                 o, x = o[out_rows], x[out_rows]
+                lora = lora.select(out_rows) if lora is not None else None
+            if lora is not None:
+                x, h = lora_layer.o_add_norm(ops, lora, i, o.reshape(o.shape[0], -1), lw, x)
+                x, h = lora_layer.mlp_add_norm(ops, lora, i, h, lw, x,
+                                               layers[i + 1].input_norm if i < last else None)
+                continue
             x, h = ops.o_add_norm(o.reshape(o.shape[0], -1), lw, x)
             x, h = ops.mlp_add_norm(h, lw, x, layers[i + 1].input_norm if i < last else None)
         return x

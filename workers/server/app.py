@@ -17,7 +17,7 @@ from .errors import error_middleware
 from .generate import chat_completions, completions, detokenize, tokenize
 from kvyard.workers.pd.metrics import PDMetrics, worker_info
 
-from . import sleep
+from . import lora_routes, sleep
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .state import STATE, ServerState, get_state
 
@@ -36,16 +36,6 @@ def max_token_chars(tokenizer: Any) -> int | None:
     if not longest:
         return None
     return longest * (4 if getattr(backend, "normalizer", None) is not None else 1)
-
-
-async def _models(request: web.Request) -> web.Response:
-    state = get_state(request.app)
-    created = int(state.started_at)
-    return web.json_response({"object": "list", "data": [
-        {"id": name, "object": "model", "created": created, "owned_by": "kvyard",
-         "root": state.served_names[0], "parent": None,
-         "max_model_len": state.engine.max_model_len}
-        for name in state.served_names]})
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -129,7 +119,8 @@ def build_app(engine: Any, *, advertise: str, served_names: list[str] | None = N
                                      KVEventMetrics(state.metrics.registry))
     app[STATE] = state
     app.on_response_prepare.append(_stamp_endpoint)
-    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models", lora_routes.models)
+    lora_routes.install(app, engine)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     if enable_sleep_mode:

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvyard.common.wire import ROLES
 
+from kvyard.workers.lora.config import add_lora_arguments, lora_config
 from kvyard.workers.pd.flags import add_pd_arguments, pd_options
 
 from .body import DEFAULT_MAX_BODY_BYTES
@@ -97,6 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "\"tcp://*:5558\", \"topic\": \"kv@$POD_IP@model\"}' (off by default)")
     p.add_argument("--log-level", default="info")
     add_pd_arguments(p)
+    add_lora_arguments(p)  # --enable-lora, --lora-modules, --max-loras, --max-lora-rank, --max-cpu-loras
     # --- kvstore hook: the connector module adds its own flags when it is installed.
     kv = _kvconnector()
     if kv is not None:
@@ -131,7 +133,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         **device_options(args),
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, role=args.role,
         num_threads=args.num_threads, kv_hold_ttl_s=args.kv_hold_timeout,
-        quantization=args.quantization)
+        quantization=args.quantization, lora=lora_config(args))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -71,7 +71,7 @@ class KVEventPublisher:
         """A block-manager KVEvent (engine thread: cheap, never blocks)."""
         if ev.kind == "stored":
             item = wire_events.block_stored(ev.block_hashes, ev.parent_block_hash,
-                                            ev.token_ids, ev.block_size)
+                                            ev.token_ids, ev.block_size, ev.lora_name)
         elif ev.kind == "removed":
             item = wire_events.block_removed(ev.block_hashes)
         else:

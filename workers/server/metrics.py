@@ -81,6 +81,12 @@ class _EngineCollector:
         yield counter(wire.M_PREFIX_HITS, "Prompt tokens found in the prefix cache.",
                       s.prefix_hits_tokens)
         yield counter("vllm:num_preemptions_total", "Preempted requests.", s.num_preemptions)
+        if s.max_lora:  # vLLM's: an info gauge whose value is the time of the snapshot
+            lora = GaugeMetricFamily(wire.M_LORA_INFO, "Running stats on lora requests.",
+                                     labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters"])
+            lora.add_metric([",".join(s.running_lora_adapters), str(s.max_lora),
+                             ",".join(s.waiting_lora_adapters)], time.time())
+            yield lora
 
 
 @dataclass(slots=True)

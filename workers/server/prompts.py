@@ -13,6 +13,7 @@ from aiohttp import web
 
 from kvyard.common.tokenizer import ChatTemplateError
 
+from . import lora_routes
 from .body import parse_object, read_body
 from .errors import ApiError
 from .protocol import GenerateRequest, parse_request
@@ -29,8 +30,10 @@ async def parsed_request(request: web.Request, kind: str) -> GenerateRequest:
     data = await read_body(request)
 
     def parse() -> GenerateRequest:
-        return parse_request(parse_object(data), kind, state.served_names,
-                             max_model_len=state.engine.max_model_len)
+        req = parse_request(parse_object(data), kind, lora_routes.model_names(state),
+                            max_model_len=state.engine.max_model_len)
+        req.params.lora_name = lora_routes.adapter_for(state, req.model)
+        return req
     return await asyncio.to_thread(parse) if len(data) > _VALIDATE_IN_THREAD_BYTES else parse()
 
 

@@ -1,0 +1,114 @@
+"""One step's adapters: which slot each token row uses, and the batched LoRA per projection.
+
+Rows are grouped by adapter (rows of the base model take no part); each projection
+then costs one shrink and one expand over the whole batch: on CUDA one launch each
+of the SGMV kernel (triton_lora.py), on the CPU one pair of GEMMs per adapter group
+(torch; rows of a group gathered once per step, not per projection).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+NO_SLOT = -1
+
+
+def _groups(row_slots: list[int]) -> list[tuple[int, list[int]]]:
+    by: dict[int, list[int]] = {}
+    for r, s in enumerate(row_slots):
+        if s != NO_SLOT:
+            by.setdefault(s, []).append(r)
+    return sorted(by.items())
+
+
+@dataclass(slots=True)
+class TileTable:
+    """SGMV metadata on the device: rows sorted by slot, tiles of <= block_m rows, padded
+    with empty tiles to cdiv(T, block_m) + slots entries."""
+
+    rows: torch.Tensor
+    tile_slot: torch.Tensor
+    tile_start: torch.Tensor
+    tile_len: torch.Tensor
+
+    @classmethod
+    def build(cls, groups: list[tuple[int, list[int]]], num_rows: int, num_slots: int,
+              device: torch.device, block_m: int) -> "TileTable":
+        rows: list[int] = []
+        slot, start, length = [], [], []
+        for s, rs in groups:
+            for i in range(0, len(rs), block_m):
+                slot.append(s)
+                start.append(len(rows) + i)
+                length.append(min(block_m, len(rs) - i))
+            rows.extend(rs)
+        pad = -(-num_rows // block_m) + num_slots - len(slot)
+        slot += [0] * pad
+        start += [0] * pad
+        length += [0] * pad
+        rows += [0] * (num_rows - len(rows))
+        t = torch.tensor(rows or [0], dtype=torch.int32)
+        meta = torch.tensor([slot, start, length], dtype=torch.int32)
+        return cls(t.to(device, non_blocking=True), *meta.to(device, non_blocking=True).unbind(0))
+
+
+@dataclass(slots=True)
+class LoRABatch:
+    """`stacks[layer][proj]` = (A [slots, R, in], B [slots, out, R]) of the manager's slots."""
+
+    row_slots: list[int]
+    stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    projs: frozenset[str]                  # projections some adapter of the batch changes
+    num_slots: int
+    groups: list[tuple[int, list[int]]] = field(default_factory=list)
+    index: list[torch.Tensor] = field(default_factory=list)   # CPU: each group's rows
+    tiles: TileTable | None = None         # CUDA
+
+    @classmethod
+    def build(cls, row_slots: list[int], stacks, projs: frozenset[str], num_slots: int,
+              device: torch.device) -> "LoRABatch":
+        groups = _groups(row_slots)
+        b = cls(row_slots, stacks, projs, num_slots, groups)
+        if device.type == "cuda":
+            from .triton_lora import BLOCK_M
+
+            b.tiles = TileTable.build(groups, len(row_slots), num_slots, device, BLOCK_M)
+        else:
+            b.index = [torch.tensor(rs, dtype=torch.int64) for _, rs in groups]
+        return b
+
+    def select(self, rows: torch.Tensor) -> "LoRABatch":
+        """The batch narrowed to `rows` (the model keeps only the sampled rows after the
+        last layer's attention)."""
+        picked = [self.row_slots[r] for r in rows.tolist()]
+        dev = self.tiles.rows.device if self.tiles is not None else torch.device("cpu")
+        return LoRABatch.build(picked, self.stacks, self.projs, self.num_slots, dev)
+
+    def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += the batch's LoRA delta of `proj` for input x, row by row (in place)."""
+        if proj not in self.projs or not self.groups:
+            return
+        a, b = self.stacks[layer][proj]
+        if self.tiles is not None:
+            from .triton_lora import sgmv
+
+            t = self.tiles
+            mid = torch.empty(x.shape[0], a.shape[1], dtype=x.dtype, device=x.device)
+            sgmv(x, a, mid, t.rows, t.tile_slot, t.tile_start, t.tile_len, add=False)
+            sgmv(mid, b, y, t.rows, t.tile_slot, t.tile_start, t.tile_len, add=True)
+            return
+        apply_groups(x, y, a, b, self.groups, self.index)
+
+
+def apply_groups(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 groups: list[tuple[int, list[int]]], index: list[torch.Tensor]) -> None:
+    """The torch path (CPU, and the GPU bench's per-adapter loop): per adapter group one
+    shrink and one expand; a group that is one contiguous run of rows is sliced, not gathered."""
+    for (s, rs), idx in zip(groups, index):
+        lo, hi = rs[0], rs[-1] + 1
+        if hi - lo == len(rs):
+            xs = x[lo:hi]
+            y[lo:hi] += (xs @ a[s].t()) @ b[s].t()
+        else:
+            y.index_add_(0, idx, (x.index_select(0, idx) @ a[s].t()) @ b[s].t())
