@@ -94,6 +94,7 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     prompt_tokens_pending: int = 0  # prompt tokens not computed yet: queued, parked, mid-prefill
+    spec_decode: Any = None       # spec.stats.SpecDecodeStats with speculative decoding on
 
 
 class KVConnector(Protocol):

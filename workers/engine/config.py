@@ -26,6 +26,7 @@ class EngineConfig:
     kv_hold_ttl_s: float = 120.0             # P/D prefill: held blocks freed if not pulled by then
     num_threads: int | None = None           # torch intra-op threads; None = all cores
     kv_connector: Any = None                 # a kvyard.workers.engine.api.KVConnector, or None
+    speculative_config: dict | None = None   # vLLM's --speculative-config (engine/spec/config.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -26,6 +26,7 @@ from .model_runner import ModelRunner, kv_cache_bytes, num_blocks_for, resolve_d
 from .sampler import Sampler, make_generator
 from .scheduler import Scheduler
 from .sequence import Sequence, output_of
+from .spec import build_speculator
 
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs and OpenAI's top_logprobs limit
@@ -62,6 +63,7 @@ class LLMEngine:
                                    config.max_num_batched_tokens, self.connector, self.kv_loader,
                                    self.handoff, self.eos_token_ids, self.max_model_len)
         self.sampler = Sampler(config.seed)
+        self.speculator = build_speculator(config, self, model, num_blocks)
         self.guided = None if tokenizer is None else GuidedVocab(tokenizer, model_config.vocab_size)
         self.last_step_time = 0.0
         self._sleep: Any = None      # sleep_mode.SleepMode after the first sleep
@@ -214,8 +216,14 @@ class LLMEngine:
             self._wait_or_stall()
             return []
         t0 = time.perf_counter()
+        spec = self.speculator
+        if spec is not None:
+            spec.plan(sched)    # drafts for decode rows: 1 + k positions each (spec/)
         logits, samplers, picked = self.runner.execute(sched)
-        tokens, logprobs = self._sample(logits, samplers, picked)
+        if spec is not None and len(samplers) > len(set(map(id, samplers))):
+            samplers, tokens, logprobs = spec.sample(self._sample, logits, samplers, picked)
+        else:
+            tokens, logprobs = self._sample(logits, samplers, picked)
         outputs = self.scheduler.postprocess(sched, samplers, tokens, logprobs)
         self.last_step_time = time.perf_counter() - t0
         return outputs
@@ -264,6 +272,7 @@ class LLMEngine:
             prompt_tokens_total=self.scheduler.prompt_tokens_total,
             generation_tokens_total=self.scheduler.generation_tokens_total,
             prompt_tokens_pending=self._prompt_tokens_pending(),
+            spec_decode=None if self.speculator is None else self.speculator.stats.snapshot(),
         )
 
     def _prompt_tokens_pending(self) -> int:

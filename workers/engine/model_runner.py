@@ -235,16 +235,20 @@ class ModelRunner:
         for seq, n in zip(sched.seqs, sched.num_new_tokens):
             c = seq.num_computed_tokens
             end = c + n
+            draft = seq.spec_token_ids   # speculative decoding: its last token, then the draft
             if n == 1:
                 ids.append(seq.token_ids[c])
                 pos.append(c)
             else:
-                ids.extend(seq.token_ids[c:end])
+                ids.extend(seq.token_ids[c:end] + draft if draft else seq.token_ids[c:end])
                 pos.extend(range(c, end))
             qsl.append(qsl[-1] + n)
             seq_lens.append(end)
             tables.append(seq.block_table)
-            if end == seq.num_tokens:
+            if draft:   # a row per position: the target's choice after each draft prefix
+                sample_rows.extend(range(qsl[-1] - n, qsl[-1]))
+                samplers.extend([seq] * n)
+            elif end == seq.num_tokens:
                 sample_rows.append(qsl[-1] - 1)
                 samplers.append(seq)
             if seq.wants_prompt_logits:
