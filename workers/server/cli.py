@@ -7,6 +7,7 @@ Flag names are vLLM's where the concept is the same, so a manifest written for
 from __future__ import annotations
 
 import argparse
+import json
 import importlib
 import importlib.util
 import os
@@ -89,6 +90,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
                         "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "
                         "\"tcp://*:5558\", \"topic\": \"kv@$POD_IP@model\"}' (off by default)")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                   help="vLLM's speculative decoding config, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' or "
+                        "'{\"method\": \"draft_model\", \"model\": \"demo\", \"draft_layers\": 8}' "
+                        "(docs/speculative-decoding.md; off by default)")
     p.add_argument("--log-level", default="info")
     add_pd_arguments(p)
     # --- kvstore hook: the connector module adds its own flags when it is installed.
@@ -104,6 +110,16 @@ def _kv_events_config(text: str) -> Any:
         return KVEventsConfig.parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _speculative_config(text: str) -> dict:
+    from kvyard.workers.engine.spec.config import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.parse(text)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return json.loads(text)
 
 
 def advertise_address(args: argparse.Namespace) -> str:
@@ -123,7 +139,8 @@ def engine_config(args: argparse.Namespace) -> Any:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, **device_options(args),
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, role=args.role,
-        num_threads=args.num_threads, kv_hold_ttl_s=args.kv_hold_timeout)
+        num_threads=args.num_threads, kv_hold_ttl_s=args.kv_hold_timeout,
+        speculative_config=args.speculative_config)
 
 
 def run(args: argparse.Namespace) -> int:
