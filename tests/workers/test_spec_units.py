@@ -98,6 +98,34 @@ def test_auto_policy_pauses_a_request_with_low_acceptance_and_probes_again():
     assert always.wants_draft(bad)
 
 
+def test_step_cost_fit_and_the_per_step_rule():
+    """With step time 10 ms + 1 ms a token, a draft pays at batch 1 for most acceptances
+    but at batch 8 only for a request that accepts well."""
+    from types import SimpleNamespace
+
+    from kvyard.workers.engine.spec.policy import StepCost
+
+    cost = StepCost()
+    assert cost.line() is None
+    for t in (1, 5, 8, 40, 1, 5, 8, 40):
+        cost.observe(t, 0.010 + 0.001 * t)
+    a, b = cost.line()
+    assert a == pytest.approx(0.010, rel=1e-6) and b == pytest.approx(0.001, rel=1e-6)
+    pol = SpecPolicy(SpeculativeConfig(policy="auto"))
+    pol.cost = cost
+
+    def row(rho):
+        return (SimpleNamespace(spec=SpecState(rho=rho)), 4)
+
+    assert len(pol.choose([row(0.2)], tokens=1, emitted=1)) == 1       # 0.2 * 11 ms > 1 ms
+    good, poor = row(0.9), row(0.3)
+    kept = pol.choose([poor, good] + [row(0.0)] * 6, tokens=8, emitted=8)  # threshold 8/18
+    assert [r[0].spec.rho for r in kept] == [0.9]
+    assert poor[0].spec.paused_for == pol.pause_steps                  # until a probe
+    assert pol.choose([row(0.2)], 8, 8) == [] and len(SpecPolicy(SpeculativeConfig(policy="always"))
+                                                      .choose([row(0.0)], 8, 8)) == 1
+
+
 def test_stats_count_per_position():
     s = SpecDecodeStats()
     s.record(3, 2)

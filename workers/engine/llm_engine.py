@@ -26,7 +26,7 @@ from .model_runner import ModelRunner, kv_cache_bytes, num_blocks_for, resolve_d
 from .sampler import Sampler, make_generator
 from .scheduler import Scheduler
 from .sequence import Sequence, output_of
-from .spec import build_speculator
+from .spec import build_speculator, spec_tokens
 
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs and OpenAI's top_logprobs limit
@@ -48,7 +48,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.runner = ModelRunner(model, model_config, bs, num_blocks, self.dtype, config.num_threads,
                                   cuda_graphs=not config.enforce_eager, max_batch=config.max_num_seqs,
-                                  max_model_len=config.max_model_len)
+                                  max_model_len=config.max_model_len, spec_tokens=spec_tokens(config))
         self.connector = config.kv_connector
         self.kv_loader: KVLoader | None = None
         if self.connector is not None:
@@ -226,6 +226,8 @@ class LLMEngine:
             tokens, logprobs = self._sample(logits, samplers, picked)
         outputs = self.scheduler.postprocess(sched, samplers, tokens, logprobs)
         self.last_step_time = time.perf_counter() - t0
+        if spec is not None:
+            spec.observe(self.last_step_time)
         return outputs
 
     def _wait_or_stall(self) -> None:

@@ -132,7 +132,7 @@ class ModelRunner:
     def __init__(self, model, model_config, block_size: int, num_blocks: int, dtype: torch.dtype,
                  num_threads: int | None = None, single_thread_max_tokens: int | None = None,
                  cuda_graphs: bool = True, max_batch: int = 128, max_model_len: int | None = None,
-                 fixed_addresses: bool = True) -> None:
+                 fixed_addresses: bool = True, spec_tokens: int = 0) -> None:
         """On CUDA (the model's device) decode steps of up to `max_batch` sequences of up
         to `max_model_len` tokens replay CUDA graphs unless `cuda_graphs` is False
         (--enforce-eager); plain greedy rows take their argmax on the GPU. With
@@ -165,6 +165,8 @@ class ModelRunner:
         if self.device.type == "cuda" and fixed_addresses:
             self._move_to_arenas(shape)
         self.graphs = None
+        self.verify_graphs = None  # speculative verify steps (1 + spec_tokens per row) as graphs
+        self.spec_tokens = spec_tokens
         self._graph_shape = None  # (max batch, max blocks) when decode steps are CUDA graphs
         if self.device.type == "cuda" and cuda_graphs:
             max_len = min(max_model_len or model_config.max_position_embeddings, num_blocks * block_size)
@@ -190,8 +192,11 @@ class ModelRunner:
         if self._graph_shape is not None:
             from .cuda_runner import DecodeGraphs
 
-            self.graphs = None
+            self.graphs = self.verify_graphs = None
             self.graphs = DecodeGraphs(self.model, self.kv_caches, *self._graph_shape)
+            if self.spec_tokens:
+                self.verify_graphs = DecodeGraphs(self.model, self.kv_caches, *self._graph_shape,
+                                                  q=1 + self.spec_tokens)
         if self.device.type == "cuda":
             self._warm_up()
 
@@ -263,6 +268,12 @@ class ModelRunner:
             slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
             logits = self.graphs.run(ids, pos, slots, seq_lens, tables)
             return self._gpu_sample(logits, samplers)
+        vg = self.verify_graphs
+        if cuda and vg is not None and not prompt_spans and len(samplers) == len(ids) \
+                and vg.fits(len(tables), max(len(t) for t in tables)):
+            # decodes and drafted rows only (every position samples): one verify graph
+            logits, rows = vg.run_verify(sched.seqs, bs)
+            return self._gpu_sample(logits[torch.tensor(rows, device=logits.device)], samplers)
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
         positions = torch.tensor(pos, dtype=torch.int64)

@@ -22,3 +22,9 @@ def build_speculator(config: Any, engine: Any, model: Any, num_blocks: int) -> A
         draft = DraftProposer(draft_model, num_blocks, config.block_size)
     return Speculator(cfg, engine.block_manager, config.max_num_batched_tokens, engine.max_model_len,
                       draft, engine.sampler.generator)
+
+
+def spec_tokens(config: Any) -> int:
+    """k of `config.speculative_config` (0: no speculation), for the runner's verify graphs."""
+    cfg = SpeculativeConfig.parse(config.speculative_config)
+    return 0 if cfg is None else cfg.num_speculative_tokens

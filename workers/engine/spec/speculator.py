@@ -52,6 +52,7 @@ class Speculator:
         self.policy = SpecPolicy(cfg)
         self.stats = SpecDecodeStats()
         self.generator = generator
+        self._step_tokens: int | None = None   # this step's tokens when it only decodes/verifies
 
     # ---- before the target step ------------------------------------------------
     def plan(self, sched: SchedulerOutput) -> None:
@@ -66,16 +67,22 @@ class Speculator:
                 if self.policy.wants_draft(seq.spec):
                     cands.append((seq, min(k, budget)))
                     budget -= min(k, budget)
+        self._step_tokens = sched.num_tokens if nd == len(sched.seqs) else None
         if not cands:
             return
+        emitted = nd + sum(1 for s, n in zip(sched.seqs[nd:], sched.num_new_tokens[nd:])
+                           if s.num_computed_tokens + n == s.num_tokens)
         drafts: dict[str, list[int]] = {}
         if self.ngram is not None:
-            for seq, k in cands:
-                d = self.ngram.propose(seq.token_ids, k)
-                if d and self.bm.allocate(seq, 1 + len(d)):
+            proposed = [(s, d) for s, k in cands if (d := self.ngram.propose(s.token_ids, k))]
+            rows = self.policy.choose([(s, len(d)) for s, d in proposed], sched.num_tokens, emitted)
+            chosen = {s.request_id for s, _ in rows}
+            for seq, d in proposed:
+                if seq.request_id in chosen and self.bm.allocate(seq, 1 + len(d)):
                     drafts[seq.request_id] = d
         else:
-            ok = [(s, k) for s, k in cands if self.bm.allocate(s, 1 + k)]
+            rows = self.policy.choose(cands, sched.num_tokens, emitted)
+            ok = [(s, k) for s, k in rows if self.bm.allocate(s, 1 + k)]
             if ok:
                 for (s, _), d in zip(ok, self.draft.propose([s for s, _ in ok], [k for _, k in ok])):
                     drafts[s.request_id] = d
@@ -94,6 +101,13 @@ class Speculator:
         sched.seqs = [s for s, _ in pairs]
         sched.num_new_tokens = [n for _, n in pairs]
         sched.num_decodes = len(plain)
+        if self._step_tokens is not None:
+            self._step_tokens = sched.num_tokens
+
+    def observe(self, seconds: float) -> None:
+        """The step's time, for the policy's cost fit (decode and verify steps only)."""
+        if self._step_tokens is not None:
+            self.policy.cost.observe(self._step_tokens, seconds)
 
     def _room(self, seq: Sequence) -> int:
         p = seq.params
