@@ -121,7 +121,10 @@ def test_step_cost_fit_and_the_per_step_rule():
     good, poor = row(0.9), row(0.3)
     kept = pol.choose([poor, good] + [row(0.0)] * 6, tokens=8, emitted=8)  # threshold 8/18
     assert [r[0].spec.rho for r in kept] == [0.9]
-    assert poor[0].spec.paused_for == pol.pause_steps                  # until a probe
+    for _ in range(pol.pause_steps - 1):                               # turned down again and again
+        assert pol.choose([poor], 8, 8) == []
+    assert pol.choose([poor], 8, 8) == [poor]                          # then probed once
+    assert pol.choose([poor], 8, 8) == []
     assert pol.choose([row(0.2)], 8, 8) == [] and len(SpecPolicy(SpeculativeConfig(policy="always"))
                                                       .choose([row(0.0)], 8, 8)) == 1
 

@@ -11,9 +11,10 @@ adapts to the device and the batch: at batch 1 on a GPU (a >> b) almost any acce
 pays; at batch 8 on a CPU it takes a repetitive text. Rows are added best rho first
 until the next one would not pay (`choose`).
 
-Under `policy: auto` a request that the rule keeps skipping, or whose acceptance falls
-below `min_acceptance` after `min_drafts` drafts, is paused for `pause_steps` steps and
-then probed with one draft, so its estimate follows its text. `always` drafts whenever
+Under `policy: auto` a request the rule turns down `pause_steps` steps in a row drafts
+once anyway (a probe: its rho follows its text), and one whose acceptance falls below
+`min_acceptance` after `min_drafts` drafts is paused for `pause_steps` steps (no proposals
+at all), then probed. `always` drafts whenever
 the proposer has something.
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ class SpecState:
     rho: float = PRIOR_RHO       # recent share of its draft tokens accepted
     paused_for: int = 0          # plain decode steps left before the next probe
     probe: bool = False          # a pause just ended: draft once to refresh rho
+    skipped: int = 0             # steps in a row the cost rule turned its draft down
     draft_computed: int = 0      # draft model: leading tokens whose draft KV is valid
     preemptions: int = 0         # the request's preemption count the draft KV belongs to
 
@@ -99,13 +101,15 @@ class SpecPolicy:
         kept: list[tuple[Any, int]] = []
         for seq, k in sorted(rows, key=lambda r: -r[0].spec.rho):
             rho = seq.spec.rho
-            if seq.spec.probe or rho * (a + b * tokens) > emitted * b:
-                seq.spec.probe = False
+            st = seq.spec
+            if st.probe or rho * (a + b * tokens) > emitted * b:
+                st.probe, st.skipped = False, 0
                 kept.append((seq, k))
                 tokens += k
                 emitted += rho * k
-            else:
-                seq.spec.paused_for = self.pause_steps
+            else:   # the rule is the batch's: asked again next step, probed now and then
+                st.skipped += 1
+                st.probe = st.skipped >= self.pause_steps
         return kept
 
     def record(self, st: SpecState, proposed: int, accepted: int) -> None:
