@@ -79,7 +79,8 @@ def run(a: argparse.Namespace) -> int:
                 r["accept"] = r.pop("acceptance")
                 r["per_pos"] = "/".join(f"{x:.2f}" for x in r["per_pos"]) if r["per_pos"] else None
                 report.add(workload=w, c=c, mode=m, **r)
-            print(f"# {w} c{c}: " + ", ".join(f"{m} {rows[m]['speedup']:.2f}x" for m in modes),
+            print(f"# {w} c{c}: " + ", ".join(f"{m} {rows[m]['speedup']:.2f}x ({rows[m]['tok_s']} tok/s, "
+                                                f"accept {rows[m]['acceptance']})" for m in modes),
                   file=sys.stderr, flush=True)
     _verdicts(report)
     report.meta.update(modes={m: configs[m] for m in modes}, draft_layers=a.draft_layers,

@@ -67,8 +67,10 @@ class DraftProposer:
         num_tokens - 1 + k."""
         for s in seqs:
             st: SpecState = s.spec
-            if st.preemptions != s.num_preemptions or st.draft_computed > s.num_computed_tokens:
+            if st.preemptions != s.num_preemptions:     # its blocks were freed: start over
                 st.draft_computed, st.preemptions = 0, s.num_preemptions
+            # past the verified tokens the draft wrote its own rejected guesses
+            st.draft_computed = min(st.draft_computed, s.num_computed_tokens)
         chunks = [s.token_ids[s.spec.draft_computed:] for s in seqs]
         starts = [s.spec.draft_computed for s in seqs]
         out = [[t] for t in self._step(seqs, chunks, starts)]
