@@ -149,3 +149,24 @@ def test_only_verified_blocks_reach_the_prefix_cache_and_kv_events(loaded, promp
     # the cache serves the next request, and its output does not change
     again = llm.generate([prompts[0]], GREEDY)[0]
     assert again.token_ids == out.token_ids and again.num_cached_tokens > 0
+
+
+def test_the_kvstore_gets_only_verified_blocks(loaded, prompts):
+    """Blocks saved while speculating, loaded by an engine without speculation whose prompt
+    is that output, give the tokens that computing them gives: no rejected draft's KV."""
+    from kvyard.kvstore import StoreConfig
+    from kvyard.workers.kvconnector import StoreConnector, model_identity_of
+
+    ident = model_identity_of("demo")
+    saver = StoreConnector(StoreConfig(dram_bytes=1 << 26), ident, pin_memory=False)
+    spec = make(loaded, NGRAM, kv_connector=saver)
+    out = spec.generate([prompts[0]], GREEDY)[0]
+    st = spec.engine.stats().spec_decode
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens       # drafts accepted and rejected
+    follow = prompts[0] + out.token_ids
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    want = make(loaded).generate([follow], params)[0].token_ids
+    loader = StoreConnector(StoreConfig(dram_bytes=1 << 26), ident, store=saver.store, pin_memory=False)
+    got = make(loaded, kv_connector=loader).generate([follow], params)[0]
+    assert got.token_ids == want
+    assert got.num_cached_tokens > len(prompts[0])                # output blocks came from the store
