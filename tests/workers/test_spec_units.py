@@ -98,35 +98,28 @@ def test_auto_policy_pauses_a_request_with_low_acceptance_and_probes_again():
     assert always.wants_draft(bad)
 
 
-def test_step_cost_fit_and_the_per_step_rule():
-    """With step time 10 ms + 1 ms a token, a draft pays at batch 1 for most acceptances
-    but at batch 8 only for a request that accepts well."""
-    from types import SimpleNamespace
+def test_the_gate_drafts_where_drafting_has_been_faster_and_keeps_checking():
+    from kvyard.workers.engine.spec.policy import EXPLORE, MIN_STEPS, BatchGate
 
-    from kvyard.workers.engine.spec.policy import StepCost
+    gate = BatchGate()
+    assert [gate.bucket(r) for r in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
 
-    cost = StepCost()
-    assert cost.line() is None
-    for t in (1, 5, 8, 40, 1, 5, 8, 40):
-        cost.observe(t, 0.010 + 0.001 * t)
-    a, b = cost.line()
-    assert a == pytest.approx(0.010, rel=1e-6) and b == pytest.approx(0.001, rel=1e-6)
-    pol = SpecPolicy(SpeculativeConfig(policy="auto"))
-    pol.cost = cost
+    def run(rows, spec_rate, plain_rate, steps=64):
+        """Steps of `rows` rows at the given tokens/s per arm; which arm each step chose."""
+        chose = []
+        for _ in range(steps):
+            drafted = gate.allow(rows)
+            chose.append(drafted)
+            gate.observe(rows, drafted, 10, 10 / (spec_rate if drafted else plain_rate))
+        return chose
 
-    def row(rho):
-        return (SimpleNamespace(spec=SpecState(rho=rho)), 4)
-
-    assert len(pol.choose([row(0.2)], tokens=1, emitted=1)) == 1       # 0.2 * 11 ms > 1 ms
-    good, poor = row(0.9), row(0.3)
-    kept = pol.choose([poor, good] + [row(0.0)] * 6, tokens=8, emitted=8)  # threshold 8/18
-    assert [r[0].spec.rho for r in kept] == [0.9]
-    for _ in range(pol.pause_steps - 1):                               # turned down again and again
-        assert pol.choose([poor], 8, 8) == []
-    assert pol.choose([poor], 8, 8) == [poor]                          # then probed once
-    assert pol.choose([poor], 8, 8) == []
-    assert pol.choose([row(0.2)], 8, 8) == [] and len(SpecPolicy(SpeculativeConfig(policy="always"))
-                                                      .choose([row(0.0)], 8, 8)) == 1
+    slow = run(8, spec_rate=50.0, plain_rate=100.0)      # batch 8: drafting loses
+    assert all(slow[:MIN_STEPS])                         # it learns what drafting gives first
+    tail = slow[-EXPLORE:]
+    assert sum(tail) == 1                                 # one probe in EXPLORE steps
+    fast = run(1, spec_rate=150.0, plain_rate=100.0)      # batch 1: drafting wins
+    assert sum(fast[-EXPLORE:]) == EXPLORE - 1            # one plain step in EXPLORE
+    assert SpecPolicy(SpeculativeConfig(policy="always")).step_allows(8)
 
 
 def test_stats_count_per_position():

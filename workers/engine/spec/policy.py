@@ -1,32 +1,26 @@
-"""When to speculate: per request from its own acceptance, per step from what a token costs.
+"""When to speculate: per step from measured throughput, per request from its acceptance.
 
-A draft token costs target compute whether it is accepted or not. Adding a draft of k
-tokens to a row of a step that now computes T tokens and emits N costs k more tokens'
-worth of step time and emits rho * k more tokens on average (rho: the request's recent
-share of draft tokens accepted). With a step costing a + b * T (a: reading the weights
-and fixed overheads, b: a token's compute), the draft raises the step's tokens per
-second iff rho * (a + b * T) > N * b. `StepCost` fits a and b online from the engine's
-own decode and verify steps (an exponentially weighted least-squares line), so the rule
-adapts to the device and the batch: at batch 1 on a GPU (a >> b) almost any acceptance
-pays; at batch 8 on a CPU it takes a repetitive text. Rows are added best rho first
-until the next one would not pay (`choose`).
-
-Under `policy: auto` a request the rule turns down `pause_steps` steps in a row drafts
-once anyway (a probe: its rho follows its text), and one whose acceptance falls below
-`min_acceptance` after `min_drafts` drafts is paused for `pause_steps` steps (no proposals
-at all), then probed. `always` drafts whenever
-the proposer has something.
+A draft costs target compute whether it is accepted or not, and what a token of compute
+costs depends on the device, the batch and the machine's load: on a GPU at batch 1 a
+verify step costs about what a decode step does; on a CPU at batch 8 it can cost several
+times more. So under `policy: auto` the engine measures instead of modelling:
+`BatchGate` keeps, per batch size (decode rows, in powers of two), the recent output
+tokens per second of steps that verified drafts and of steps that did not, and lets a
+step draft only when drafting has been the faster of the two; every `EXPLORE` steps it
+tries the other arm, so both estimates follow the workload. A request whose acceptance
+falls below `min_acceptance` after `min_drafts` drafts is paused for `pause_steps` steps
+(no proposals at all), then probed again. `always` drafts whenever the proposer has
+something.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 from .config import SpeculativeConfig
 
-PRIOR_RHO = 0.5        # a request's acceptance before its first draft
-RHO_DECAY = 0.7        # weight of the past in a request's acceptance estimate
-COST_DECAY = 0.98      # weight of the past in the step-cost fit (per observed step)
+RATE_DECAY = 0.9   # weight of the past in an arm's tokens/s (about the last ten steps)
+MIN_STEPS = 3      # steps an arm needs before its rate counts
+EXPLORE = 16       # every this many steps of a batch size, the other arm runs once
 
 
 @dataclass(slots=True)
@@ -36,42 +30,51 @@ class SpecState:
     drafts: int = 0
     draft_tokens: int = 0
     accepted: int = 0
-    rho: float = PRIOR_RHO       # recent share of its draft tokens accepted
     paused_for: int = 0          # plain decode steps left before the next probe
-    probe: bool = False          # a pause just ended: draft once to refresh rho
-    skipped: int = 0             # steps in a row the cost rule turned its draft down
     draft_computed: int = 0      # draft model: leading tokens whose draft KV is valid
     preemptions: int = 0         # the request's preemption count the draft KV belongs to
 
 
 @dataclass(slots=True)
-class StepCost:
-    """Step time ~ a + b * tokens, fitted by exponentially weighted least squares."""
+class _Arm:
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: int = 0
 
-    w: float = 0.0
-    st: float = 0.0
-    sd: float = 0.0
-    stt: float = 0.0
-    std: float = 0.0
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens = RATE_DECAY * self.tokens + tokens
+        self.seconds = RATE_DECAY * self.seconds + seconds
+        self.steps += 1
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        d = COST_DECAY
-        self.w = d * self.w + 1.0
-        self.st = d * self.st + tokens
-        self.sd = d * self.sd + seconds
-        self.stt = d * self.stt + tokens * tokens
-        self.std = d * self.std + tokens * seconds
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
-    def line(self) -> tuple[float, float] | None:
-        """(a, b), or None until the steps seen vary enough in size to tell."""
-        if self.w < 4:
-            return None
-        mt, md = self.st / self.w, self.sd / self.w
-        var = self.stt / self.w - mt * mt
-        if var < 0.5:
-            return None
-        b = max(0.0, (self.std / self.w - mt * md) / var)
-        return max(md - b * mt, 1e-9), b
+
+@dataclass(slots=True)
+class BatchGate:
+    """Per batch size: tokens/s of decode steps with drafts vs without; which to run next."""
+
+    arms: dict[tuple[int, bool], _Arm] = field(default_factory=dict)
+    steps: dict[int, int] = field(default_factory=dict)
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return 1 << max(0, rows - 1).bit_length()
+
+    def allow(self, rows: int) -> bool:
+        b = self.bucket(rows)
+        n = self.steps[b] = self.steps.get(b, 0) + 1
+        spec, plain = self.arms.get((b, True)), self.arms.get((b, False))
+        if spec is None or spec.steps < MIN_STEPS:
+            return True                     # learn what drafting gives first
+        if plain is None or plain.steps < MIN_STEPS:
+            return n % 2 == 0               # plain steps come anyway where nothing matches
+        better = spec.rate >= plain.rate
+        return (not better) if n % EXPLORE == 0 else better
+
+    def observe(self, rows: int, drafted: bool, tokens: int, seconds: float) -> None:
+        self.arms.setdefault((self.bucket(rows), drafted), _Arm()).add(tokens, seconds)
 
 
 class SpecPolicy:
@@ -80,43 +83,22 @@ class SpecPolicy:
         self.min_acceptance = cfg.min_acceptance
         self.pause_steps = cfg.pause_steps
         self.min_drafts = cfg.min_drafts
-        self.cost = StepCost()
+        self.gate = BatchGate()
+
+    def step_allows(self, rows: int) -> bool:
+        """Whether a decode step of `rows` rows may draft (always outside auto)."""
+        return not self.auto or self.gate.allow(rows)
 
     def wants_draft(self, st: SpecState) -> bool:
         if st.paused_for > 0:
             st.paused_for -= 1
-            st.probe = st.paused_for == 0    # the next step drafts, whatever the rule says
             return False
         return True
-
-    def choose(self, rows: list[tuple[Any, int]], tokens: int, emitted: int) -> list[tuple[Any, int]]:
-        """The (sequence, k) rows worth drafting in a step that computes `tokens` and
-        emits `emitted` without drafts; the others are paused (auto) until a probe."""
-        if not self.auto or not rows:
-            return rows
-        line = self.cost.line()
-        if line is None:
-            return rows                      # no fit yet: drafting also teaches it
-        a, b = line
-        kept: list[tuple[Any, int]] = []
-        for seq, k in sorted(rows, key=lambda r: -r[0].spec.rho):
-            rho = seq.spec.rho
-            st = seq.spec
-            if st.probe or rho * (a + b * tokens) > emitted * b:
-                st.probe, st.skipped = False, 0
-                kept.append((seq, k))
-                tokens += k
-                emitted += rho * k
-            else:   # the rule is the batch's: asked again next step, probed now and then
-                st.skipped += 1
-                st.probe = st.skipped >= self.pause_steps
-        return kept
 
     def record(self, st: SpecState, proposed: int, accepted: int) -> None:
         st.drafts += 1
         st.draft_tokens += proposed
         st.accepted += accepted
-        st.rho = RHO_DECAY * st.rho + (1 - RHO_DECAY) * accepted / proposed
         if self.auto and st.drafts >= self.min_drafts \
                 and st.accepted < self.min_acceptance * st.draft_tokens:
             st.paused_for = self.pause_steps

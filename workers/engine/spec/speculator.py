@@ -52,12 +52,16 @@ class Speculator:
         self.policy = SpecPolicy(cfg)
         self.stats = SpecDecodeStats()
         self.generator = generator
-        self._step_tokens: int | None = None   # this step's tokens when it only decodes/verifies
+        self._step: tuple[int, bool, int] | None = None  # a decode step's (rows, drafted, tokens out)
 
     # ---- before the target step ------------------------------------------------
     def plan(self, sched: SchedulerOutput) -> None:
         budget = self.max_num_batched_tokens - sched.num_tokens
         nd = sched.num_decodes
+        pure = nd == len(sched.seqs)       # decodes only: a step the gate learns from
+        self._step = (nd, False, nd) if pure else None
+        if pure and not self.policy.step_allows(nd):
+            return
         cands: list[tuple[Sequence, int]] = []
         for seq in sched.seqs[:nd]:
             k = self._room(seq)
@@ -67,22 +71,16 @@ class Speculator:
                 if self.policy.wants_draft(seq.spec):
                     cands.append((seq, min(k, budget)))
                     budget -= min(k, budget)
-        self._step_tokens = sched.num_tokens if nd == len(sched.seqs) else None
         if not cands:
             return
-        emitted = nd + sum(1 for s, n in zip(sched.seqs[nd:], sched.num_new_tokens[nd:])
-                           if s.num_computed_tokens + n == s.num_tokens)
         drafts: dict[str, list[int]] = {}
         if self.ngram is not None:
-            proposed = [(s, d) for s, k in cands if (d := self.ngram.propose(s.token_ids, k))]
-            rows = self.policy.choose([(s, len(d)) for s, d in proposed], sched.num_tokens, emitted)
-            chosen = {s.request_id for s, _ in rows}
-            for seq, d in proposed:
-                if seq.request_id in chosen and self.bm.allocate(seq, 1 + len(d)):
+            for seq, k in cands:
+                d = self.ngram.propose(seq.token_ids, k)
+                if d and self.bm.allocate(seq, 1 + len(d)):
                     drafts[seq.request_id] = d
         else:
-            rows = self.policy.choose(cands, sched.num_tokens, emitted)
-            ok = [(s, k) for s, k in rows if self.bm.allocate(s, 1 + k)]
+            ok = [(s, k) for s, k in cands if self.bm.allocate(s, 1 + k)]
             if ok:
                 for (s, _), d in zip(ok, self.draft.propose([s for s, _ in ok], [k for _, k in ok])):
                     drafts[s.request_id] = d
@@ -101,13 +99,14 @@ class Speculator:
         sched.seqs = [s for s, _ in pairs]
         sched.num_new_tokens = [n for _, n in pairs]
         sched.num_decodes = len(plain)
-        if self._step_tokens is not None:
-            self._step_tokens = sched.num_tokens
+        if pure:
+            self._step = (nd, True, nd)
 
     def observe(self, seconds: float) -> None:
-        """The step's time, for the policy's cost fit (decode and verify steps only)."""
-        if self._step_tokens is not None:
-            self.policy.cost.observe(self._step_tokens, seconds)
+        """The step's time and output, for the policy's gate (decode steps only)."""
+        if self._step is not None:
+            rows, drafted, emitted = self._step
+            self.policy.gate.observe(rows, drafted, emitted, seconds)
 
     def _room(self, seq: Sequence) -> int:
         p = seq.params
@@ -156,6 +155,8 @@ class Speculator:
             seqs += [seq] * len(toks)
             tokens += toks
             lps_out += lps
+        if self._step is not None:
+            self._step = (self._step[0], True, len(tokens))
         return seqs, tokens, lps_out
 
     def _verify(self, seq: Sequence, logits: torch.Tensor | None, picked: list[int] | None,
