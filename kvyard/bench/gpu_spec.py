@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-layers", type=int, default=10)
     p.add_argument("--dtype", default="float32", help="float32 keeps greedy tokens comparable bit for bit")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (decode and verify)")
+    p.add_argument("--device", default="cuda", help="cuda (cpu: a functional check of this script)")
     a = p.parse_args(argv)
 
     import torch
@@ -40,11 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in a.modes.split(",") if m]
     configs = mode_configs(a.draft_layers)
     tok = load_tokenizer("demo")
-    model, cfg = load_model(resolve_model("demo"), getattr(torch, a.dtype), 2048, device="cuda")
-    engines = {m: make_engine((model, cfg, tok), configs[m], a.dtype, "cuda", enforce_eager=a.eager,
-                              kv_cache_memory_bytes=1 << 30, max_model_len=2048, max_num_seqs=8)
+    model, cfg = load_model(resolve_model("demo"), getattr(torch, a.dtype), 2048, device=a.device)
+    engines = {m: make_engine((model, cfg, tok), configs[m], a.dtype, a.device, enforce_eager=a.eager,
+                              kv_cache_memory_bytes=(1 << 30) if a.device == "cuda" else 64 << 20, max_model_len=2048, max_num_seqs=8)
                for m in modes}
-    result = {"card": torch.cuda.get_device_name(), "dtype": a.dtype, "graphs": not a.eager,
+    result = {"card": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "dtype": a.dtype, "graphs": not a.eager,
               "max_tokens": a.max_tokens, "rounds": a.rounds, "draft_layers": a.draft_layers,
               "spec": {}, "modes": {}}
     for w in a.workloads.split(","):
