@@ -83,3 +83,55 @@ def test_greedy_with_speculation_equals_transformers_and_no_speculation(demo, hf
     if not eager:
         assert replays, "no verify step ran as a CUDA graph"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A random 4-layer Llama saved as an HF directory (what test_cuda_engine.py uses)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**TINY)).float()
+    d = tmp_path_factory.mktemp("tiny_spec")
+    hf.save_pretrained(d, safe_serialization=True)
+    return d, hf
+
+
+TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_tiny_model_speculation_keeps_greedy_tokens(tiny_dir, eager):
+    """Without the demo: a random 4-layer Llama, prompts that repeat a pattern (so n-gram
+    lookup drafts), n-gram and a 2-layer draft of the model itself; tokens equal plain
+    decoding's and transformers'."""
+    from kvyard.workers.model import load_model
+
+    d, hf = tiny_dir
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 512, (n,), generator=g).tolist() * 4 for n in (3, 5, 8, 13)]
+    hf = hf.cuda().eval()
+    want = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids], device="cuda")
+            y = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=NEW,
+                            pad_token_id=0)
+            want.append(y[0, len(ids):].tolist())
+    model, cfg = load_model(resolve_model(str(d)), torch.float32, 1024, device="cuda")
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+
+    def tokens(spec):
+        conf = EngineConfig(model=str(d), dtype="float32", device="cuda", enforce_eager=eager, max_model_len=1024,
+                            max_num_seqs=8, kv_cache_memory_bytes=64 << 20, speculative_config=spec)
+        engine = LLMEngine(conf, model, cfg, None)
+        return [o.token_ids for o in LLM(engine=engine).generate(prompts, params)], engine
+
+    plain, _ = tokens(None)
+    for spec in (MODES["ngram"], {**MODES["draft"], "model": str(d), "draft_layers": 2}):
+        got, engine = tokens(spec)
+        assert got == plain, spec["method"]
+        assert all(g[:len(w)] == w for g, w in zip(got, want)), spec["method"]
+        assert engine.stats().spec_decode.num_drafts > 0
+        assert (engine.runner.verify_graphs is None) == eager
