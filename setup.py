@@ -29,5 +29,5 @@ setup(
     # *.c, *.h: kernels compiled on the host at first use (workers/cpu_ops);
     # data/*.jsonl: the bench's shipped traces (kvyard/bench/data)
     package_data={"": ["*.yaml", "*.json", "*.jinja", "*.proto", "*.c", "*.h",
-                       "data/*.jsonl", "data/*.txt"]},
+                       "data/*.jsonl", "data/*.txt", "data/spec/*.jsonl"]},
 )

@@ -37,6 +37,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "coldstart": ("kvyard.bench.coldstart",
                   "scale to zero: a request at zero workers to its first token, worker start "
                   "breakdown, vs a warm pool and KEDA-style polling"),
+    "spec": ("kvyard.bench.spec",
+             "speculative decoding (n-gram, draft model, auto policy) vs none per workload"),
     "route": ("kvyard.bench.route",
               "routing policies and peer routers (SMG, vllm-router) on the same pods: "
               "goodput, TTFT, hit rate vs an ideal cache, EPP cost"),

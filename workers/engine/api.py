@@ -98,6 +98,7 @@ class EngineStats:
     max_lora: int = 0               # --max-loras with LoRA on, else 0 (then no LoRA metric)
     running_lora_adapters: list[str] = field(default_factory=list)  # adapters of running requests
     waiting_lora_adapters: list[str] = field(default_factory=list)  # ... of waiting ones
+    spec_decode: Any = None       # spec.stats.SpecDecodeStats with speculative decoding on
 
 
 class KVConnector(Protocol):

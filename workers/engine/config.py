@@ -29,6 +29,7 @@ class EngineConfig:
     quantization: str | None = None          # weights: None (as stored) | int8 | fp8 | int4 | gguf (docs/quantization.md)
     kv_connector: Any = None                 # a kvyard.workers.engine.api.KVConnector, or None
     lora: Any = None                         # a kvyard.workers.lora.config.LoRAConfig (--enable-lora), or None
+    speculative_config: dict | None = None   # vLLM's --speculative-config (engine/spec/config.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

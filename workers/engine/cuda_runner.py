@@ -13,6 +13,12 @@ is reading the sampled ids.
 The graphs share one memory pool, captured largest first (what vLLM does): they
 never run at once, so their intermediates may share memory; the inputs and each
 graph's logits are held here, outside what the pool may reuse.
+
+Speculative decoding's verify steps are graphs too (`q` = 1 + k query tokens per row:
+a fixed shape per padded batch size, through the extend kernel). A row with a shorter
+draft, or a plain decode beside drafted rows, is right-aligned in its q slots: the
+padding in front has slot -1 and its queries' output is never read, so each real token
+sits at its own position (the kernel places query i at seq_len - q + i).
 """
 from __future__ import annotations
 
@@ -42,25 +48,29 @@ class _Buffers:
     qsl: torch.Tensor        # [B + 1] int32 (decodes: 0..B)
 
     @classmethod
-    def allocate(cls, batch: int, max_blocks: int, device: Any) -> "_Buffers":
+    def allocate(cls, batch: int, max_blocks: int, device: Any, q: int = 1) -> "_Buffers":
         def t(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
-        return cls(t(batch, dtype=torch.int64), t(batch, dtype=torch.int64), t(batch, dtype=torch.int64),
+        n = batch * q
+        return cls(t(n, dtype=torch.int64), t(n, dtype=torch.int64), t(n, dtype=torch.int64),
                    t(batch, dtype=torch.int32), t(batch, max_blocks, dtype=torch.int32),
-                   torch.arange(batch + 1, dtype=torch.int32, device=device))
+                   torch.arange(0, n + 1, q, dtype=torch.int32, device=device))
 
 
 class DecodeGraphs:
     """CUDA graphs of whole decode steps, one per padded batch size."""
 
-    def __init__(self, model: Any, kv_caches: list[torch.Tensor], max_batch: int, max_blocks: int) -> None:
+    def __init__(self, model: Any, kv_caches: list[torch.Tensor], max_batch: int, max_blocks: int,
+                 q: int = 1) -> None:
+        """`q` query tokens per row: 1 for decode steps, 1 + k for speculative verify steps."""
         self.model, self.kv_caches = model, kv_caches
         dev = model.device
+        self.q = q
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch, self.max_blocks = self.sizes[-1], max_blocks
-        self.dev = _Buffers.allocate(self.max_batch, max_blocks, dev)
-        host = _Buffers.allocate(self.max_batch, max_blocks, "cpu")
+        self.dev = _Buffers.allocate(self.max_batch, max_blocks, dev, q)
+        host = _Buffers.allocate(self.max_batch, max_blocks, "cpu", q)
         self.host = _Buffers(*(x.pin_memory() for x in (host.ids, host.pos, host.slots, host.lens,
                                                         host.tables, host.qsl)))
         self.dev.slots.fill_(-1)
@@ -68,15 +78,16 @@ class DecodeGraphs:
         self._capture()
 
     def _step_fn(self, b: int):
-        d = self.dev
-        meta = AttentionMetadata(slot_mapping=d.slots[:b], query_start_loc=list(range(b + 1)),
-                                 seq_lens=[1] * b, block_tables=d.tables[:b], num_decodes=b)
-        meta.scratch[TRITON_PLAN_KEY] = DevicePlan(d.slots[:b], d.tables[:b], d.lens[:b], d.qsl[:b + 1], 0,
-                                                     d.pos[:b])
+        d, q = self.dev, self.q
+        n = b * q
+        meta = AttentionMetadata(slot_mapping=d.slots[:n], query_start_loc=list(range(0, n + 1, q)),
+                                 seq_lens=[q] * b, block_tables=d.tables[:b], num_decodes=b if q == 1 else 0)
+        meta.scratch[TRITON_PLAN_KEY] = DevicePlan(d.slots[:n], d.tables[:b], d.lens[:b], d.qsl[:b + 1],
+                                                     0 if q == 1 else q, d.pos[:n])
         model, caches = self.model, self.kv_caches
 
         def fn() -> torch.Tensor:
-            return model.compute_logits(model(d.ids[:b], d.pos[:b], caches, meta))
+            return model.compute_logits(model(d.ids[:n], d.pos[:n], caches, meta))
 
         return fn
 
@@ -102,22 +113,48 @@ class DecodeGraphs:
 
     def run(self, ids: list[int], pos: list[int], slots: list[int], lens: list[int],
             tables: list[list[int]]) -> torch.Tensor:
-        """Logits [n, V] float32 (a view of the graph's output, valid until the next run)."""
-        n = len(ids)
-        b = next(s for s in self.sizes if s >= n)
+        """Logits [n, V] float32 (a view of the graph's output, valid until the next run).
+        With q > 1, ids/pos/slots hold q entries per row (padding: slot -1) and the
+        logits q rows per row."""
+        rows = len(lens)
+        n = rows * self.q
+        b = next(s for s in self.sizes if s >= rows)
         h, d = self.host, self.dev
         h.ids[:n] = torch.tensor(ids, dtype=torch.int64)
         h.pos[:n] = torch.tensor(pos, dtype=torch.int64)
-        h.slots[:b] = -1
+        h.slots[:b * self.q] = -1
         h.slots[:n] = torch.tensor(slots, dtype=torch.int64)
         h.lens[:b] = 0
-        h.lens[:n] = torch.tensor(lens, dtype=torch.int32)
+        h.lens[:rows] = torch.tensor(lens, dtype=torch.int32)
         tab = h.tables.numpy()
         for i, t in enumerate(tables):
             tab[i, :len(t)] = t
-        for src, dst in ((h.ids, d.ids), (h.pos, d.pos), (h.slots, d.slots), (h.lens, d.lens)):
-            dst[:b].copy_(src[:b], non_blocking=True)
-        d.tables[:n].copy_(h.tables[:n], non_blocking=True)  # whole rows: one contiguous copy
+        m = b * self.q
+        for src, dst, k in ((h.ids, d.ids, m), (h.pos, d.pos, m), (h.slots, d.slots, m), (h.lens, d.lens, b)):
+            dst[:k].copy_(src[:k], non_blocking=True)
+        d.tables[:rows].copy_(h.tables[:rows], non_blocking=True)  # whole rows: one contiguous copy
         graph, out, _ = self.graphs[b]
         graph.replay()
         return out[:n]
+
+    def run_verify(self, seqs: list[Any], block_size: int) -> tuple[torch.Tensor, list[int]]:
+        """A verify step of decodes and drafted rows (`seq.spec_token_ids`, at most q - 1
+        each), right-aligned in their q slots. Returns the logits and, in `seqs` order,
+        the logits row of each sampled position (1 + draft rows per sequence)."""
+        q, bs = self.q, block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        lens: list[int] = []
+        rows: list[int] = []
+        for i, seq in enumerate(seqs):
+            c = seq.num_computed_tokens
+            toks = [seq.token_ids[c]] + seq.spec_token_ids
+            pad = q - len(toks)
+            ids += [0] * pad + toks
+            pos += [0] * pad + list(range(c, c + len(toks)))
+            t = seq.block_table
+            slots += [-1] * pad + [t[p // bs] * bs + p % bs for p in range(c, c + len(toks))]
+            lens.append(c + len(toks))
+            rows += range(i * q + pad, (i + 1) * q)
+        return self.run(ids, pos, slots, lens, [s.block_table for s in seqs]), rows

@@ -29,6 +29,7 @@ from .model_runner import PREFILL_GRAPH_MAX_TOKENS, ModelRunner, kv_cache_bytes,
 from .sampler import Sampler, make_generator
 from .scheduler import Scheduler
 from .sequence import Sequence, output_of
+from .spec import build_speculator, spec_tokens
 
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs and OpenAI's top_logprobs limit
@@ -52,7 +53,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, model_config, bs, num_blocks, self.dtype, config.num_threads,
                                   cuda_graphs=not config.enforce_eager, max_batch=config.max_num_seqs,
                                   max_model_len=config.max_model_len, kv_format=kv_format,
-                                  prefill_graph_tokens=min(config.max_num_batched_tokens, PREFILL_GRAPH_MAX_TOKENS))
+                                  prefill_graph_tokens=min(config.max_num_batched_tokens, PREFILL_GRAPH_MAX_TOKENS),
+                                  spec_tokens=spec_tokens(config))
         self.connector = config.kv_connector
         self.kv_loader: KVLoader | None = None
         if self.connector is not None:
@@ -71,6 +73,7 @@ class LLMEngine:
                                    self.handoff, self.eos_token_ids, self.max_model_len,
                                    max_loras=config.lora.max_loras if self.lora is not None else 0)
         self.sampler = Sampler(config.seed)
+        self.speculator = build_speculator(config, self, model, num_blocks)
         self.guided = None if tokenizer is None else GuidedVocab(tokenizer, model_config.vocab_size)
         self.last_step_time = 0.0
         self._sleep: Any = None      # sleep_mode.SleepMode after the first sleep
@@ -229,10 +232,18 @@ class LLMEngine:
             self._wait_or_stall()
             return []
         t0 = time.perf_counter()
+        spec = self.speculator
+        if spec is not None:
+            spec.plan(sched)    # drafts for decode rows: 1 + k positions each (spec/)
         logits, samplers, picked = self.runner.execute(sched)
-        tokens, logprobs = self._sample(logits, samplers, picked)
+        if spec is not None and len(samplers) > len(set(map(id, samplers))):
+            samplers, tokens, logprobs = spec.sample(self._sample, logits, samplers, picked)
+        else:
+            tokens, logprobs = self._sample(logits, samplers, picked)
         outputs = self.scheduler.postprocess(sched, samplers, tokens, logprobs)
         self.last_step_time = time.perf_counter() - t0
+        if spec is not None:
+            spec.observe(self.last_step_time)
         return outputs
 
     def _wait_or_stall(self) -> None:
@@ -280,6 +291,7 @@ class LLMEngine:
             generation_tokens_total=self.scheduler.generation_tokens_total,
             prompt_tokens_pending=self._prompt_tokens_pending(),
             **self._lora_stats(),
+            spec_decode=None if self.speculator is None else self.speculator.stats.snapshot(),
         )
 
     def _lora_stats(self) -> dict[str, Any]:

@@ -140,7 +140,7 @@ class ModelRunner:
                  num_threads: int | None = None, single_thread_max_tokens: int | None = None,
                  cuda_graphs: bool = True, max_batch: int = 128, max_model_len: int | None = None,
                  fixed_addresses: bool = True, kv_format: KVFormat | None = None,
-                 prefill_graph_tokens: int = 0) -> None:
+                 prefill_graph_tokens: int = 0, spec_tokens: int = 0) -> None:
         """On CUDA (the model's device) decode steps of up to `max_batch` sequences of up
         to `max_model_len` tokens replay CUDA graphs unless `cuda_graphs` is False
         (--enforce-eager), and so do one sequence's prefill/extend steps of up to
@@ -181,6 +181,8 @@ class ModelRunner:
         self.lora_in_use = set  # the adapters requests in the engine name (kept in host memory)
         self.graphs = None
         self.prefill_graphs = None
+        self.verify_graphs = None  # speculative verify steps (1 + spec_tokens per row) as graphs
+        self.spec_tokens = spec_tokens
         self._graph_shape = None  # (max batch, max blocks) when decode steps are CUDA graphs
         self._prefill_graph_tokens = prefill_graph_tokens if cuda_graphs else 0
         if self.device.type == "cuda" and cuda_graphs:
@@ -207,7 +209,7 @@ class ModelRunner:
         if self._graph_shape is not None:
             from .cuda_runner import DecodeGraphs
 
-            self.graphs = None
+            self.graphs = self.verify_graphs = None
             self.graphs = DecodeGraphs(self.model, self.kv_caches, *self._graph_shape)
             if self._prefill_graph_tokens:
                 from .cuda_prefill import PrefillGraphs
@@ -215,6 +217,9 @@ class ModelRunner:
                 self.prefill_graphs = None
                 self.prefill_graphs = PrefillGraphs(self.model, self.kv_caches, self._prefill_graph_tokens,
                                                     self._graph_shape[1])
+            if self.spec_tokens:
+                self.verify_graphs = DecodeGraphs(self.model, self.kv_caches, *self._graph_shape,
+                                                  q=1 + self.spec_tokens)
         if self.device.type == "cuda":
             self._warm_up()
 
@@ -258,16 +263,20 @@ class ModelRunner:
         for seq, n in zip(sched.seqs, sched.num_new_tokens):
             c = seq.num_computed_tokens
             end = c + n
+            draft = seq.spec_token_ids   # speculative decoding: its last token, then the draft
             if n == 1:
                 ids.append(seq.token_ids[c])
                 pos.append(c)
             else:
-                ids.extend(seq.token_ids[c:end])
+                ids.extend(seq.token_ids[c:end] + draft if draft else seq.token_ids[c:end])
                 pos.extend(range(c, end))
             qsl.append(qsl[-1] + n)
             seq_lens.append(end)
             tables.append(seq.block_table)
-            if end == seq.num_tokens:
+            if draft:   # a row per position: the target's choice after each draft prefix
+                sample_rows.extend(range(qsl[-1] - n, qsl[-1]))
+                samplers.extend([seq] * n)
+            elif end == seq.num_tokens:
                 sample_rows.append(qsl[-1] - 1)
                 samplers.append(seq)
             if seq.wants_prompt_logits:
@@ -286,8 +295,15 @@ class ModelRunner:
             slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
             logits = self.graphs.run(ids, pos, slots, seq_lens, tables)
             return self._gpu_sample(logits, samplers)
+        vg = self.verify_graphs
+        if cuda and vg is not None and not prompt_spans and len(samplers) == len(ids) \
+                and vg.fits(len(tables), max(len(t) for t in tables)):
+            # decodes and drafted rows only (every position samples): one verify graph
+            logits, rows = vg.run_verify(sched.seqs, bs)
+            return self._gpu_sample(logits[torch.tensor(rows, device=logits.device)], samplers)
         if cuda and self.prefill_graphs is not None and len(tables) == 1 and not sched.num_decodes \
-                and not prompt_spans and self.prefill_graphs.fits(len(ids), len(tables[0])):
+                and len(samplers) <= 1 and not prompt_spans \
+                and self.prefill_graphs.fits(len(ids), len(tables[0])):
             t = tables[0]
             logits = self.prefill_graphs.run(ids, pos, [t[p // bs] * bs + p % bs for p in pos], seq_lens[0], t)
             return self._gpu_sample(logits, samplers) if samplers else (None, samplers, None)

@@ -204,16 +204,21 @@ class Scheduler:
                     logprobs: list) -> list[RequestOutput]:
         """After the model ran `sched`: its tokens are computed (blocks that became full
         enter the prefix cache, go to the connector and to P/D holds); each sequence in
-        `samplers` appends its token and ends if it stops. One output per token."""
+        `samplers` appends its token and ends if it stops. One output per token.
+
+        Speculative rows (`seq.spec_token_ids`, spec/speculator.py) appear in `samplers`
+        once per token they emit; only their last token's position counts as computed
+        until the accepted tokens are appended (`_settle_draft`)."""
+        drafted: list[Sequence] = []
         for seq, n in zip(sched.seqs, sched.num_new_tokens):
-            seq.num_computed_tokens += n
-            newly = self.bm.cache_blocks(seq)
-            if newly and self.connector is not None:
-                self.connector.save([h for h, _ in newly], [b for _, b in newly])
-            if seq.kv_hold is not None:
-                self.handoff.publish(seq)
+            if seq.spec_token_ids:
+                drafted.append(seq)
+                n = 1
+            self._advance(seq, n)
         outputs: list[RequestOutput] = []
         for seq, tok, lp in zip(samplers, tokens, logprobs):
+            if seq.is_finished:             # a stop among a draft's accepted tokens
+                continue
             if seq.num_output_tokens == 0:
                 self.prompt_tokens_total += seq.num_prompt_tokens
             self.generation_tokens_total += 1
@@ -228,7 +233,32 @@ class Scheduler:
             if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
                 out.prompt_logprobs = seq.prompt_logprobs or [None]
             outputs.append(out)
+        for seq in drafted:
+            self._settle_draft(seq)
         return outputs
+
+    def _advance(self, seq: Sequence, n: int) -> None:
+        """`n` more tokens computed: newly full blocks enter the prefix cache, go to the
+        connector and to the P/D hold."""
+        seq.num_computed_tokens += n
+        newly = self.bm.cache_blocks(seq)
+        if newly and self.connector is not None:
+            self.connector.save([h for h, _ in newly], [b for _, b in newly])
+        if seq.kv_hold is not None:
+            self.handoff.publish(seq)
+
+    def _settle_draft(self, seq: Sequence) -> None:
+        """After a verified draft: every emitted token but the last has valid KV (accepted
+        drafts were computed at their positions); the rejected positions' blocks go back."""
+        seq.spec_token_ids = []
+        if seq.is_finished:
+            return
+        self._advance(seq, seq.num_tokens - 1 - seq.num_computed_tokens)
+        keep = -(-seq.num_computed_tokens // self.bm.block_size)
+        if len(seq.block_table) > keep:
+            tail = seq.block_table[keep:]
+            del seq.block_table[keep:]
+            self.bm.release(tail)
 
     def _reserve(self, seq: Sequence, n: int, done: set[str], preempted: list[Sequence]) -> int:
         """Blocks for `n` tokens of a running seq, preempting the newest others until they fit.

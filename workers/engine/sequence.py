@@ -50,6 +50,8 @@ class Sequence:
     pinned_blocks: list[int] = field(default_factory=list)  # P/D decode: loaded remote blocks,
                                          # referenced until admission shares them
     kv_load: Any = None                  # kv_loads.KVLoad it waits for (or came back from)
+    spec_token_ids: list[int] = field(default_factory=list)  # this step's draft (spec/), verified after it
+    spec: Any = None                     # spec.policy.SpecState once it may speculate
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,7 @@ Flag names are vLLM's where the concept is the same, so a manifest written for
 from __future__ import annotations
 
 import argparse
+import json
 import importlib
 import importlib.util
 import os
@@ -96,6 +97,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
                         "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "
                         "\"tcp://*:5558\", \"topic\": \"kv@$POD_IP@model\"}' (off by default)")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                   help="vLLM's speculative decoding config, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' or "
+                        "'{\"method\": \"draft_model\", \"model\": \"demo\", \"draft_layers\": 8}' "
+                        "(docs/speculative-decoding.md; off by default)")
     p.add_argument("--log-level", default="info")
     add_pd_arguments(p)
     add_lora_arguments(p)  # --enable-lora, --lora-modules, --max-loras, --max-lora-rank, --max-cpu-loras
@@ -112,6 +118,16 @@ def _kv_events_config(text: str) -> Any:
         return KVEventsConfig.parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _speculative_config(text: str) -> dict:
+    from kvyard.workers.engine.spec.config import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.parse(text)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return json.loads(text)
 
 
 def advertise_address(args: argparse.Namespace) -> str:
@@ -133,7 +149,8 @@ def engine_config(args: argparse.Namespace) -> Any:
         **device_options(args),
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, role=args.role,
         num_threads=args.num_threads, kv_hold_ttl_s=args.kv_hold_timeout,
-        quantization=args.quantization, lora=lora_config(args))
+        quantization=args.quantization, lora=lora_config(args),
+        speculative_config=args.speculative_config)
 
 
 def run(args: argparse.Namespace) -> int:

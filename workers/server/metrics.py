@@ -87,6 +87,22 @@ class _EngineCollector:
             lora.add_metric([",".join(s.running_lora_adapters), str(s.max_lora),
                              ",".join(s.waiting_lora_adapters)], time.time())
             yield lora
+        if s.spec_decode is not None:
+            yield from _spec_metrics(s.spec_decode, counter, self._model)
+
+
+def _spec_metrics(sd: Any, counter: Callable[..., CounterMetricFamily], model: str) -> Iterator[Metric]:
+    """vLLM's speculative decoding counters (engine/spec/stats.py)."""
+    yield counter("vllm:spec_decode_num_drafts_total", "Drafts verified.", sd.num_drafts)
+    yield counter("vllm:spec_decode_num_draft_tokens_total", "Draft tokens proposed.", sd.num_draft_tokens)
+    yield counter("vllm:spec_decode_num_accepted_tokens_total", "Draft tokens accepted.",
+                  sd.num_accepted_tokens)
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Drafts whose token at this position was accepted.",
+                                  labels=["model_name", "position"])
+    for i, n in enumerate(sd.accepted_per_pos):
+        per_pos.add_metric([model, str(i)], n)
+    yield per_pos
 
 
 @dataclass(slots=True)
