@@ -14,6 +14,18 @@ from kvyard.workers.engine.api import SamplingParams  # noqa: E402
 from kvyard.workers.engine.config import EngineConfig  # noqa: E402
 from kvyard.workers.engine.llm import LLM  # noqa: E402
 
+
+
+@pytest.fixture(autouse=True)
+def _demo_installed() -> None:
+    from kvyard.common.models import ModelNotFound, resolve_model
+
+    try:
+        resolve_model("demo")
+    except ModelNotFound:
+        pytest.skip("the demo model is not installed")
+
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 BOUNDS = {"int8": (0.9, 0.01), "fp8": (0.85, 0.03)}
 

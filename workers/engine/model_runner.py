@@ -131,9 +131,11 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
     return torch.frombuffer(m, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
-# One sequence's prefill steps up to this many tokens replay CUDA graphs (cuda_prefill.py);
-# larger ones are compute-bound, so their launches cost a rounding error.
-PREFILL_GRAPH_MAX_TOKENS = 2048
+# One sequence's prefill steps up to this many tokens replay CUDA graphs (cuda_prefill.py).
+# On an H200 (8B shape, docs/bench/gpu-wave3-prefill.json) a 512-token prefill took 1.7x less
+# time from a graph; 1,024-token chunks gained nothing (2k prompt 1.03x, 8k 0.92x), so larger
+# steps stay eager.
+PREFILL_GRAPH_MAX_TOKENS = 512
 
 class ModelRunner:
     def __init__(self, model, model_config, block_size: int, num_blocks: int, dtype: torch.dtype,
