@@ -42,15 +42,17 @@ MEDIUMS = ("GPU", "CPU", "KVSTORE")
 MEDIUM_WEIGHT = (1.0, 0.8, 0.5)
 
 
-def _seed(ev: dict[str, Any]) -> int:
+def key_seed(lora: Any = None, extra: Any = None) -> int:
     """KEY_SEED for plain token blocks; an adapter's blocks, or blocks with extra keys
     (multimodal inputs, cache salts), are another key space: a request's tokens alone
-    never match them."""
-    lora = ev.get("lora_name") or ev.get("lora_id")
-    extra = ev.get("extra_keys")
+    never match them, a request for that adapter (`lora`) does."""
     if not lora and not (extra and any(k is not None for k in extra)):
         return KEY_SEED
     return seed_for(f"lora:{lora}|extra:{extra!r}")
+
+
+def _seed(ev: dict[str, Any]) -> int:
+    return key_seed(ev.get("lora_name") or ev.get("lora_id"), ev.get("extra_keys"))
 
 
 def medium_bit(name: Any) -> int:

@@ -2,7 +2,8 @@
 
 The keys are the index's (`index.py`): `block_hashes` over the token ids the worker
 will run — the prompt's `lead` (a completions prompt's BOS) and then its ids — with
-`KEY_SEED`, chained from the first block. The ids come from the request's
+`KEY_SEED` (an adapter's request: `key_seed(adapter)`, as the index keys that adapter's
+events), chained from the first block. The ids come from the request's
 `LazyPrompt`, which tokenizes one chunk more whenever a key past what it has is
 asked for, so a scoring walk costs tokenization only up to the longest match.
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from kvyard.common.hashing import NONE_HASH, block_hashes
 
 from ..prompt import LazyPrompt
-from .index import KEY_SEED
+from .index import KEY_SEED, key_seed
 
 
 @dataclass(slots=True)
@@ -22,6 +23,7 @@ class EngineKeys:
     prompt: LazyPrompt
     block_size: int
     keys: list[int] = field(default_factory=list)
+    seed: int = KEY_SEED  # key_seed(adapter) for a LoRA adapter's request, as its events are keyed
 
     @property
     def lead(self) -> int:
@@ -44,7 +46,7 @@ class EngineKeys:
         if blocks <= have:
             return
         parent = self.keys[-1] if self.keys else NONE_HASH
-        self.keys.extend(block_hashes(self._ids(have * bs, blocks * bs), bs, seed=KEY_SEED,
+        self.keys.extend(block_hashes(self._ids(have * bs, blocks * bs), bs, seed=self.seed,
                                       parent=parent))
 
     def get(self, i: int) -> int | None:

@@ -294,3 +294,19 @@ def test_many_endpoints_each_get_their_own_longest_prefix() -> None:
         scorer.index.apply(a, [_stored_map(toks, 1, end=i % 9)] if i % 9 else [])
     got = _matched(scorer, toks, *eps)
     assert got == [(i % 9) / 8 for i in range(50)]
+
+
+def test_an_adapters_blocks_match_only_requests_for_that_adapter() -> None:
+    toks = _tokens(3, 6 * BS)
+    scorer = PrecisePrefixScorer(speculative=Speculative(0.0))
+    scorer.index.subscribed = {A, B}
+    scorer.index.apply(A, [{**_stored_map(toks, salt=5), "lora_name": "tone"}])
+    scorer.index.apply(B, [_stored_map(toks, salt=5)])  # the base model's blocks of the same tokens
+    for adapter, holder in (("tone", A), ("", B), ("other", None)):
+        req = _req(toks)
+        req.adapter = adapter
+        scores = dict(zip((A, B), scorer.score(req, [Endpoint(A), Endpoint(B)])))
+        if holder is None:
+            assert scores[A] == scores[B] == 0.0, adapter
+        else:
+            assert scores[holder] > 0.0 and scores[A if holder == B else B] == 0.0, adapter

@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import aiohttp
 
 from kvyard.common import pd_auth, wire
-from kvyard.common.hashing import block_hashes
+from kvyard.common.hashing import adapter_seed, block_hashes
 from kvyard.kvstore.layout import Namespace
 from kvyard.workers.engine.api import RemoteKV
 from kvyard.workers.server.errors import ApiError
@@ -82,10 +82,11 @@ class PDDecoder:
         self.metrics.fallbacks.labels(reason="unsupported_request").inc()
 
     async def remote_kv(self, target: str, path: str, body: dict[str, Any],
-                        prompt_ids: list[int]) -> RemoteKV | None:
-        """The prompt's leading blocks from the prefill worker (or the store), or None."""
+                        prompt_ids: list[int], lora_name: str | None = None) -> RemoteKV | None:
+        """The prompt's leading blocks from the prefill worker (or the store), or None;
+        an adapter's blocks are hashed as the engines hash them (`adapter_seed`)."""
         bs = self.namespace.layout.block_size
-        own = block_hashes(prompt_ids, bs)[:(len(prompt_ids) - 1) // bs]
+        own = block_hashes(prompt_ids, bs, seed=adapter_seed(lora_name))[:(len(prompt_ids) - 1) // bs]
         if not own:
             return None
         streaming = self.stream and bool(self.transports)

@@ -87,7 +87,8 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
                 run.hold_kv = hold_kv
                 run.hold_id = stream_id_of(req.raw) if hold_kv else None
                 if target is not None:
-                    run.remote_kv = state.pd.decoder.remote_kv(target, request.path, req.raw, ids)
+                    run.remote_kv = state.pd.decoder.remote_kv(target, request.path, req.raw, ids,
+                                                                p.lora_name)
             c = Choice(index, ids, run, p, lp, echo)
             if i and share_prefill:
                 c.after = choices[-i].prefilled

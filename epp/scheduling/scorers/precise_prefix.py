@@ -22,7 +22,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ...kvevents.index import DEFAULT_MAX_BYTES, KVBlockIndex, best_weight
+from ...kvevents.index import DEFAULT_MAX_BYTES, KVBlockIndex, best_weight, key_seed
 from ...kvevents.request_keys import EngineKeys
 from ...kvevents.speculative import Speculative
 from ...pool.endpoints import Endpoint
@@ -76,7 +76,7 @@ class PrecisePrefixScorer(Scorer, PreRequest, PostResponse, PoolListener):
             req.cycle.write(ENGINE_KEYS, views := {})
         v = views.get(bs)
         if v is None:
-            v = views[bs] = EngineKeys(req.prompt, bs)
+            v = views[bs] = EngineKeys(req.prompt, bs, seed=key_seed(req.adapter or None))
         return v
 
     def score(self, req: SchedRequest, eps: list[Endpoint]) -> list[float]:
