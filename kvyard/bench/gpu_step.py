@@ -173,16 +173,9 @@ def step_fn(variant: str, w: Weights, b: Batch, decode_cfg: DecodeConfig) -> Cal
 
 def capture(fn: Callable[[], Any]) -> tuple[Any, Any]:
     """Warm up on a side stream (Triton compiles, cuBLAS picks), then capture one replayable graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
+    from kvyard.workers.engine.cuda_runner import capture_graph
+
+    return capture_graph(fn)
 
 
 def config_8b(max_pos: int = 8192) -> ModelConfig:

@@ -23,6 +23,8 @@ import torch
 from kvyard.workers.attention import AttentionMetadata
 from kvyard.workers.attention.triton_backend import TRITON_PLAN_KEY, DevicePlan
 
+from .cuda_runner import capture_graph
+
 
 def prefill_buckets(max_tokens: int) -> list[int]:
     """16, 32, ... doubling, up to `max_tokens` (the step budget), which is always the last."""
@@ -96,16 +98,7 @@ class PrefillGraphs:
         side = torch.cuda.Stream()
         self.dev.slots.fill_(-1)  # the warm-up runs write nothing to the cache
         for t in reversed(self.sizes):  # largest first: the smaller ones fit in its pool
-            fn = self.fns[t]
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    fn()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = fn()
-            self.graphs[t] = (graph, out)
+            self.graphs[t] = capture_graph(self.fns[t], pool, side)
         torch.cuda.synchronize()
 
     def fits(self, tokens: int, width: int) -> bool:

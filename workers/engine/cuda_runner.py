@@ -23,12 +23,28 @@ sits at its own position (the kernel places query i at seq_len - q + i).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from kvyard.workers.attention import AttentionMetadata
 from kvyard.workers.attention.triton_backend import TRITON_PLAN_KEY, DevicePlan
+
+
+def capture_graph(fn: Callable[[], torch.Tensor], pool: Any = None, side: Any = None
+                  ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Warm `fn` up on a side stream (Triton compiles, cuBLAS picks its kernels), then
+    capture it into one graph (in `pool` where graphs share one); returns (graph, output)."""
+    side = side or torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -97,14 +113,7 @@ class DecodeGraphs:
         side = torch.cuda.Stream()
         for b in reversed(self.sizes):
             fn = self._step_fn(b)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):  # Triton compiles, cuBLAS picks its kernels
-                    fn()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = fn()
+            graph, out = capture_graph(fn, pool, side)
             self.graphs[b] = (graph, out, fn)  # fn holds the metadata the graph reads
         torch.cuda.synchronize()
 
