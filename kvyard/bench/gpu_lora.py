@@ -132,7 +132,8 @@ def _peft_reference(paths: dict[str, Path], prompts, names, max_tokens: int) -> 
     return out
 
 
-def parity(max_tokens: int = 16) -> dict[str, Any]:
+def parity(max_tokens: int = 16, eager: bool = True) -> dict[str, Any]:
+    """`eager` False: the GPU engine's decode steps replay CUDA graphs (cuda_lora_graphs.py)."""
     from kvyard.common.models import resolve_model
     from kvyard.common.tokenizer import load_tokenizer
     from kvyard.workers.engine.config import EngineConfig
@@ -154,17 +155,21 @@ def parity(max_tokens: int = 16) -> dict[str, Any]:
         jobs = prompts * 3
         lc = LoRAConfig(max_loras=2, max_lora_rank=16, modules=[LoRAModule(n, str(p)) for n, p in paths.items()])
 
-        def engine(model, device):
+        def engine(model, device, eager=True):
             return LLMEngine(EngineConfig(dtype="float32", device=device, kv_cache_memory_bytes=256 << 20,
-                                          lora=lc, enforce_eager=True), model, cfg, tok)
+                                          lora=lc, enforce_eager=eager, max_num_seqs=8), model, cfg, tok)
         gpu_model, _ = load_model(resolve_model("demo"), torch.float32, device=DEV)
-        got = _greedy(engine(gpu_model, "cuda"), jobs, names, max_tokens)
+        gpu = engine(gpu_model, "cuda", eager)
+        got = _greedy(gpu, jobs, names, max_tokens)
+        lg = gpu.runner.lora_graphs
+        graphs = len(lg.graphs) if lg is not None else 0
         ref = _peft_reference(paths, jobs, names, max_tokens)
         against = "peft"
         if ref is None:
             ref, against = _greedy(engine(cpu_model, "cpu"), jobs, names, max_tokens), "engine_cpu"
     same = sum(g == r for g, r in zip(got, ref))
-    return {"against": against, "sequences": len(jobs), "identical": same, "parity": same == len(jobs)}
+    return {"against": against, "sequences": len(jobs), "identical": same, "parity": same == len(jobs),
+            "eager": eager, "lora_graphs": graphs}
 
 
 def main() -> None:

@@ -16,6 +16,14 @@ def test_gpu_engine_with_adapters_matches_reference():
     assert r["sequences"] == 6 and r["parity"], r
 
 
+def test_lora_decode_steps_replay_cuda_graphs():
+    """With graphs on, adapter decode steps replay LoRA graphs and the tokens stay the reference's."""
+    from kvyard.bench.gpu_lora import parity
+
+    r = parity(max_tokens=12, eager=False)
+    assert r["parity"] and r["lora_graphs"] > 0, r
+
+
 def test_cuda_batch_uses_the_triton_tiles():
     from kvyard.workers.lora.batch import LoRABatch
 

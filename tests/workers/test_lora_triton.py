@@ -1,4 +1,4 @@
-"""The SGMV Triton kernel (workers/lora/triton_lora.py) against the torch per-adapter path.
+"""The SGMV Triton kernels (workers/lora/triton_lora.py: split-K shrink, expand) against the torch per-adapter path.
 
 Without a GPU under TRITON_INTERPRET=1 (float32 and float16; the interpreter has no
 bfloat16); on CUDA in bfloat16 too. A batch mixes base rows (no adapter), adapters
@@ -17,7 +17,7 @@ if not CUDA:
 pytest.importorskip("triton")
 
 from kvyard.workers.lora.batch import NO_SLOT, LoRABatch, TileTable, apply_groups  # noqa: E402
-from kvyard.workers.lora.triton_lora import BLOCK_M, sgmv  # noqa: E402
+from kvyard.workers.lora.triton_lora import BLOCK_M, _splits, lora_delta  # noqa: E402
 
 if not CUDA:
     import sys
@@ -41,10 +41,12 @@ def _rows(n: int, slots: int, gen: torch.Generator) -> list[int]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n_rows", [1, 7, 40])
-def test_sgmv_shrink_expand_equals_torch_loop(dtype, n_rows):
+@pytest.mark.parametrize("n_rows,k_in", [(1, 96), (7, 96), (40, 96), (7, 1100)])
+def test_sgmv_shrink_expand_equals_torch_loop(dtype, n_rows, k_in):
+    """k_in 1100: the shrink splits K over programs (the last split partial), expand sums them."""
     gen = torch.Generator().manual_seed(n_rows)
-    slots, k_in, r, n_out = 4, 96, 24, 80   # r not a power of two: masked tiles
+    slots, r, n_out = 4, 24, 80   # r not a power of two: masked tiles
+    assert (_splits(k_in)[0] > 1) == (k_in > 1000)
     x = torch.randn(n_rows, k_in, generator=gen)
     a = torch.randn(slots, r, k_in, generator=gen) * 0.1
     b = torch.randn(slots, n_out, r, generator=gen) * 0.1
@@ -57,9 +59,7 @@ def test_sgmv_shrink_expand_equals_torch_loop(dtype, n_rows):
     xd, ad, bd = (t.to(DEV, dtype) for t in (x, a, b))
     y = y0.to(DEV, dtype, copy=True)
     t = TileTable.build(batch.groups, n_rows, slots, DEV, BLOCK_M)
-    mid = torch.empty(n_rows, r, dtype=dtype, device=DEV)
-    sgmv(xd, ad, mid, t.rows, t.tile_slot, t.tile_start, t.tile_len, add=False)
-    sgmv(mid, bd, y[:, 4:4 + n_out], t.rows, t.tile_slot, t.tile_start, t.tile_len, add=True)
+    lora_delta(xd, ad, bd, y[:, 4:4 + n_out], t.rows, t.tile_slot, t.tile_start, t.tile_len)
     got = y.double().cpu()
     err = (got - ref).norm() / ref.norm()
     assert err < TOL[dtype], err

@@ -33,7 +33,9 @@ from kvyard.workers.model.linear_ops import GemmOps, TorchOps  # noqa: E402
 from kvyard.workers.model.loader import build, kv_cache_shape  # noqa: E402
 from kvyard.workers.model.quant import dequantize, quantize, validate_method  # noqa: E402
 from kvyard.workers.model.quant.apply import place  # noqa: E402
+from kvyard.workers.model.quant.cuda_gemv import quantize_rows_fp8_fused  # noqa: E402
 from kvyard.workers.model.quant.cuda_quant import QuantWeight, dequant_gemm, quantize_rows_fp8  # noqa: E402
+from kvyard.workers.model.quant.formats import FP8_MAX  # noqa: E402
 
 METHODS = ("int8", "fp8", "int4")
 OPS = cpu_ops.load()
@@ -143,6 +145,29 @@ def test_triton_dequant_gemm_against_float64(int4, rows) -> None:
     ref = x.double() @ dequantize(quantize(w, method)).double().T
     assert y.shape == (rows, 100) and _rel(y, ref) < 1e-6
     assert _rel(qw.linear(x.to(DEV)), ref) < 1e-6  # the layer's entry point
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("rows,k", [(1, 512), (2, 96), (3, 128), (4, 256)])
+def test_gemv_decode_rows_against_float64(method, rows, k) -> None:
+    """Decode-sized batches go through cuda_gemv's weight stream (every method, W8A16 for fp8):
+    exact against float64 over the dequantized weight; 100 channels leave a partial block."""
+    w = _w(100, k, 5)
+    qw = QuantWeight.build(quantize(w, method), torch.device(DEV))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    y = qw.linear(x.to(DEV))
+    assert y.shape == (rows, 100) and _rel(y, x.double() @ qw.dense(torch.float64).double().cpu().T) < 1e-6
+    wide = torch.randn(rows, 2 * k, generator=torch.Generator().manual_seed(2))[:, ::2]  # strided rows
+    assert _rel(qw.linear(wide.to(DEV)), wide.double() @ qw.dense(torch.float64).double().cpu().T) < 1e-6
+
+
+def test_fused_fp8_row_quantization_matches_torch() -> None:
+    """The one-launch row quantizer feeding `_scaled_mm` gives torch's codes and scales."""
+    x = torch.randn(6, 300, generator=torch.Generator().manual_seed(3)) * 3
+    x[2] = 0.0  # an all-zero row keeps the floor scale
+    q, s = quantize_rows_fp8_fused(x.to(DEV), FP8_MAX)
+    rq, rs = quantize_rows_fp8(x)
+    assert torch.equal(s.cpu(), rs) and torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
 
 
 def test_fp8_rows_and_scaled_mm() -> None:

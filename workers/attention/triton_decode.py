@@ -15,7 +15,9 @@
   row of a captured batch) yields zeros, never NaN.
 - Quantized caches (kv_quant.py): codes are widened to q's dtype for the dots (exact:
   int8 and E4M3 values fit bf16/fp16), the K scale multiplies each key's score and
-  the V scale folds into its probability before the PV product.
+  the V scale folds into its probability before the PV product. With head_dim >= 64
+  triton_decode_quant.py's kernel reads the rows as 32-bit words; smaller heads take
+  the byte loads of `_decode_kernel` below.
 """
 from __future__ import annotations
 
@@ -64,6 +66,21 @@ class DecodeWorkspace:
 
 
 @triton.jit
+def program_range(lens_ptr, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """This program's sequence b, KV head kh, split s, its context range [start, end) and
+    its query heads (g, heads, gmask: the group padded to GP rows)."""
+    b = tl.program_id(0).to(tl.int64)
+    kh = tl.program_id(1)
+    s = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = s * per_split
+    end = tl.minimum(seq_len, start + per_split)
+    g = tl.arange(0, GP)
+    return b, kh, s, start, end, g, kh * G + g, (g < G)[:, None]
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_ptr, part_ptr, lse_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
@@ -73,18 +90,8 @@ def _decode_kernel(
     G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr, FMT: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    kh = tl.program_id(1)
-    s = tl.program_id(2)
-    seq_len = tl.load(lens_ptr + b)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = s * per_split
-    end = tl.minimum(seq_len, start + per_split)
-
-    g = tl.arange(0, GP)
+    b, kh, s, start, end, g, heads, gmask = program_range(lens_ptr, G, GP, BLOCK_N, NUM_SPLITS)
     d = tl.arange(0, HD)
-    heads = kh * G + g
-    gmask = (g < G)[:, None]
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask, other=0.0)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
@@ -182,16 +189,30 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     g = nh // nkv
     cache, fcache, code = quant_views(kv_cache)
     kc, vc, kf, vf = cache[0], cache[1], fcache[0], fcache[1]
-    _decode_kernel[(B, nkv, S)](
-        q, kc, vc, block_tables, seq_lens, out, part, lse,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        kc.stride(0), kc.stride(1), kc.stride(2),
-        part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
-        scale * LOG2E, kf, vf, kf.stride(0), kf.stride(1), kf.stride(2),
-        G=g, GP=max(16, triton.next_power_of_2(g)), HD=hd, BS=bs, BLOCK_N=config.block_n, NUM_SPLITS=S,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", FMT=code,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    gp = max(16, triton.next_power_of_2(g))
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    if code and hd >= 64:
+        from .triton_decode_quant import decode_quant_kernel
+
+        words = kv_cache.view(torch.int32)
+        kw, vw = words[0], words[1]
+        decode_quant_kernel[(B, nkv, S)](
+            q, kw, vw, block_tables, seq_lens, out, part, lse,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+            kw.stride(0), kw.stride(1), kw.stride(2),
+            part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E,
+            G=g, GP=gp, HD=hd, BS=bs, BLOCK_N=config.block_n, NUM_SPLITS=S, PREC=prec, FMT=code,
+            num_warps=config.num_warps, num_stages=config.num_stages)
+    else:
+        _decode_kernel[(B, nkv, S)](
+            q, kc, vc, block_tables, seq_lens, out, part, lse,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+            kc.stride(0), kc.stride(1), kc.stride(2),
+            part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
+            scale * LOG2E, kf, vf, kf.stride(0), kf.stride(1), kf.stride(2),
+            G=g, GP=gp, HD=hd, BS=bs, BLOCK_N=config.block_n, NUM_SPLITS=S, PREC=prec, FMT=code,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
     if S > 1:
         _merge_kernel[(B, nh)](
             part, lse, out, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),

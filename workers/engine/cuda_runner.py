@@ -100,12 +100,16 @@ class DecodeGraphs:
                                  seq_lens=[q] * b, block_tables=d.tables[:b], num_decodes=b if q == 1 else 0)
         meta.scratch[TRITON_PLAN_KEY] = DevicePlan(d.slots[:n], d.tables[:b], d.lens[:b], d.qsl[:b + 1],
                                                      0 if q == 1 else q, d.pos[:n])
-        model, caches = self.model, self.kv_caches
+        model, caches, kw = self.model, self.kv_caches, self._model_kwargs(b)
 
         def fn() -> torch.Tensor:
-            return model.compute_logits(model(d.ids[:n], d.pos[:n], caches, meta))
+            return model.compute_logits(model(d.ids[:n], d.pos[:n], caches, meta, **kw))
 
         return fn
+
+    def _model_kwargs(self, b: int) -> dict[str, Any]:
+        """Extra arguments of the captured forward (LoRA's graphs pass their batch)."""
+        return {}
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -138,13 +142,20 @@ class DecodeGraphs:
         tab = h.tables.numpy()
         for i, t in enumerate(tables):
             tab[i, :len(t)] = t
+        self._fill_extra(b, rows)
         m = b * self.q
         for src, dst, k in ((h.ids, d.ids, m), (h.pos, d.pos, m), (h.slots, d.slots, m), (h.lens, d.lens, b)):
             dst[:k].copy_(src[:k], non_blocking=True)
         d.tables[:rows].copy_(h.tables[:rows], non_blocking=True)  # whole rows: one contiguous copy
-        graph, out, _ = self.graphs[b]
+        graph, out, _ = self._graph(b)
         graph.replay()
         return out[:n]
+
+    def _fill_extra(self, b: int, rows: int) -> None:
+        """Copy a subclass's own step inputs to the device before the replay."""
+
+    def _graph(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, Any]:
+        return self.graphs[b]
 
     def run_verify(self, seqs: list[Any], block_size: int) -> tuple[torch.Tensor, list[int]]:
         """A verify step of decodes and drafted rows (`seq.spec_token_ids`, at most q - 1

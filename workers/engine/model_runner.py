@@ -182,6 +182,7 @@ class ModelRunner:
         self.lora = None  # workers.lora.manager.LoRAManager with --enable-lora (set by the engine)
         self.lora_in_use = set  # the adapters requests in the engine name (kept in host memory)
         self.graphs = None
+        self.lora_graphs = None  # cuda_lora_graphs.LoRADecodeGraphs, made at the first LoRA decode step
         self.prefill_graphs = None
         self.verify_graphs = None  # speculative verify steps (1 + spec_tokens per row) as graphs
         self.spec_tokens = spec_tokens
@@ -211,7 +212,7 @@ class ModelRunner:
         if self._graph_shape is not None:
             from .cuda_runner import DecodeGraphs
 
-            self.graphs = self.verify_graphs = None
+            self.graphs = self.verify_graphs = self.lora_graphs = None
             self.graphs = DecodeGraphs(self.model, self.kv_caches, *self._graph_shape)
             if self._prefill_graph_tokens:
                 from .cuda_prefill import PrefillGraphs
@@ -290,12 +291,19 @@ class ModelRunner:
         lora = None
         if self.lora is not None and any(s.params.lora_name for s in sched.seqs):
             rows = [s.params.lora_name for s, n in zip(sched.seqs, sched.num_new_tokens) for _ in range(n)]
-            lora = self.lora.batch(rows, self.lora_in_use())  # LoRA steps run eager
+            lora = self.lora.batch(rows, self.lora_in_use())
         cuda = self.device.type == "cuda"
-        if cuda and lora is None and self.graphs is not None and sched.num_decodes == len(tables) and not prompt_spans \
+        if cuda and self.graphs is not None and sched.num_decodes == len(tables) and not prompt_spans \
                 and self.graphs.fits(len(tables), max(len(t) for t in tables)):
             slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
-            logits = self.graphs.run(ids, pos, slots, seq_lens, tables)
+            if lora is None:
+                logits = self.graphs.run(ids, pos, slots, seq_lens, tables)
+            else:
+                if self.lora_graphs is None:
+                    from .cuda_lora_graphs import LoRADecodeGraphs
+
+                    self.lora_graphs = LoRADecodeGraphs(self.model, self.kv_caches, *self._graph_shape, self.lora)
+                logits = self.lora_graphs.run_lora(ids, pos, slots, seq_lens, tables, lora.row_slots)
             return self._gpu_sample(logits, samplers)
         vg = self.verify_graphs
         if cuda and vg is not None and not prompt_spans and len(samplers) == len(ids) \

@@ -2,7 +2,7 @@
 
 Rows are grouped by adapter (rows of the base model take no part); each projection
 then costs one shrink and one expand over the whole batch: on CUDA one launch each
-of the SGMV kernel (triton_lora.py), on the CPU one pair of GEMMs per adapter group
+of the SGMV kernels (triton_lora.py), on the CPU one pair of GEMMs per adapter group
 (torch; rows of a group gathered once per step, not per projection).
 """
 from __future__ import annotations
@@ -35,6 +35,15 @@ class TileTable:
     @classmethod
     def build(cls, groups: list[tuple[int, list[int]]], num_rows: int, num_slots: int,
               device: torch.device, block_m: int) -> "TileTable":
+        rows, slot, start, length = cls.lists(groups, num_rows, num_slots, block_m)
+        t = torch.tensor(rows or [0], dtype=torch.int32)
+        meta = torch.tensor([slot, start, length], dtype=torch.int32)
+        return cls(t.to(device, non_blocking=True), *meta.to(device, non_blocking=True).unbind(0))
+
+    @staticmethod
+    def lists(groups: list[tuple[int, list[int]]], num_rows: int, num_slots: int, block_m: int
+              ) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The table's host lists: (rows, tile slot, tile start, tile length), padded."""
         rows: list[int] = []
         slot, start, length = [], [], []
         for s, rs in groups:
@@ -48,9 +57,7 @@ class TileTable:
         start += [0] * pad
         length += [0] * pad
         rows += [0] * (num_rows - len(rows))
-        t = torch.tensor(rows or [0], dtype=torch.int32)
-        meta = torch.tensor([slot, start, length], dtype=torch.int32)
-        return cls(t.to(device, non_blocking=True), *meta.to(device, non_blocking=True).unbind(0))
+        return rows, slot, start, length
 
 
 @dataclass(slots=True)
@@ -64,6 +71,7 @@ class LoRABatch:
     groups: list[tuple[int, list[int]]] = field(default_factory=list)
     index: list[torch.Tensor] = field(default_factory=list)   # CPU: each group's rows
     tiles: TileTable | None = None         # CUDA
+    captured: bool = False                 # a CUDA graph's batch: its tile table is filled at each replay
 
     @classmethod
     def build(cls, row_slots: list[int], stacks, projs: frozenset[str], num_slots: int,
@@ -87,16 +95,14 @@ class LoRABatch:
 
     def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += the batch's LoRA delta of `proj` for input x, row by row (in place)."""
-        if proj not in self.projs or not self.groups:
+        if proj not in self.projs or not (self.groups or self.captured):
             return
         a, b = self.stacks[layer][proj]
         if self.tiles is not None:
-            from .triton_lora import sgmv
+            from .triton_lora import lora_delta
 
             t = self.tiles
-            mid = torch.empty(x.shape[0], a.shape[1], dtype=x.dtype, device=x.device)
-            sgmv(x, a, mid, t.rows, t.tile_slot, t.tile_start, t.tile_len, add=False)
-            sgmv(mid, b, y, t.rows, t.tile_slot, t.tile_start, t.tile_len, add=True)
+            lora_delta(x, a, b, y, t.rows, t.tile_slot, t.tile_start, t.tile_len)
             return
         apply_groups(x, y, a, b, self.groups, self.index)
 

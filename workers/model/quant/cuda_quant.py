@@ -7,9 +7,12 @@ elsewhere.
         127) with float32 accumulation and applies the scale once per output.
   int4  group-wise: two codes a byte along K ([N, K/2] uint8), float16 d and m per 32
         inputs; each K tile is expanded (q d + m) in registers before its dot product.
-  fp8   W8A8: E4M3 weights [N, K] and per-channel scales; activations quantized per row
-        (absmax / 448) on the fly, then `_scaled_mm` with row-wise scales. Where that
-        raises (no fp8 GEMM on the device), the weight is dequantized per call instead.
+  fp8   E4M3 weights [N, K] and per-channel scales. Above GEMV_MAX_ROWS rows W8A8:
+        activations quantized per row (absmax / 448, one fused launch), then `_scaled_mm`
+        with row-wise scales; where that raises (no fp8 GEMM on the device), the weight is
+        dequantized per call instead.
+  Up to GEMV_MAX_ROWS rows (decode), every method streams its codes through the GEMV
+  of cuda_gemv.py (W8A16 for fp8: the activations stay exact).
 
 Kernels run under TRITON_INTERPRET=1 on CPU tensors too (tests compare with a float64
 reference). Launch grids depend on shapes only (CUDA-graph capturable).
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .cuda_gemv import GEMV_MAX_ROWS, gemv, quantize_rows_fp8_fused
 from .formats import FP8_MAX, GROUP, QuantParts
 
 
@@ -102,6 +106,9 @@ def scaled_mm_works(device: torch.device) -> bool:
         return False
 
 
+KINDS = {"int8": 0, "int4": 1, "fp8": 2}   # cuda_gemv's KIND codes
+
+
 @dataclass(slots=True)
 class QuantWeight:
     """A [N, K] linear weight in `method`'s device layout; `linear(x, bias)` multiplies."""
@@ -113,19 +120,22 @@ class QuantWeight:
     scale: torch.Tensor             # float32 [N] (int8, fp8) | float16 d [N, K/32] (int4)
     zero: torch.Tensor | None       # float16 m [N, K/32] (int4)
     fp8_mm: bool = False            # fp8 through _scaled_mm (else dequantized per call)
+    sms: int = 132                  # the device's SMs (the GEMV sizes its grid by them)
 
     @classmethod
     def build(cls, p: QuantParts, device: torch.device) -> "QuantWeight":
         n, k = p.codes.shape
+        device = torch.device(device)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         if p.method == "int4":
             c = p.codes.to(torch.uint8)
             packed = (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()
-            return cls("int4", n, k, packed.to(device), p.d.to(device), p.m.to(device))
+            return cls("int4", n, k, packed.to(device), p.d.to(device), p.m.to(device), sms=sms)
         scale = p.d[:, 0].float().contiguous().to(device)  # per channel: every block's d is the row's
         if p.method == "int8":
-            return cls("int8", n, k, p.codes.contiguous().to(device), scale, None)
+            return cls("int8", n, k, p.codes.contiguous().to(device), scale, None, sms=sms)
         codes = p.codes.view(torch.float8_e4m3fn).contiguous().to(device)
-        return cls("fp8", n, k, codes, scale, None, scaled_mm_works(torch.device(device)))
+        return cls("fp8", n, k, codes, scale, None, scaled_mm_works(device), sms)
 
     @property
     def nbytes(self) -> int:
@@ -140,9 +150,12 @@ class QuantWeight:
         return (self.codes.float() * self.scale[:, None]).to(dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.method == "fp8":
+        if x.shape[0] <= GEMV_MAX_ROWS:
+            y = gemv(x if x.stride(1) == 1 else x.contiguous(), self.codes, self.scale, self.zero, self.n,
+                     KINDS[self.method], self.sms)
+        elif self.method == "fp8":
             if self.fp8_mm and x.dtype != torch.float32:
-                xq, a = quantize_rows_fp8(x)
+                xq, a = quantize_rows_fp8_fused(x if x.stride(1) == 1 else x.contiguous(), FP8_MAX)
                 y = torch._scaled_mm(xq, self.codes.t(), a, self.scale[None, :], out_dtype=x.dtype)
             else:
                 y = F.linear(x, self.dense(x.dtype))

@@ -1,0 +1,143 @@
+"""Weight-only quantized GEMV for decode-sized batches (a few rows) on CUDA.
+
+At a handful of rows a quantized linear layer is a pure weight stream: time is bytes
+read over HBM bandwidth, so the kernel's job is to keep enough loads in flight. The
+tile GEMM (cuda_quant._dq_gemm_kernel) pads the rows to tl.dot's 16 and gives each
+program 64 output channels, which leaves 64 programs for a 4096-wide output: far too
+few to fill an H100/H200's 132 SMs. Here each program owns BN output channels (chosen
+so the grid has several programs per SM), streams its [BN, K] slab of codes in BK-wide
+tiles, widens them in registers (E4M3 by a bitcast and a hardware convert, int8 by a
+cast, int4 by nibble shifts with the group's d and m) and reduces against every row of
+x with multiply + sum (no tensor cores: at <= 4 rows they would idle on padding).
+
+KIND: 0 int8 (per-channel scale), 1 int4 (two codes a byte, float16 d and m per 32
+inputs), 2 fp8 E4M3 (per-channel scale). Accumulation in float32; the launch grid
+depends on shapes only (CUDA-graph capturable); runs under TRITON_INTERPRET=1.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...attention.triton_kv_quant import encode
+from .formats import GROUP
+
+GEMV_MAX_ROWS = 4   # above this the tile GEMM (int8/int4) or fp8 matmuls (_scaled_mm) win
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, q_ptr, d_ptr, m_ptr, y_ptr, N, K, sxm, sym,
+                 M: tl.constexpr, KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    nmask = rn < N
+    rn64 = rn.to(tl.int64)
+    a0 = tl.zeros((BN,), dtype=tl.float32)
+    a1 = tl.zeros((BN,), dtype=tl.float32)
+    a2 = tl.zeros((BN,), dtype=tl.float32)
+    a3 = tl.zeros((BN,), dtype=tl.float32)
+    if KIND == 1:
+        HB: tl.constexpr = BK // 2
+        j = tl.arange(0, HB)
+        for k0 in range(0, K, BK):
+            b = tl.load(q_ptr + rn64[:, None] * (K // 2) + (k0 // 2 + j)[None, :], mask=nmask[:, None], other=0)
+            lo = (b & 0xF).to(tl.float32)
+            hi = (b >> 4).to(tl.float32)
+            g = rn64[:, None] * (K // 32) + (k0 + 2 * j)[None, :] // 32
+            d = tl.load(d_ptr + g, mask=nmask[:, None], other=0.0).to(tl.float32)
+            mn = tl.load(m_ptr + g, mask=nmask[:, None], other=0.0).to(tl.float32)
+            a0 += _int4_dot(x_ptr, k0, j, lo, hi, d, mn)
+            if M > 1:
+                a1 += _int4_dot(x_ptr + sxm, k0, j, lo, hi, d, mn)
+            if M > 2:
+                a2 += _int4_dot(x_ptr + 2 * sxm, k0, j, lo, hi, d, mn)
+            if M > 3:
+                a3 += _int4_dot(x_ptr + 3 * sxm, k0, j, lo, hi, d, mn)
+    else:
+        rk = tl.arange(0, BK)
+        for k0 in range(0, K, BK):
+            c = tl.load(q_ptr + rn64[:, None] * K + (k0 + rk)[None, :], mask=nmask[:, None], other=0)
+            if KIND == 2:
+                w = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                w = c.to(tl.float32)
+            a0 += tl.sum(w * tl.load(x_ptr + k0 + rk).to(tl.float32)[None, :], axis=1)
+            if M > 1:
+                a1 += tl.sum(w * tl.load(x_ptr + sxm + k0 + rk).to(tl.float32)[None, :], axis=1)
+            if M > 2:
+                a2 += tl.sum(w * tl.load(x_ptr + 2 * sxm + k0 + rk).to(tl.float32)[None, :], axis=1)
+            if M > 3:
+                a3 += tl.sum(w * tl.load(x_ptr + 3 * sxm + k0 + rk).to(tl.float32)[None, :], axis=1)
+    s = tl.full((BN,), 1.0, tl.float32)
+    if KIND != 1:
+        s = tl.load(d_ptr + rn, mask=nmask, other=0.0)
+    out = y_ptr.dtype.element_ty
+    tl.store(y_ptr + rn, (a0 * s).to(out), mask=nmask)
+    if M > 1:
+        tl.store(y_ptr + sym + rn, (a1 * s).to(out), mask=nmask)
+    if M > 2:
+        tl.store(y_ptr + 2 * sym + rn, (a2 * s).to(out), mask=nmask)
+    if M > 3:
+        tl.store(y_ptr + 3 * sym + rn, (a3 * s).to(out), mask=nmask)
+
+
+@triton.jit
+def _int4_dot(xr_ptr, k0, j, lo, hi, d, mn):
+    """One row's partial sums over a K tile of int4 codes: even inputs meet the low nibbles."""
+    xe = tl.load(xr_ptr + k0 + 2 * j).to(tl.float32)
+    xo = tl.load(xr_ptr + k0 + 2 * j + 1).to(tl.float32)
+    return tl.sum(d * (lo * xe[None, :] + hi * xo[None, :]) + mn * (xe + xo)[None, :], axis=1)
+
+
+def _block_n(n: int, sms: int) -> int:
+    """The widest power-of-two channel block that still gives ~4 programs per SM (min 4)."""
+    bn = 64
+    while bn > 4 and triton.cdiv(n, bn) < 4 * sms:
+        bn //= 2
+    return bn
+
+
+def gemv(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, n: int,
+         kind: int, sms: int = 132) -> torch.Tensor:
+    """x [M <= GEMV_MAX_ROWS, K] (unit inner stride) times the quantized [N, K] weight, transposed."""
+    rows, k = x.shape
+    if rows > GEMV_MAX_ROWS or x.stride(1) != 1 or k % GROUP:
+        raise ValueError("gemv: at most 4 rows with unit stride and K a multiple of 32")
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows:
+        bk = 256 if k % 256 == 0 else 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
+        # uint8 codes: the kernel sees fp8 as bytes and bitcasts (the same on every device)
+        q = codes.view(torch.uint8) if codes.dtype == torch.float8_e4m3fn else codes
+        bn = _block_n(n, sms)
+        _gemv_kernel[(triton.cdiv(n, bn),)](x, q, d, d if m is None else m, y, n, k, x.stride(0), y.stride(0),
+                                            M=rows, KIND=kind, BN=bn, BK=bk, num_warps=4)
+    return y
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, sxm, sqm, FP8_MAX: tl.constexpr, BK: tl.constexpr):
+    """One row: absmax, then codes = x / (absmax / FP8_MAX) as E4M3 bytes."""
+    r = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros((BK,), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + r * sxm + rk, mask=rk < K, other=0.0).to(tl.float32)))
+    s = tl.maximum(tl.max(amax, 0) / FP8_MAX, 1e-12)
+    tl.store(s_ptr + r, s)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        v = tl.load(x_ptr + r * sxm + rk, mask=rk < K, other=0.0).to(tl.float32)
+        # the KV cache's exact round-to-nearest-even encoder (bit arithmetic, the same on every device)
+        codes = encode(v[None, :], tl.full((1,), s, tl.float32), 2)
+        tl.store(q_ptr + r * sqm + rk[None, :], codes, mask=(rk < K)[None, :])
+
+
+def quantize_rows_fp8_fused(x: torch.Tensor, fp8_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row dynamic E4M3 activations in one launch: (codes [M, K], scales [M, 1] float32)."""
+    rows, k = x.shape
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows:
+        _quant_rows_kernel[(rows,)](x, q.view(torch.uint8), s, k, x.stride(0), q.stride(0), FP8_MAX=fp8_max,
+                                    BK=min(4096, triton.next_power_of_2(k)), num_warps=8)
+    return q, s
