@@ -43,45 +43,57 @@ def _dq_gemm_kernel(x_ptr, q_ptr, d_ptr, m_ptr, y_ptr, M, N, K, sxm, sym,
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     rm64, rn64 = rm.to(tl.int64), rn.to(tl.int64)
     for k0 in range(0, K, BK):
-        rk = k0 + tl.arange(0, BK)
-        x = tl.load(x_ptr + rm64[:, None] * sxm + rk[None, :], mask=mm[:, None], other=0.0)
         if INT4:
-            b = tl.load(q_ptr + rn64[None, :] * (K // 2) + rk[:, None] // 2, mask=mn[None, :], other=0)
-            q = ((b >> ((rk[:, None] % 2) * 4).to(tl.uint8)) & 0xF).to(tl.float32)
-            g = rn64[None, :] * (K // 32) + rk[:, None] // 32
-            d = tl.load(d_ptr + g, mask=mn[None, :], other=0.0).to(tl.float32)
-            m = tl.load(m_ptr + g, mask=mn[None, :], other=0.0).to(tl.float32)
-            w = (q * d + m).to(x.dtype)
+            # bytes [BN, BK/2] along K (each loaded once, coalesced); low nibbles hold the even
+            # inputs, high ones the odd: two dots against x's even and odd columns
+            j = tl.arange(0, BK // 2)
+            b = tl.load(q_ptr + rn64[:, None] * (K // 2) + (k0 // 2 + j)[None, :], mask=mn[:, None], other=0)
+            g = rn64[:, None] * (K // 32) + (k0 + 2 * j)[None, :] // 32
+            d = tl.load(d_ptr + g, mask=mn[:, None], other=0.0).to(tl.float32)
+            m = tl.load(m_ptr + g, mask=mn[:, None], other=0.0).to(tl.float32)
+            xe = tl.load(x_ptr + rm64[:, None] * sxm + (k0 + 2 * j)[None, :], mask=mm[:, None], other=0.0)
+            xo = tl.load(x_ptr + rm64[:, None] * sxm + (k0 + 2 * j + 1)[None, :], mask=mm[:, None], other=0.0)
+            wlo = tl.trans(((b & 0xF).to(tl.float32) * d + m).to(xe.dtype))
+            whi = tl.trans(((b >> 4).to(tl.float32) * d + m).to(xe.dtype))
+            if IEEE:
+                acc += tl.dot(xe, wlo, input_precision="ieee") + tl.dot(xo, whi, input_precision="ieee")
+            else:
+                acc += tl.dot(xe, wlo) + tl.dot(xo, whi)
         else:
+            rk = k0 + tl.arange(0, BK)
+            x = tl.load(x_ptr + rm64[:, None] * sxm + rk[None, :], mask=mm[:, None], other=0.0)
             w = tl.load(q_ptr + rn64[None, :] * K + rk[:, None], mask=mn[None, :], other=0).to(x.dtype)
-        if IEEE:
-            acc += tl.dot(x, w, input_precision="ieee")
-        else:
-            acc += tl.dot(x, w)
+            if IEEE:
+                acc += tl.dot(x, w, input_precision="ieee")
+            else:
+                acc += tl.dot(x, w)
     if not INT4:
         acc = acc * tl.load(d_ptr + rn, mask=mn, other=0.0)[None, :]
     tl.store(y_ptr + rm64[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=mm[:, None] & mn[None, :])
 
 
-def _tiles(m: int, k: int) -> tuple[int, int, int]:
+def _tiles(m: int, n: int, k: int, sms: int) -> tuple[int, int, int]:
+    """(BM, BN, BK). Few rows leave a weight-streaming GEMM: narrower column blocks then keep
+    ~2 programs per SM (a 4096-wide output in 64-column blocks is 64 programs)."""
     bk = 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
-    if m <= 16:
-        return 16, 64, bk
-    if m <= 64:
-        return 32, 64, bk
-    return 64, 128, min(bk, 64)
+    if m > 64:
+        return 64, 128, min(bk, 64)
+    bm, bn = (16, 64) if m <= 16 else (32, 64)
+    while bn > 16 and triton.cdiv(m, bm) * triton.cdiv(n, bn) < 2 * sms:
+        bn //= 2
+    return bm, bn, bk
 
 
 def dequant_gemm(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
-                 n: int, int4: bool) -> torch.Tensor:
+                 n: int, int4: bool, sms: int = 132) -> torch.Tensor:
     """x [M, K] (unit inner stride) times the quantized W [N, K] transposed, in x's dtype."""
     rows, k = x.shape
     if x.stride(1) != 1 or k % GROUP:
         raise ValueError("dequant_gemm: [M, K] rows with K a multiple of 32 expected")
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows:
-        bm, bn, bk = _tiles(rows, k)
+        bm, bn, bk = _tiles(rows, n, k, sms)
         _dq_gemm_kernel[(triton.cdiv(rows, bm), triton.cdiv(n, bn))](
             x, q, d, d if m is None else m, y, rows, n, k, x.stride(0), y.stride(0),
             INT4=int4, IEEE=x.dtype == torch.float32, BM=bm, BN=bn, BK=bk, num_warps=4)
@@ -161,5 +173,5 @@ class QuantWeight:
                 y = F.linear(x, self.dense(x.dtype))
         else:
             y = dequant_gemm(x if x.stride(1) == 1 else x.contiguous(), self.codes, self.scale,
-                             self.zero, self.n, self.method == "int4")
+                             self.zero, self.n, self.method == "int4", self.sms)
         return y if bias is None else y + bias
