@@ -84,12 +84,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label", default="", help="recorded in conditions (e.g. the commit)")
 
 
+def max_len(a: argparse.Namespace) -> int:
+    return max(4096, a.prompt + a.new)
+
+
 def model_config(a: argparse.Namespace) -> Any:
     from dataclasses import replace
 
     from kvyard.bench.gpu_step import config_8b
 
-    return replace(config_8b(4096), num_layers=a.layers, hidden_size=a.hidden, intermediate_size=a.intermediate,
+    return replace(config_8b(max_len(a)), num_layers=a.layers, hidden_size=a.hidden, intermediate_size=a.intermediate,
                    num_heads=a.heads, num_kv_heads=a.kv_heads, head_dim=a.hidden // a.heads, vocab_size=a.vocab)
 
 
@@ -179,7 +183,7 @@ class Run:
     def base_flags(self, d: str) -> list[str]:
         a = self.a
         return ["--model", d, "--device", a.device, "--dtype", self.dtype, "--max-num-seqs", str(max(a.levels)),
-                "--max-model-len", "4096", "--kv-cache-memory-bytes", self.kv_bytes, *a.worker_args]
+                "--max-model-len", str(max_len(a)), "--kv-cache-memory-bytes", self.kv_bytes, *a.worker_args]
 
     def engine_alone(self, rec: dict[str, Any], flags: list[str], model_for: Callable) -> None:
         from kvyard.bench.gpu_serve_engine import engine_from_flags, engine_level
@@ -279,14 +283,16 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             d = str(scratch / "model")
             write_model_dir(torch, Path(d), model_config(a), a.device, getattr(torch, run.dtype))
+            if a.device == "cuda":
+                torch.cuda.empty_cache()   # the workers need the card, not this process's cache
             run.doc["conditions"]["model_dir_write_s"] = time.perf_counter() - t0
-        elif not (Path(d) / "tokenizer.json").exists():
-            from kvyard.bench.gpu_serve import write_tokenizer
-
-            write_tokenizer(Path(d), int(json.loads((Path(d) / "config.json").read_text())["vocab_size"]))
+        from kvyard.bench.gpu_serve import write_tokenizer
         from kvyard.workers.model.config import config_from_hf
 
         cfg = config_from_hf(json.loads((Path(d) / "config.json").read_text()))
+        if not (Path(d) / "tokenizer.json").exists():   # a --hf-dir from `kvyard bench gpu`
+            write_tokenizer(Path(d), cfg.vocab_size)
+        run.doc["conditions"]["vocab"] = a.vocab = cfg.vocab_size   # prompts draw from the dir's vocabulary
         for mode in a.modes:
             run.mode(mode, d, scratch, cfg)
     finally:

@@ -4,6 +4,7 @@ streaming client at two levels and the engine-alone baseline beside each (on the
 same module runs the 8B shape with every mode)."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 
@@ -48,7 +49,10 @@ def test_the_model_dir_is_a_llama_checkpoint_the_engine_decodes_as_transformers(
     from kvyard.bench.gpu_serve_engine import engine_from_flags
     from kvyard.workers.engine.api import SamplingParams
 
-    a = gpu_serve_modes.argparse.Namespace(layers=2, hidden=128, intermediate=256, heads=4, kv_heads=2, vocab=300)
+    p = argparse.ArgumentParser()
+    gpu_serve_modes.add_arguments(p)
+    a = p.parse_args(["--out", "-", "--layers", "2", "--hidden", "128", "--intermediate", "256", "--heads", "4",
+                      "--kv-heads", "2", "--vocab", "300"])
     d = tmp_path / "model"
     gpu_serve_modes.write_model_dir(torch, d, gpu_serve_modes.model_config(a), "cpu", torch.float32)
     prompt = Prompts(300, 12, 4, seed=3)()
