@@ -97,9 +97,8 @@ async def run_level(load: Load) -> dict[str, Any]:
         wall = time.perf_counter() - t0
     ttft = [r.ttft_s for r in results]
     tpot = [r.tpot_s for r in results if not math.isnan(r.tpot_s)]
-    nan = math.nan
     return dict(concurrency=c, requests=len(results), wall_s=wall,
                 truncated=not complete or len(results) < c * load.per_stream,
                 tok_s=sum(r.num_tokens for r in results) / wall if results else 0.0,
-                ttft_p50=percentile(ttft, 50) if ttft else nan, ttft_p99=percentile(ttft, 99) if ttft else nan,
-                tpot_p50=percentile(tpot, 50) if tpot else nan, tpot_p99=percentile(tpot, 99) if tpot else nan)
+                ttft_p50=percentile(ttft, 50), ttft_p99=percentile(ttft, 99),   # nan: none finished
+                tpot_p50=percentile(tpot, 50), tpot_p99=percentile(tpot, 99))

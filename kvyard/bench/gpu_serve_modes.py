@@ -299,7 +299,29 @@ def main(argv: list[str] | None = None) -> int:
         run.doc["elapsed_s"] = time.monotonic() - started
         run.save()
         shutil.rmtree(scratch, ignore_errors=True)
+    summary(run.doc).emit(False)
     return 0
+
+
+def summary(doc: dict[str, Any]) -> Any:
+    """One row per mode and level: the server beside the engine alone (ms for latencies)."""
+    from kvyard.bench.report import Report
+
+    c = doc["conditions"]
+    t = Report(f"online serving per mode, {doc['card']}, {c['layers']} layers, {c['prompt_tokens']} + "
+               f"{c['new_tokens']} tokens, greedy",
+               ["mode", "streams", "tok_s", "engine_tok_s", "vs_engine", "ttft_p50_ms", "ttft_p99_ms",
+                "tpot_p50_ms", "tpot_p99_ms", "acceptance", "load_s", "note"])
+    for mode, rec in doc["modes"].items():
+        note = rec.get("skipped") or (rec.get("error") or "")[:60] or None
+        levels = rec.get("levels") or {}
+        for lvl in sorted(set(levels) | set(rec.get("engine_tok_s") or {}), key=int) or [None]:
+            r = levels.get(lvl, {})
+            t.add(mode=mode, streams=lvl, tok_s=r.get("tok_s"), engine_tok_s=(rec.get("engine_tok_s") or {}).get(lvl),
+                  vs_engine=r.get("vs_engine"), acceptance=r.get("acceptance"), load_s=rec.get("load_s"),
+                  note="truncated" if r.get("truncated") else note,
+                  **{f"{k}_ms": 1e3 * r[k] if k in r else None for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")})
+    return t
 
 
 if __name__ == "__main__":
