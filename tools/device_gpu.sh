@@ -2,7 +2,7 @@
 # kvyard's CUDA tests and `kvyard bench gpu` on the device tool's GPU host (docs/gpu-notes.md
 # lists the stages and what to carry).
 # Usage: bash tools/device_gpu.sh STAGE [ARGS]; STAGE is one of tests, kv, stall, bench, hf,
-# wake, wakeserve, serve, kernels, lora, worker, pytest, module (the case below). Results go to $OUT.
+# wake, wakeserve, serve, servemodes, kernels, lora, worker, pytest, module (the case below). Results go to $OUT.
 # The host has no network and kvyard is not installed there, so a shim tree maps kvyard.workers
 # etc. as setup.py does, and the packages the engine imports beyond the host's (gguf, redis-py)
 # come as wheels in the ignored .whl/. The demo GGUF is larger than one call may carry, so it
@@ -53,6 +53,8 @@ case "$1" in
   serve)
     python3 -W ignore -m kvyard.cli bench gpu --parts serve --label "$2" --out $OUT/serve.json "${@:3}" 2>&1 \
       | tee $OUT/serve.log ;;
+  servemodes)  # online serving per mode beside the engine alone: servemodes [ARGS of kvyard.bench.gpu_serve_modes]
+    python3 -W ignore -m kvyard.bench.gpu_serve_modes --out $OUT/serve-modes.json "${@:2}" 2>&1 | tee -a $OUT/serve-modes.log ;;
   pytest)  # any test files: pytest ARGS
     python3 -m pytest --noconftest -p no:cacheprovider -q -rs "${@:2}" 2>&1 | tee -a $OUT/pytest.log ;;
   module)  # a standalone bench module: module NAME [ARGS] (kvyard.bench.NAME --out $OUT/NAME.json)

@@ -21,13 +21,11 @@ import argparse
 import asyncio
 import gc
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
 
-from kvyard.bench.client import RequestResult, completion_body, stream
-from kvyard.bench.report import percentile
+from kvyard.bench.gpu_serve_load import Load, Prompts, run_level
 
 
 def write_tokenizer(d: Path, vocab: int) -> None:
@@ -44,45 +42,12 @@ def write_tokenizer(d: Path, vocab: int) -> None:
         {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": False}))
 
 
-async def _one(session: Any, url: str, prompt: list[int], new: int) -> RequestResult:
-    r = await stream(session, url, completion_body(None, prompt, new))
-    if r.error is not None:
-        raise RuntimeError(r.error)
-    if r.num_tokens != new:
-        raise RuntimeError(f"stream ended with {r.num_tokens} tokens of {new}")
-    return r
-
-
-async def _level(url: str, c: int, per_stream: int, prompt_len: int, new: int, vocab: int,
-                 seed: int) -> dict[str, Any]:
-    import random
-
-    import aiohttp
-
-    rng = random.Random(seed)
-
-    def prompt() -> list[int]:
-        return [rng.randrange(4, vocab) for _ in range(prompt_len)]
-
-    conn = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
-        await asyncio.gather(*(_one(s, url, prompt(), new) for _ in range(c)))   # warm-up, not counted
-        results: list[RequestResult] = []
-
-        async def closed_loop() -> None:
-            for _ in range(per_stream):
-                results.append(await _one(s, url, prompt(), new))
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(closed_loop() for _ in range(c)))
-        wall = time.perf_counter() - t0
-    ttft = [r.ttft_s for r in results]
-    tpot = [r.tpot_s for r in results if not math.isnan(r.tpot_s)]
-    return dict(concurrency=c, requests=len(results), wall_s=wall,
-                tok_s=sum(r.num_tokens for r in results) / wall,
-                ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
-                tpot_p50_ms=1e3 * percentile(tpot, 50), tpot_p99_ms=1e3 * percentile(tpot, 99))
+def _level(url: str, c: int, per_stream: int, prompt_len: int, new: int, vocab: int,
+           seed: int) -> dict[str, Any]:
+    r = asyncio.run(run_level(Load(url, c, per_stream, new, Prompts(vocab, prompt_len, seed=seed))))
+    return dict(concurrency=c, requests=r["requests"], wall_s=r["wall_s"], tok_s=r["tok_s"],
+                ttft_p50_s=r["ttft_p50"], ttft_p99_s=r["ttft_p99"],
+                tpot_p50_ms=1e3 * r["tpot_p50"], tpot_p99_ms=1e3 * r["tpot_p99"])
 
 
 def offline_tok_s(torch, d: str, levels: list[int], prompt_len: int, new: int, max_seqs: int,
@@ -144,8 +109,8 @@ def serve(torch, args: argparse.Namespace, d: str, device: str = "cuda") -> dict
     try:
         rows = []
         for i, c in enumerate(levels):
-            r = asyncio.run(_level(w.base_url, c, args.serve_requests_per_stream, args.serve_prompt,
-                                   args.serve_new, vocab, seed=i))
+            r = _level(w.base_url, c, args.serve_requests_per_stream, args.serve_prompt,
+                       args.serve_new, vocab, seed=i)
             r["offline_tok_s"] = out["offline_tok_s"][str(c)]
             r["vs_offline"] = r["tok_s"] / r["offline_tok_s"]
             rows.append(r)
