@@ -34,6 +34,7 @@ from .pool.discovery_file import FileDiscovery
 from .pool.discovery_k8s import K8sDiscovery
 from .pool.endpoints import EndpointPool, EndpointSpec
 from .pool.scraper import Scraper
+from .pool.staleness import TimeoutGrace
 from .prompt import PromptHasher
 from .replicas.apply import PickApplier
 from .replicas.bus import PickBus
@@ -72,6 +73,7 @@ class EppConfig:
     scrape_idle_interval: float = 0.5  # idle endpoints' cadence (pool/scraper.py)
     stale_after: float = 2.0
     fail_threshold: int = 3
+    scrape_timeout_grace: float = 5.0  # a timed-out scrape keeps the endpoint (pool/staleness.py)
     model: str = "demo"  # tokenizer source; "none" hashes bytes
     served_model_names: list[str] = field(default_factory=list)
     max_body_bytes: int = 4 * 1024 * 1024
@@ -150,6 +152,7 @@ class EppApp:
     demand: Demand = field(default_factory=Demand)
     flow: FlowController | None = field(init=False)
     scraper: Scraper | None = None
+    timeout_grace: TimeoutGrace = field(init=False)
     scaler: ScalerServer | None = field(init=False)
     kv_events: KVEventSources | None = field(init=False)  # with a precise-prefix-cache scorer
     replicas: PickBus | None = field(init=False)  # with --replica-port / --peers
@@ -168,6 +171,10 @@ class EppApp:
         c = self.cfg
         self.pool = EndpointPool(stale_after=c.stale_after)
         self.metrics = EppMetrics()
+        # never down before its metrics even count as stale
+        self.timeout_grace = TimeoutGrace(max(c.scrape_timeout_grace, c.stale_after)
+                                          if c.scrape_timeout_grace > 0 else 0.0)
+        self.timeout_grace.register(self.metrics.registry)
         sched_cfg = load_config(c.config)
         if c.destination_fallbacks:
             sched_cfg = with_fallbacks(sched_cfg, c.destination_fallbacks)
@@ -289,7 +296,8 @@ class EppApp:
             self.pool.on_change(self.kv_events.sync)
         scraper = Scraper(self.pool, c.scrape_interval, c.scrape_timeout, c.fail_threshold,
                           # an idle endpoint's metrics must never go stale
-                          idle_interval=min(c.scrape_idle_interval, c.stale_after / 2))
+                          idle_interval=min(c.scrape_idle_interval, c.stale_after / 2),
+                          grace=self.timeout_grace)
         if self.flow is not None:
             scraper.on_scraped = self.flow.release
         if self.scaler is not None:

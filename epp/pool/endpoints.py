@@ -40,6 +40,7 @@ class Endpoint:
     num_gpu_blocks: int | None = None
     last_ok: float = 0.0  # monotonic time of the last good scrape; 0 = never
     failures: int = 0  # consecutive failed scrapes
+    timeouts: int = 0  # consecutive timed-out scrapes tolerated as stale (pool/staleness.py)
     down: bool = False  # dropped from candidates until a scrape succeeds
     sleeping: bool = False  # the worker reports kvyard:sleeping 1 (sleep mode): no traffic
     prompt_tokens_pending: float | None = None  # kvyard:prompt_tokens_pending; None: not exported
@@ -66,6 +67,7 @@ class Endpoint:
             "running": self.running, "kv_usage": self.kv_usage, "picks": self.picks,
             "prefix_hits": self.prefix_hits, "fresh": self.fresh(now, stale_after),
             "down": self.down, "sleeping": self.sleeping, "failures": self.failures,
+            "stale_scrapes": self.timeouts,
             "pending": self.pending,
             "last_error": self.last_error,
             "age_s": round(now - self.last_ok, 3) if self.last_ok else None,

@@ -11,7 +11,8 @@ from .types import SchedRequest
 @dataclass(slots=True)
 class HealthyFilter(Filter):
     """Endpoints whose scrapes keep failing (or were refused), and sleeping ones
-    (kvyard:sleeping 1, sleep mode), get no traffic."""
+    (kvyard:sleeping 1, sleep mode), get no traffic. One whose scrapes only time out
+    keeps it, on its last metrics, for the scraper's grace (`pool/staleness.py`)."""
 
     name: str = "healthy"
 
