@@ -42,7 +42,8 @@ def test_grace_decides_by_the_last_good_scrape() -> None:
     assert TimeoutGrace(grace=0).on_timeout(Endpoint("a:1", last_ok=99.0), 99.1) == COUNT
 
 
-async def test_stalled_metrics_keep_the_endpoint_for_the_grace_then_down(epp, xp, free_port):
+async def test_stalled_metrics_keep_the_endpoint_for_the_grace_then_down(epp, xp,
+                                                                          metrics_site):
     stall = asyncio.Event()
     release = asyncio.Event()
 
@@ -51,13 +52,7 @@ async def test_stalled_metrics_keep_the_endpoint_for_the_grace_then_down(epp, xp
             await release.wait()  # far beyond the scrape timeout
         return web.Response(text=METRICS, content_type="text/plain")
 
-    web_app = web.Application()
-    web_app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(web_app, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    addr = f"127.0.0.1:{port}"
+    addr = await metrics_site(metrics)
     try:
         app = await epp([EndpointSpec(addr)], scrape_timeout=0.1, stale_after=0.5,
                         scrape_timeout_grace=3.0)
@@ -77,7 +72,6 @@ async def test_stalled_metrics_keep_the_endpoint_for_the_grace_then_down(epp, xp
         await xp.wait_for(lambda: not ep.down and ep.timeouts == 0, timeout=5.0, what="back")
     finally:
         release.set()
-        await runner.cleanup()
 
 
 async def test_a_refused_port_is_down_at_once_despite_the_grace(fake_vllm, epp, xp, free_port):
