@@ -9,10 +9,11 @@ out in turn). So the scraper tells the failures apart:
 * reset connections, HTTP errors, answers that are not vLLM's metrics: down after
   `fail_threshold` in a row (`scraper.py`);
 * timed out, on an endpoint that answered before: *stale*. It stays routable with its
-  last metrics (and the picks made since, `Endpoint.pending`) until `grace` seconds have
-  passed since its last good scrape, then it is down. Stale metrics older than
-  `stale_after` already lose to fresh ones (the `prefer-fresh` filter), so a stale pod
-  takes traffic only while the others are no better known;
+  last metrics (and the picks made since, `Endpoint.pending`, which the queue scorer
+  counts) until `grace` seconds have passed since its last good scrape, then it is down.
+  The `healthy` filter keeps it, and so does `prefer-fresh` (it drops endpoints whose
+  metrics are merely old, e.g. failing with HTTP errors, not these): a prefix's pod that
+  answers its scrapes late keeps its prefix's requests;
 * timed out on an endpoint never scraped: there is nothing to route by, so the
   `fail_threshold` rule applies, as it does with `grace` 0.
 

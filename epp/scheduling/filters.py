@@ -23,12 +23,15 @@ class HealthyFilter(Filter):
 @dataclass(slots=True)
 class PreferFreshFilter(Filter):
     """Stale metrics (older than `stale_after`) lose to fresh ones, but a pool
-    that is entirely stale still serves: a slow scrape is not an outage."""
+    that is entirely stale still serves: a slow scrape is not an outage. An endpoint
+    whose scrapes only time out (in the scraper's grace, `pool/staleness.py`) is a busy
+    pod, not an unknown one: it competes on its last metrics and the picks sent since."""
 
     name: str = "prefer-fresh"
 
     def filter(self, req: SchedRequest, eps: list[Endpoint]) -> list[Endpoint]:
-        fresh = [e for e in eps if e.fresh(req.now, req.stale_after)]
+        fresh = [e for e in eps if e.fresh(req.now, req.stale_after)
+                 or (e.timeouts and not e.down)]
         return fresh or eps
 
 

@@ -11,7 +11,9 @@ from prometheus_client import generate_latest
 from kvyard.common.wire import DESTINATION_HEADER
 from kvyard.epp.pool.endpoints import Endpoint, EndpointSpec
 from kvyard.epp.pool.staleness import COUNT, DOWN, STALE, TimeoutGrace
-from kvyard.epp.scheduling.filters import HealthyFilter
+from kvyard.epp.prompt import LazyPrompt
+from kvyard.epp.scheduling.filters import HealthyFilter, PreferFreshFilter
+from kvyard.epp.scheduling.types import SchedRequest
 
 CHAT = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
 METRICS = ('vllm:num_requests_waiting{model_name="m"} 1\n'
@@ -40,6 +42,18 @@ def test_grace_decides_by_the_last_good_scrape() -> None:
     ep.down = True
     assert g.on_timeout(ep, 102.0) == DOWN and g.expired == 1  # counted once per outage
     assert TimeoutGrace(grace=0).on_timeout(Endpoint("a:1", last_ok=99.0), 99.1) == COUNT
+
+
+def test_a_pod_in_its_grace_is_not_dropped_for_staleness() -> None:
+    now = 100.0
+    fresh = Endpoint("a:1", last_ok=now - 0.1)
+    late = Endpoint("b:1", last_ok=now - 3.0, timeouts=4)       # scrapes time out: busy
+    failing = Endpoint("c:1", last_ok=now - 3.0, failures=2)    # HTTP errors: unknown state
+    gone = Endpoint("d:1", last_ok=now - 9.0, timeouts=9, down=True)
+    req = SchedRequest("m", LazyPrompt.of_hashes([]), now=now, stale_after=2.0)
+    eps = [fresh, late, failing, gone]
+    assert HealthyFilter().filter(req, eps) == [fresh, late, failing]
+    assert PreferFreshFilter().filter(req, eps) == [fresh, late]
 
 
 async def test_stalled_metrics_keep_the_endpoint_for_the_grace_then_down(epp, xp,
