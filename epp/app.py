@@ -153,6 +153,7 @@ class EppApp:
     flow: FlowController | None = field(init=False)
     scraper: Scraper | None = None
     timeout_grace: TimeoutGrace = field(init=False)
+    tokenizers: dict[str, PromptHasher] = field(init=False)  # tokenizer source -> its hasher
     scaler: ScalerServer | None = field(init=False)
     kv_events: KVEventSources | None = field(init=False)  # with a precise-prefix-cache scorer
     replicas: PickBus | None = field(init=False)  # with --replica-port / --peers
@@ -204,6 +205,12 @@ class EppApp:
         self.director = Director(self.pool, sched, PromptHasher(block_size=sched.block_size),
                                  admission, self.metrics, self.finisher,
                                  routes.names if routes else _served_names(c), routes=routes)
+        # a hasher per tokenizer source: the EPP's, and those of pools tokenizing otherwise
+        self.tokenizers = {c.model: self.director.hasher}
+        if routes is not None and c.model.lower() != "none":
+            for pool, source in routes.pool_tokenizers(c.model).items():
+                self.director.pool_hashers[pool] = self.tokenizers.setdefault(
+                    source, PromptHasher(block_size=sched.block_size))
         if self.predictor is not None:
             self.director.on_parse = annotator(self.predictor)
             self.metrics.registry.register(SloCollector(self.predictor))
@@ -312,19 +319,21 @@ class EppApp:
                  self.ports["metrics"])
 
     async def _load_tokenizer(self) -> None:
+        loaded = [await self._load_one(source, h) for source, h in self.tokenizers.items()]
+        self.tokenizer_state = "loaded" if all(loaded) else "failed"
+
+    async def _load_one(self, source: str, hasher: PromptHasher) -> bool:
         def load():
             from kvyard.common.tokenizer import ChatTemplateError, load_tokenizer
-            return load_tokenizer(self.cfg.model), ChatTemplateError
+            return load_tokenizer(source), ChatTemplateError
         try:
             tok, err = await asyncio.get_running_loop().run_in_executor(None, load)
         except Exception as e:  # noqa: BLE001 - byte hashing still routes well
-            log.error("tokenizer for %s failed to load (%s); hashing prompt bytes",
-                      self.cfg.model, e)
-            self.tokenizer_state = "failed"
-            return
-        self.director.hasher.set_tokenizer(tok, err)
-        self.tokenizer_state = "loaded"
-        log.info("tokenizer for %s loaded", self.cfg.model)
+            log.error("tokenizer for %s failed to load (%s); hashing prompt bytes", source, e)
+            return False
+        hasher.set_tokenizer(tok, err)
+        log.info("tokenizer for %s loaded", source)
+        return True
 
     async def drain(self, notice_s: float = 1.0, grace_s: float = 3.0) -> None:
         """A replica's graceful exit, before `stop`: readiness NOT_SERVING at once (the

@@ -12,9 +12,7 @@ and go on ports the autoscaler picks): those endpoints are scored approximately.
 own `--zmq-endpoint`/`--kv-events-config` in `--sim-args` wins over this.
 
 Several models (`--model NAME=SOURCE`, stack/models.py): every pool's workers publish alike,
-with ports of their own, as long as the EPP keys their prompts with the right tokenizer: it
-loads one (the first model's), so a pool whose SOURCE has another tokenizer publishes
-nothing and is scored approximately (`same_tokenizer`).
+each pool with ports of its own; the EPP keys each pool's prompts with that pool's tokenizer.
 """
 from __future__ import annotations
 
@@ -63,19 +61,6 @@ class EventPorts:
         """Each address's (PUB, replay) as the EPP connects to them."""
         return {a: (f"tcp://127.0.0.1:{self.pub + i}", f"tcp://127.0.0.1:{self.replay + i}")
                 for i, a in enumerate(addresses)}
-
-
-def same_tokenizer(source: str, epp_model: str) -> bool:
-    """Whether a pool started from `source` tokenizes as the EPP's `--model` does: the same
-    resolved files (conservative: two copies of one tokenizer count as different)."""
-    if source == epp_model:
-        return True
-    from kvyard.common.models import ModelNotFound, resolve_model
-
-    try:
-        return resolve_model(source).path.resolve() == resolve_model(epp_model).path.resolve()
-    except ModelNotFound:
-        return False
 
 
 def wanted(spec: StackSpec) -> bool:

@@ -13,10 +13,11 @@ model) a LoRA adapter with vLLM's flags (`--enable-lora --lora-modules NAME=PATH
 so a request for NAME goes to those workers and the lora-affinity scorer sees it.
 
 Every pool's workers publish their KV events on ports of their own (`kv_events.py`), named
-in the endpoints file beside the pool, so the EPP scores each pool precisely. The EPP's
-index is one key space (token ids, seeded per adapter only), but a request is scored only
-against its own pool's endpoints (`Director.candidates`), so alpha's blocks never count
-for a request to beta even where both hold the same tokens.
+in the endpoints file beside the pool, and the models file names each pool's tokenizer (its
+SOURCE), so the EPP keys each pool's prompts as its workers do and scores every pool
+precisely. The EPP's index is one key space (token ids, seeded per adapter only), but a
+request is scored only against its own pool's endpoints (`Director.candidates`), so alpha's
+blocks never count for a request to beta even where both hold the same tokens.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvyard.stack import procs
-from kvyard.stack.kv_events import EventPorts, same_tokenizer, wanted
+from kvyard.stack.kv_events import EventPorts, wanted
 from kvyard.stack.procs import Proc
 from kvyard.stack.readiness import ready_check
 from kvyard.stack.spec import StackSpec
@@ -87,8 +88,9 @@ def models_file(path: Path, spec: StackSpec) -> Path | None:
     """The EPP's --models-file: each named model its own pool, with its adapters; one
     unnamed model with adapters: its served name and adapters, no pool. None: not needed."""
     if spec.named_models:
-        rows = [{"name": n, "pool": n, "adapters": [a for m, a, _ in spec.adapters if m == n]}
-                for n, _ in spec.named_models]
+        rows = [{"name": n, "pool": n, "adapters": [a for m, a, _ in spec.adapters if m == n],
+                 "tokenizer": source}  # the EPP keys each pool's prompts as its workers do
+                for n, source in spec.named_models]
     elif spec.adapters:
         from kvyard.common.models import resolve_model
 
@@ -116,8 +118,7 @@ def spawn_model_pools(spec: StackSpec, roles: list[str], taken: set[int], logs: 
     checks: list[tuple[Proc, Callable[[], bool]]] = []
     streams: dict[str, tuple[str, str]] = {}
     for k, (name, source) in enumerate(spec.named_models):
-        events = EventPorts.allocate(len(roles), taken) \
-            if wanted(spec) and same_tokenizer(source, spec.model) else None
+        events = EventPorts.allocate(len(roles), taken) if wanted(spec) else None
         base = spec.worker_base_port
         lora = lora_args(spec, name)
         sub = replace(spec, model=source, named_models=[],

@@ -13,7 +13,6 @@ from pathlib import Path
 import yaml
 
 from kvyard.stack import procs
-from kvyard.stack.kv_events import same_tokenizer
 from kvyard.stack.state import StackState
 
 
@@ -49,11 +48,6 @@ def _wait_indexed(state: StackState, address: str, blocks: int = 10) -> dict[str
         assert time.monotonic() < deadline, per
         time.sleep(0.1)
     return per
-
-
-def test_same_tokenizer() -> None:
-    assert same_tokenizer("demo", "demo") and same_tokenizer("smollm2", "demo")
-    assert not same_tokenizer("/no/such/model.gguf", "demo")
 
 
 def test_every_model_pool_publishes_and_routes_precisely(tmp_path: Path) -> None:
