@@ -61,6 +61,10 @@ class Endpoint:
     def fresh(self, now: float, stale_after: float) -> bool:
         return self.last_ok > 0.0 and now - self.last_ok <= stale_after
 
+    def current(self, now: float, stale_after: float) -> bool:
+        """Fresh, or only late: its scrapes time out within the grace (pool/staleness.py)."""
+        return self.fresh(now, stale_after) or (self.timeouts > 0 and not self.down)
+
     def snapshot(self, now: float, stale_after: float) -> dict:
         return {
             "address": self.address, "role": self.role, "queue": self.waiting,
@@ -173,6 +177,7 @@ class EndpointPool:
         return len(self._endpoints)
 
     def ready(self, now: float | None = None) -> bool:
-        """Known endpoints, at least one of them up with fresh metrics."""
+        """Known endpoints, at least one of them up with current metrics."""
         now = time.monotonic() if now is None else now
-        return any(not e.down and e.fresh(now, self.stale_after) for e in self._endpoints.values())
+        return any(not e.down and e.current(now, self.stale_after)
+                   for e in self._endpoints.values())

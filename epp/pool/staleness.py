@@ -13,7 +13,8 @@ out in turn). So the scraper tells the failures apart:
   counts) until `grace` seconds have passed since its last good scrape, then it is down.
   The `healthy` filter keeps it, and so does `prefer-fresh` (it drops endpoints whose
   metrics are merely old, e.g. failing with HTTP errors, not these): a prefix's pod that
-  answers its scrapes late keeps its prefix's requests;
+  answers its scrapes late keeps its prefix's requests, and the EPP's readiness
+  (`EndpointPool.ready`) holds while its pods are only late (`Endpoint.current`);
 * timed out on an endpoint never scraped: there is nothing to route by, so the
   `fail_threshold` rule applies, as it does with `grace` 0.
 

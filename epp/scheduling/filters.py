@@ -30,8 +30,7 @@ class PreferFreshFilter(Filter):
     name: str = "prefer-fresh"
 
     def filter(self, req: SchedRequest, eps: list[Endpoint]) -> list[Endpoint]:
-        fresh = [e for e in eps if e.fresh(req.now, req.stale_after)
-                 or (e.timeouts and not e.down)]
+        fresh = [e for e in eps if e.current(req.now, req.stale_after)]
         return fresh or eps
 
 

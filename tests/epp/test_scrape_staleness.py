@@ -9,7 +9,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from kvyard.common.wire import DESTINATION_HEADER
-from kvyard.epp.pool.endpoints import Endpoint, EndpointSpec
+from kvyard.epp.pool.endpoints import Endpoint, EndpointPool, EndpointSpec
 from kvyard.epp.pool.staleness import COUNT, DOWN, STALE, TimeoutGrace
 from kvyard.epp.prompt import LazyPrompt
 from kvyard.epp.scheduling.filters import HealthyFilter, PreferFreshFilter
@@ -54,6 +54,12 @@ def test_a_pod_in_its_grace_is_not_dropped_for_staleness() -> None:
     eps = [fresh, late, failing, gone]
     assert HealthyFilter().filter(req, eps) == [fresh, late, failing]
     assert PreferFreshFilter().filter(req, eps) == [fresh, late]
+    pool = EndpointPool(stale_after=2.0)
+    pool.set_source("t", [EndpointSpec("b:1")])
+    pool.get("b:1").last_ok, pool.get("b:1").timeouts = now - 3.0, 4
+    assert pool.ready(now)  # the EPP stays ready while its pods are only late
+    pool.get("b:1").timeouts = 0
+    assert not pool.ready(now)
 
 
 async def test_stalled_metrics_keep_the_endpoint_for_the_grace_then_down(epp, xp,
