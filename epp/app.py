@@ -34,6 +34,7 @@ from .pool.discovery_file import FileDiscovery
 from .pool.discovery_k8s import K8sDiscovery
 from .pool.endpoints import EndpointPool, EndpointSpec
 from .pool.scraper import Scraper
+from .pool.staleness import TimeoutGrace
 from .prompt import PromptHasher
 from .replicas.apply import PickApplier
 from .replicas.bus import PickBus
@@ -72,6 +73,7 @@ class EppConfig:
     scrape_idle_interval: float = 0.5  # idle endpoints' cadence (pool/scraper.py)
     stale_after: float = 2.0
     fail_threshold: int = 3
+    scrape_timeout_grace: float = 5.0  # a timed-out scrape keeps the endpoint (pool/staleness.py)
     model: str = "demo"  # tokenizer source; "none" hashes bytes
     served_model_names: list[str] = field(default_factory=list)
     max_body_bytes: int = 4 * 1024 * 1024
@@ -150,6 +152,8 @@ class EppApp:
     demand: Demand = field(default_factory=Demand)
     flow: FlowController | None = field(init=False)
     scraper: Scraper | None = None
+    timeout_grace: TimeoutGrace = field(init=False)
+    tokenizers: dict[str, PromptHasher] = field(init=False)  # tokenizer source -> its hasher
     scaler: ScalerServer | None = field(init=False)
     kv_events: KVEventSources | None = field(init=False)  # with a precise-prefix-cache scorer
     replicas: PickBus | None = field(init=False)  # with --replica-port / --peers
@@ -168,6 +172,10 @@ class EppApp:
         c = self.cfg
         self.pool = EndpointPool(stale_after=c.stale_after)
         self.metrics = EppMetrics()
+        # never down before its metrics even count as stale
+        self.timeout_grace = TimeoutGrace(max(c.scrape_timeout_grace, c.stale_after)
+                                          if c.scrape_timeout_grace > 0 else 0.0)
+        self.timeout_grace.register(self.metrics.registry)
         sched_cfg = load_config(c.config)
         if c.destination_fallbacks:
             sched_cfg = with_fallbacks(sched_cfg, c.destination_fallbacks)
@@ -197,6 +205,12 @@ class EppApp:
         self.director = Director(self.pool, sched, PromptHasher(block_size=sched.block_size),
                                  admission, self.metrics, self.finisher,
                                  routes.names if routes else _served_names(c), routes=routes)
+        # a hasher per tokenizer source: the EPP's, and those of pools tokenizing otherwise
+        self.tokenizers = {c.model: self.director.hasher}
+        if routes is not None and c.model.lower() != "none":
+            for pool, source in routes.pool_tokenizers(c.model).items():
+                self.director.pool_hashers[pool] = self.tokenizers.setdefault(
+                    source, PromptHasher(block_size=sched.block_size))
         if self.predictor is not None:
             self.director.on_parse = annotator(self.predictor)
             self.metrics.registry.register(SloCollector(self.predictor))
@@ -289,7 +303,8 @@ class EppApp:
             self.pool.on_change(self.kv_events.sync)
         scraper = Scraper(self.pool, c.scrape_interval, c.scrape_timeout, c.fail_threshold,
                           # an idle endpoint's metrics must never go stale
-                          idle_interval=min(c.scrape_idle_interval, c.stale_after / 2))
+                          idle_interval=min(c.scrape_idle_interval, c.stale_after / 2),
+                          grace=self.timeout_grace)
         if self.flow is not None:
             scraper.on_scraped = self.flow.release
         if self.scaler is not None:
@@ -304,19 +319,21 @@ class EppApp:
                  self.ports["metrics"])
 
     async def _load_tokenizer(self) -> None:
+        loaded = [await self._load_one(source, h) for source, h in self.tokenizers.items()]
+        self.tokenizer_state = "loaded" if all(loaded) else "failed"
+
+    async def _load_one(self, source: str, hasher: PromptHasher) -> bool:
         def load():
             from kvyard.common.tokenizer import ChatTemplateError, load_tokenizer
-            return load_tokenizer(self.cfg.model), ChatTemplateError
+            return load_tokenizer(source), ChatTemplateError
         try:
             tok, err = await asyncio.get_running_loop().run_in_executor(None, load)
         except Exception as e:  # noqa: BLE001 - byte hashing still routes well
-            log.error("tokenizer for %s failed to load (%s); hashing prompt bytes",
-                      self.cfg.model, e)
-            self.tokenizer_state = "failed"
-            return
-        self.director.hasher.set_tokenizer(tok, err)
-        self.tokenizer_state = "loaded"
-        log.info("tokenizer for %s loaded", self.cfg.model)
+            log.error("tokenizer for %s failed to load (%s); hashing prompt bytes", source, e)
+            return False
+        hasher.set_tokenizer(tok, err)
+        log.info("tokenizer for %s loaded", source)
+        return True
 
     async def drain(self, notice_s: float = 1.0, grace_s: float = 3.0) -> None:
         """A replica's graceful exit, before `stop`: readiness NOT_SERVING at once (the

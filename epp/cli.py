@@ -72,6 +72,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stale-after", type=float, default=2.0, help="seconds")
     g.add_argument("--fail-threshold", type=int, default=3,
                    help="failed scrapes in a row before an endpoint gets no traffic")
+    g.add_argument("--scrape-timeout-grace", type=float, default=5.0, metavar="SECONDS",
+                   help="an endpoint whose scrapes time out stays routable on its last metrics "
+                        "this long after its last good scrape (a busy pod, not a dead one; a "
+                        "refused connection is down at once; at least --stale-after); 0: "
+                        "timeouts count as failures, as --fail-threshold says")
     g = p.add_argument_group("requests")
     g.add_argument("--model", default="demo",
                    help="tokenizer source: demo, a .gguf or a HF dir; 'none' hashes bytes")
@@ -127,6 +132,7 @@ def config_from_args(args: argparse.Namespace):
         scrape_interval=args.scrape_interval, scrape_timeout=args.scrape_timeout,
         scrape_idle_interval=args.scrape_idle_interval,
         stale_after=args.stale_after, fail_threshold=args.fail_threshold, model=args.model,
+        scrape_timeout_grace=args.scrape_timeout_grace,
         served_model_names=list(args.served_model_name), max_body_bytes=args.max_body_bytes,
         config=args.config, seed=args.seed, models_file=args.models_file, destination_fallbacks=args.destination_fallbacks,
         pd_key_file=args.pd_key_file, pool_name=args.pool_name,

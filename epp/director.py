@@ -59,6 +59,8 @@ class Director:
     stable_ties: bool = False
     # Several models (models.py): `model` -> its pool; None: one pool, `served_models`.
     routes: ModelRoutes | None = None
+    # Pools whose workers tokenize otherwise than `hasher` (models.py `tokenizer`): their own.
+    pool_hashers: dict[str, PromptHasher] = field(default_factory=dict)
     # SLO routing (epp/slo/): the request's facts into its cycle state once parsed.
     on_parse: Callable[[SchedRequest, Mapping[str, str], object], None] | None = None
 
@@ -70,9 +72,10 @@ class Director:
                                 now, self.pool.stale_after)
         parsed = parse_request(body, headers.get(":path", "/"), headers, self.served_models,
                                self.scheduler.objectives)
-        req = SchedRequest(parsed.model, self.hasher.prompt(parsed), parsed.priority, now,
-                           self.pool.stale_after)
         route = self.routes.get(parsed.model) if self.routes is not None else None
+        hasher = self.pool_hashers.get(route.pool, self.hasher) if route else self.hasher
+        req = SchedRequest(parsed.model, hasher.prompt(parsed), parsed.priority, now,
+                           self.pool.stale_after)
         if route is not None:
             req.pool, req.adapter = route.pool, route.name if route.parent else ""
         if self.on_parse is not None:

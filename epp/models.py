@@ -12,12 +12,18 @@ this table maps every name a client may ask for to its pool:
         pool: alpha
         adapters: [sql-lora, chat-lora]   # LoRA adapters served by alpha's workers
       - name: beta
+        tokenizer: /models/beta    # its workers' tokenizer, if not the EPP's --model
 
 A base name or an adapter name selects its pool (an adapter also sets
 `SchedRequest.adapter`, read by the lora-affinity scorer); any other name is a 404
 (OpenAI's `model_not_found`). Endpoints without a pool serve every pool, so a one-pool
 deployment needs no labels. `GET /v1/models` is answered by the EPP from this table: every
 base model, and every adapter with `parent` = its base, as vLLM lists them.
+
+`tokenizer` (demo, a .gguf or a HF dir) says how a pool's workers tokenize, where that is
+not the EPP's own `--model`: the EPP then renders and tokenizes that pool's prompts (its
+adapters' too) with it (`pool_tokenizers`), so precise prefix keys match the blocks those
+workers report.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ class ModelRoute:
     name: str
     pool: str
     parent: str | None = None  # an adapter's base model; None: a base model
+    tokenizer: str | None = None  # its pool's tokenizer source; None: the EPP's --model
 
 
 class ModelListing(Rejection):
@@ -76,17 +83,20 @@ class ModelRoutes:
                 m = {"name": m}
             if not isinstance(m, dict):
                 raise ValueError(f"{where}: want {{name, pool, adapters}}")
-            unknown = sorted(set(m) - {"name", "pool", "adapters"})
+            unknown = sorted(set(m) - {"name", "pool", "adapters", "tokenizer"})
             if unknown:
-                raise ValueError(f"{where}.{unknown[0]}: unknown key (name, pool, adapters)")
+                raise ValueError(f"{where}.{unknown[0]}: unknown key (name, pool, adapters, "
+                                 "tokenizer)")
             name = _name(m.get("name"), f"{where}.name")
             pool = _name(m.get("pool", name), f"{where}.pool")
-            out._add(ModelRoute(name, pool), where)
+            tok = None if m.get("tokenizer") is None else _name(m["tokenizer"],
+                                                                 f"{where}.tokenizer")
+            out._add(ModelRoute(name, pool, tokenizer=tok), where)
             adapters = m.get("adapters") or []
             if not isinstance(adapters, list):
                 raise ValueError(f"{where}.adapters: want a list of names")
             for j, a in enumerate(adapters):
-                out._add(ModelRoute(_name(a, f"{where}.adapters[{j}]"), pool, name),
+                out._add(ModelRoute(_name(a, f"{where}.adapters[{j}]"), pool, name, tok),
                          f"{where}.adapters[{j}]")
         return out
 
@@ -112,6 +122,18 @@ class ModelRoutes:
 
     def get(self, model: str) -> ModelRoute | None:
         return self.routes.get(model)
+
+    def pool_tokenizers(self, default: str) -> dict[str, str]:
+        """Each pool whose tokenizer is not `default` (the EPP's --model) -> its source.
+        Raises ValueError where one pool names two."""
+        out: dict[str, str] = {}
+        for r in self.routes.values():
+            if r.tokenizer is None or r.tokenizer == default:
+                continue
+            if out.setdefault(r.pool, r.tokenizer) != r.tokenizer:
+                raise ValueError(f"pool {r.pool!r}: two tokenizers ({out[r.pool]!r}, "
+                                 f"{r.tokenizer!r})")
+        return out
 
     def listing(self) -> ModelListing:
         """OpenAI's model list: base models (`parent` null) and adapters (`parent` = base)."""

@@ -74,6 +74,7 @@ class EppMetrics:
         self.endpoints.labels("known").set(len(eps))
         self.endpoints.labels("ready").set(
             sum(1 for e in eps if not e.down and e.fresh(now, pool.stale_after)))
+        self.endpoints.labels("scrape_stale").set(sum(1 for e in eps if e.timeouts and not e.down))
 
 
 def debug_app(metrics: EppMetrics, pool: EndpointPool, extra: Callable[[], dict]) -> web.Application:

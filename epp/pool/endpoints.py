@@ -40,6 +40,7 @@ class Endpoint:
     num_gpu_blocks: int | None = None
     last_ok: float = 0.0  # monotonic time of the last good scrape; 0 = never
     failures: int = 0  # consecutive failed scrapes
+    timeouts: int = 0  # consecutive timed-out scrapes tolerated as stale (pool/staleness.py)
     down: bool = False  # dropped from candidates until a scrape succeeds
     sleeping: bool = False  # the worker reports kvyard:sleeping 1 (sleep mode): no traffic
     prompt_tokens_pending: float | None = None  # kvyard:prompt_tokens_pending; None: not exported
@@ -60,12 +61,17 @@ class Endpoint:
     def fresh(self, now: float, stale_after: float) -> bool:
         return self.last_ok > 0.0 and now - self.last_ok <= stale_after
 
+    def current(self, now: float, stale_after: float) -> bool:
+        """Fresh, or only late: its scrapes time out within the grace (pool/staleness.py)."""
+        return self.fresh(now, stale_after) or (self.timeouts > 0 and not self.down)
+
     def snapshot(self, now: float, stale_after: float) -> dict:
         return {
             "address": self.address, "role": self.role, "queue": self.waiting,
             "running": self.running, "kv_usage": self.kv_usage, "picks": self.picks,
             "prefix_hits": self.prefix_hits, "fresh": self.fresh(now, stale_after),
             "down": self.down, "sleeping": self.sleeping, "failures": self.failures,
+            "stale_scrapes": self.timeouts,
             "pending": self.pending,
             "last_error": self.last_error,
             "age_s": round(now - self.last_ok, 3) if self.last_ok else None,
@@ -171,6 +177,7 @@ class EndpointPool:
         return len(self._endpoints)
 
     def ready(self, now: float | None = None) -> bool:
-        """Known endpoints, at least one of them up with fresh metrics."""
+        """Known endpoints, at least one of them up with current metrics."""
         now = time.monotonic() if now is None else now
-        return any(not e.down and e.fresh(now, self.stale_after) for e in self._endpoints.values())
+        return any(not e.down and e.current(now, self.stale_after)
+                   for e in self._endpoints.values())

@@ -14,8 +14,12 @@ round. Failure policy, chosen so a dead worker stops getting traffic in
 well under a second without flapping on one slow scrape:
 
 * connection refused / unreachable → `down` at once (the process is gone);
-* other failures (timeout, HTTP error, not vLLM text) → `down` after
-  `fail_threshold` in a row (3 × 0.3 s timeout < 1 s for a hung worker);
+* a timeout on an endpoint scraped before → *stale*: routable on its last metrics
+  until `grace.grace` seconds after its last good scrape, then `down`
+  (`staleness.py`: a busy pod answers late, it is not gone);
+* other failures (reset, HTTP error, not vLLM text; a timeout on an endpoint never
+  scraped) → `down` after `fail_threshold` in a row (3 × 0.3 s timeout < 1 s for a
+  worker hung from the start);
 * metrics older than `stale_after` are deprioritised by the scheduler;
 * the first good scrape brings an endpoint back.
 
@@ -33,6 +37,7 @@ from typing import Callable
 from .endpoints import Endpoint, EndpointPool
 from .metrics_conn import ConnectionPool, HttpError, Unreachable
 from .metrics_parse import WorkerMetrics, parse_vllm_metrics
+from .staleness import COUNT, STALE, TimeoutGrace
 
 log = logging.getLogger("kvyard.epp.scraper")
 
@@ -44,6 +49,7 @@ class Scraper:
     timeout: float = 0.3
     fail_threshold: int = 3
     idle_interval: float = 0.5  # idle endpoints (module docstring); <= interval: no distinction
+    grace: TimeoutGrace = field(default_factory=TimeoutGrace)  # timed-out scrapes (staleness.py)
     _conns: ConnectionPool | None = None
     _inflight: dict[str, asyncio.Task] = field(default_factory=dict)
     _started: dict[str, float] = field(default_factory=dict)  # address -> last scrape's start
@@ -68,6 +74,9 @@ class Scraper:
         except Unreachable as e:
             self._failed(ep, f"unreachable: {e}", immediate=True)
             return
+        except TimeoutError as e:  # before OSError, its base class
+            self._timed_out(ep, f"TimeoutError: {e}")
+            return
         except (asyncio.TimeoutError, OSError, HttpError, ValueError) as e:
             self._failed(ep, f"{type(e).__name__}: {e}", immediate=False)
             return
@@ -85,6 +94,7 @@ class Scraper:
             log.info("endpoint %s is back", ep.address)
         now = time.monotonic()
         ep.last_ok, ep.failures, ep.down, ep.pending, ep.last_error = now, 0, False, 0, ""
+        ep.timeouts = 0
         for fn in self.observers:
             try:
                 fn(ep, m, now)
@@ -102,6 +112,20 @@ class Scraper:
             if self.on_scraped is not None:  # queued requests may now wait for a cold start
                 self.on_scraped()
 
+    def _timed_out(self, ep: Endpoint, why: str) -> None:
+        outcome = self.grace.on_timeout(ep, time.monotonic())
+        if outcome == COUNT:
+            self._failed(ep, why, immediate=False)
+            return
+        ep.timeouts += 1
+        ep.last_error = why
+        if outcome == STALE:
+            if ep.timeouts == 1:
+                log.info("endpoint %s: scrape timed out; routing on its last metrics for up "
+                         "to %gs", ep.address, self.grace.grace)
+            return
+        self._failed(ep, f"{why} (no metrics for {self.grace.grace:g}s)", immediate=True)
+
     def _done(self, addr: str, task: asyncio.Task) -> None:
         if self._inflight.get(addr) is task:
             del self._inflight[addr]
@@ -109,7 +133,7 @@ class Scraper:
     def idle(self, ep: Endpoint) -> bool:
         """Nothing can change this endpoint's metrics but a request the EPP would see."""
         return (ep.last_ok > 0.0 and not ep.down and not ep.sleeping and ep.failures == 0
-                and ep.pending == 0 and ep.waiting == 0 and ep.running == 0
+                and ep.timeouts == 0 and ep.pending == 0 and ep.waiting == 0 and ep.running == 0
                 and not ep.prompt_tokens_pending)
 
     def _lost(self, address: str) -> None:

@@ -11,7 +11,8 @@ from .types import SchedRequest
 @dataclass(slots=True)
 class HealthyFilter(Filter):
     """Endpoints whose scrapes keep failing (or were refused), and sleeping ones
-    (kvyard:sleeping 1, sleep mode), get no traffic."""
+    (kvyard:sleeping 1, sleep mode), get no traffic. One whose scrapes only time out
+    keeps it, on its last metrics, for the scraper's grace (`pool/staleness.py`)."""
 
     name: str = "healthy"
 
@@ -22,12 +23,14 @@ class HealthyFilter(Filter):
 @dataclass(slots=True)
 class PreferFreshFilter(Filter):
     """Stale metrics (older than `stale_after`) lose to fresh ones, but a pool
-    that is entirely stale still serves: a slow scrape is not an outage."""
+    that is entirely stale still serves: a slow scrape is not an outage. An endpoint
+    whose scrapes only time out (in the scraper's grace, `pool/staleness.py`) is a busy
+    pod, not an unknown one: it competes on its last metrics and the picks sent since."""
 
     name: str = "prefer-fresh"
 
     def filter(self, req: SchedRequest, eps: list[Endpoint]) -> list[Endpoint]:
-        fresh = [e for e in eps if e.fresh(req.now, req.stale_after)]
+        fresh = [e for e in eps if e.current(req.now, req.stale_after)]
         return fresh or eps
 
 

@@ -10,6 +10,9 @@ a sim process with several pods offsets one flag's ports by each pod's index.
 Stand-in workers publish nothing, and neither do scale-to-zero pools (their workers come
 and go on ports the autoscaler picks): those endpoints are scored approximately. A user's
 own `--zmq-endpoint`/`--kv-events-config` in `--sim-args` wins over this.
+
+Several models (`--model NAME=SOURCE`, stack/models.py): every pool's workers publish alike,
+each pool with ports of its own; the EPP keys each pool's prompts with that pool's tokenizer.
 """
 from __future__ import annotations
 

@@ -60,12 +60,13 @@ def start_stack(spec: StackSpec) -> StackState:
         pd_key = pd_key_file(run) if spec.disaggregated else None
         sim_pods = bool(spec.sim) and not spec.scale_to_zero  # many pods per process
         pools: list[str] | None = None
-        # KV events for one pool's workers; several models' pools are scored approximately
+        # KV events for one pool's workers; several models' pools wire their own
         events = EventPorts.allocate(len(roles), taken) if wanted(spec) and not spec.named_models else None
-        if spec.named_models:  # a pool per model (stack/models.py)
+        streams = None
+        if spec.named_models:  # a pool per model, each with its KV events (stack/models.py)
             from kvyard.stack.models import spawn_model_pools
 
-            addresses, roles, pools, more = spawn_model_pools(
+            addresses, roles, pools, more, streams = spawn_model_pools(
                 spec, roles, taken, logs, kv_args, kv_env_files, pd_key, started.add)
             checks += more
         elif sim_pods:
@@ -88,7 +89,7 @@ def start_stack(spec: StackSpec) -> StackState:
         # Workers load models in parallel; wait for them before the EPP scrapes.
         procs.wait_ready(checks, spec.ready_timeout_s)
         endpoints_file = write_endpoints(run / "endpoints.yaml", addresses, roles, pools,
-                                         events.streams(addresses) if events else None)
+                                         events.streams(addresses) if events else streams)
         scaler_port = procs.free_port(spec.scaler_port, taken)
         epp_args = ["--scaler-port", str(scaler_port), "--pool-name", spec.pool_name,
                     *spec.epp_args]

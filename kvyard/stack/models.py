@@ -11,6 +11,13 @@ labels every endpoint with its pool (the model's name) and the EPP gets a models
 model) a LoRA adapter with vLLM's flags (`--enable-lora --lora-modules NAME=PATH
 --max-loras N`; simulated pods take `--lora-modules`), and the EPP a models file naming it,
 so a request for NAME goes to those workers and the lora-affinity scorer sees it.
+
+Every pool's workers publish their KV events on ports of their own (`kv_events.py`), named
+in the endpoints file beside the pool, and the models file names each pool's tokenizer (its
+SOURCE), so the EPP keys each pool's prompts as its workers do and scores every pool
+precisely. The EPP's index is one key space (token ids, seeded per adapter only), but a
+request is scored only against its own pool's endpoints (`Director.candidates`), so alpha's
+blocks never count for a request to beta even where both hold the same tokens.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvyard.stack import procs
+from kvyard.stack.kv_events import EventPorts, wanted
 from kvyard.stack.procs import Proc
 from kvyard.stack.readiness import ready_check
 from kvyard.stack.spec import StackSpec
@@ -80,8 +88,9 @@ def models_file(path: Path, spec: StackSpec) -> Path | None:
     """The EPP's --models-file: each named model its own pool, with its adapters; one
     unnamed model with adapters: its served name and adapters, no pool. None: not needed."""
     if spec.named_models:
-        rows = [{"name": n, "pool": n, "adapters": [a for m, a, _ in spec.adapters if m == n]}
-                for n, _ in spec.named_models]
+        rows = [{"name": n, "pool": n, "adapters": [a for m, a, _ in spec.adapters if m == n],
+                 "tokenizer": source}  # the EPP keys each pool's prompts as its workers do
+                for n, source in spec.named_models]
     elif spec.adapters:
         from kvyard.common.models import resolve_model
 
@@ -97,15 +106,19 @@ def spawn_model_pools(spec: StackSpec, roles: list[str], taken: set[int], logs: 
                       kv_args: list[str], kv_env_files: dict[str, str], pd_key: Path | None,
                       add: Callable[[Proc], Proc]
                       ) -> tuple[list[str], list[str], list[str],
-                                 list[tuple[Proc, Callable[[], bool]]]]:
-    """Every model's pool: (addresses, their roles, their pools, readiness checks)."""
+                                 list[tuple[Proc, Callable[[], bool]]],
+                                 dict[str, tuple[str, str]]]:
+    """Every model's pool: (addresses, their roles, their pools, readiness checks, each
+    publishing address's KV-event streams)."""
     from kvyard.stack.commands import worker_cmd
 
     addresses: list[str] = []
     all_roles: list[str] = []
     pools: list[str] = []
     checks: list[tuple[Proc, Callable[[], bool]]] = []
+    streams: dict[str, tuple[str, str]] = {}
     for k, (name, source) in enumerate(spec.named_models):
+        events = EventPorts.allocate(len(roles), taken) if wanted(spec) else None
         base = spec.worker_base_port
         lora = lora_args(spec, name)
         sub = replace(spec, model=source, named_models=[],
@@ -117,20 +130,23 @@ def spawn_model_pools(spec: StackSpec, roles: list[str], taken: set[int], logs: 
             from kvyard.stack.sim_pool import spawn_sim_pods
 
             got, more = spawn_sim_pods(sub, roles, taken, logs, pd_key, add,
-                                       name_prefix=f"sim-{name}-")
-            addresses += got
+                                       name_prefix=f"sim-{name}-",
+                                       extra=events.flag() if events else [])
             checks += more
         else:
+            got = []
             for i, role in enumerate(roles):
                 port = procs.free_port(None if sub.worker_base_port is None
                                        else sub.worker_base_port + i, taken)
-                addresses.append(f"127.0.0.1:{port}")
+                got.append(f"127.0.0.1:{port}")
+                cmd = worker_cmd(sub, port, kv_args=kv_args, role=role, pd_key=pd_key)
                 p = add(procs.spawn(f"worker-{name}-{i}",
-                                    worker_cmd(sub, port, kv_args=kv_args, role=role,
-                                               pd_key=pd_key),
+                                    cmd + (events.flag(i) if events else []),
                                     logs / f"worker-{name}-{i}.log", env_files=kv_env_files,
                                     ports={"http": port}))
                 checks.append((p, ready_check(f"http://127.0.0.1:{port}/health")))
+        addresses += got
+        streams |= events.streams(got) if events else {}
         all_roles += roles
         pools += [name] * len(roles)
-    return addresses, all_roles, pools, checks
+    return addresses, all_roles, pools, checks, streams

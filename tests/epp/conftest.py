@@ -96,6 +96,26 @@ async def fake_vllm(free_port):
 
 
 @pytest.fixture
+async def metrics_site(free_port):
+    """A loopback server whose GET /metrics is the test's handler; returns its address."""
+    runners: list[web.AppRunner] = []
+
+    async def make(handler: Callable[[web.Request], object]) -> str:
+        app = web.Application()
+        app.router.add_get("/metrics", handler)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        runners.append(runner)
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return f"127.0.0.1:{port}"
+
+    yield make
+    for r in runners:
+        await r.cleanup()
+
+
+@pytest.fixture
 async def epp(free_port):
     apps: list[EppApp] = []
 
