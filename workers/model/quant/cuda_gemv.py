@@ -97,6 +97,28 @@ def _block_n(n: int, sms: int) -> int:
     return bn
 
 
+def _block_k(k: int, cap: int = 256) -> int:
+    return next(b for b in (1024, 512, 256, 128, 64, 32) if b <= cap and k % b == 0)
+
+
+# On CUDA the block shape is tuned per (N, K, rows) at the first call (Triton's autotuner,
+# outside any graph capture: the runner warms every shape up first); the interpreter and the
+# first guess use the static choice above.
+_TUNE = [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st)
+         for bn, bk, w, st in ((4, 512, 4, 3), (8, 256, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3),
+                               (4, 1024, 4, 2), (16, 512, 8, 3), (32, 256, 8, 3), (8, 1024, 8, 2))]
+
+
+def _prune(configs, named_args, **kwargs):
+    k = named_args["K"]
+    ok = [c for c in configs if k % c.kwargs["BK"] == 0]
+    return ok or [triton.Config({"BN": 8, "BK": _block_k(k)}, num_warps=4)]
+
+
+_gemv_tuned = triton.autotune(_TUNE, key=["N", "K", "M", "KIND"], prune_configs_by={"early_config_prune": _prune}
+                              )(_gemv_kernel)
+
+
 def gemv(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, n: int,
          kind: int, sms: int = 132) -> torch.Tensor:
     """x [M <= GEMV_MAX_ROWS, K] (unit inner stride) times the quantized [N, K] weight, transposed."""
@@ -105,12 +127,14 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor 
         raise ValueError("gemv: at most 4 rows with unit stride and K a multiple of 32")
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows:
-        bk = 256 if k % 256 == 0 else 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
         # uint8 codes: the kernel sees fp8 as bytes and bitcasts (the same on every device)
         q = codes.view(torch.uint8) if codes.dtype == torch.float8_e4m3fn else codes
-        bn = _block_n(n, sms)
-        _gemv_kernel[(triton.cdiv(n, bn),)](x, q, d, d if m is None else m, y, n, k, x.stride(0), y.stride(0),
-                                            M=rows, KIND=kind, BN=bn, BK=bk, num_warps=4)
+        args = (x, q, d, d if m is None else m, y, n, k, x.stride(0), y.stride(0))
+        if x.is_cuda:
+            _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BN"]),)](*args, M=rows, KIND=kind)
+        else:
+            bn = _block_n(n, sms)
+            _gemv_kernel[(triton.cdiv(n, bn),)](*args, M=rows, KIND=kind, BN=bn, BK=_block_k(k), num_warps=4)
     return y
 
 
