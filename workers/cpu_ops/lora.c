@@ -1,0 +1,323 @@
+/* The batched LoRA step of one projection, every adapter of the batch in one call
+ * (Punica's SGMV on the CPU):
+ *
+ *   y[row] += (x[row] @ A[slot]^T) @ B[slot]^T   for each row of each adapter group
+ *
+ * The host sorts a step's rows by adapter once (kvyard.workers.lora.batch): `rows`
+ * lists them group by group, group g being rows[gstart[g] .. gstart[g + 1]) on slot
+ * gslot[g] with rank grank[g]. A is [slots, R, K]; B comes transposed, [slots, R, N]
+ * (the LoRA manager stores it so on the CPU), so the expand streams rows of N. R =
+ * nsl * rmax for a fused projection of nsl slices (q/k/v: 3, gate/up: 2): slice j
+ * owns ranks [j * rmax, j * rmax + rank) and output columns [noff[j], noff[j + 1])
+ * (the adapter loader builds B block-diagonal that way), so neither the zero padding
+ * of a smaller rank nor B's zero blocks are read. Shrink into a float32 `mid`
+ * [rows, R] (one row per sorted position), then expand onto y: float32 throughout,
+ * y rounded once. Both phases run on pool.c's team, work split by cost over
+ * (row chunk, rank block) and (row chunk, 64-column tile) items.
+ *
+ * Written with GCC vector types of 16 floats: -march=native compiles them to
+ * AVX-512 where the CPU has it, to pairs of AVX2 registers (or scalars) elsewhere,
+ * so every build has this path.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "bf16.h"
+#include "pool.h"
+
+/* 64-byte vectors in a build without AVX-512 pass differently from one with it: all static here */
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+#define MR 4      /* shrink: rows per register block */
+#define RB 4      /* shrink: ranks per item (and register block) */
+#define TW 64     /* expand: output columns per item */
+
+static inline __attribute__((always_inline)) v16 ld16(const void *p, int64_t i, const int bf) {
+    if (bf) {
+        u16x16 h;
+        memcpy(&h, (const uint16_t *)p + i, sizeof h);
+        const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+        v16 v;
+        memcpy(&v, &w, sizeof v);
+        return v;
+    }
+    v16 v;
+    memcpy(&v, (const float *)p + i, sizeof v);
+    return v;
+}
+
+static inline float ld1(const void *p, int64_t i, const int bf) {
+    if (bf) {
+        const uint32_t w = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        memcpy(&f, &w, 4);
+        return f;
+    }
+    return ((const float *)p)[i];
+}
+
+/* Round to nearest even as torch does (bf16.h's rule, 16 at a time). */
+static inline __attribute__((always_inline)) void st16(void *p, int64_t i, const v16 *v, const int bf) {
+    if (!bf) {
+        memcpy((float *)p + i, v, sizeof *v);
+        return;
+    }
+    u32x16 u;
+    memcpy(&u, v, sizeof u);
+    const u32x16 nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);
+    const u32x16 rnd = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const u16x16 h = __builtin_convertvector((nan & ((u >> 16) | 0x40u)) | (~nan & rnd), u16x16);
+    memcpy((uint16_t *)p + i, &h, sizeof h);
+}
+
+static inline __attribute__((always_inline)) float hsum(const v16 *v) {
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += (*v)[i];
+    return s;
+}
+
+typedef struct {
+    const void *x; int64_t xs;
+    void *y; int64_t ys;
+    const void *a, *b;
+    const int32_t *rows, *gstart, *gslot, *grank, *noff;
+    float *mid; int64_t ms;
+    int G, K, R, N, nsl, rmax, bf;
+    /* items: row chunks (unit u: group ug[u], sorted positions [up[u], up[u + 1])) times
+     * the phase's per-chunk count; nt threads share them by cost */
+    int units, chunk;
+    int *ug, *up;
+} Lora;
+
+/* Shrink, one register block: mid[p][r0 .. r0 + nr) for positions p0 .. p0 + mr (constants
+ * after inlining, so the accumulators stay in registers). */
+static inline __attribute__((always_inline)) void shrink_block(const Lora *L, const char *a, int p0, int r0,
+                                                               const int mr, const int nr, const int bf) {
+    const int K = L->K, kv = K / 16 * 16;
+    const size_t esz = bf ? 2 : 4;
+    const void *ar[RB], *xr[MR];
+    for (int c = 0; c < nr; c++) ar[c] = a + (int64_t)(r0 + c) * K * esz;
+    for (int r = 0; r < mr; r++) xr[r] = (const char *)L->x + (int64_t)L->rows[p0 + r] * L->xs * esz;
+    v16 acc[MR][RB];
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nr; c++) acc[r][c] = (v16){0};
+    for (int k = 0; k < kv; k += 16) {
+        v16 w[RB];
+        for (int c = 0; c < nr; c++) w[c] = ld16(ar[c], k, bf);
+        for (int r = 0; r < mr; r++) {
+            const v16 xv = ld16(xr[r], k, bf);
+            for (int c = 0; c < nr; c++) acc[r][c] += xv * w[c];
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nr; c++) {
+            float s = hsum(&acc[r][c]);
+            for (int k = kv; k < K; k++) s += ld1(xr[r], k, bf) * ld1(ar[c], k, bf);
+            L->mid[(int64_t)(p0 + r) * L->ms + r0 + c] = s;
+        }
+}
+
+#define SHRINK_ROWS(NR)                                                    \
+    switch (mr) {                                                          \
+        case 4: shrink_block(L, a, p0, r0, 4, NR, bf); break;              \
+        case 3: shrink_block(L, a, p0, r0, 3, NR, bf); break;              \
+        case 2: shrink_block(L, a, p0, r0, 2, NR, bf); break;              \
+        default: shrink_block(L, a, p0, r0, 1, NR, bf); break;             \
+    }
+
+/* Shrink: mid[p][r] for the positions of unit u and ranks [r0, r1) (r1 - r0 <= RB). */
+static inline __attribute__((always_inline)) void shrink_item(const Lora *L, int u, int r0, int r1, const int bf) {
+    const char *a = (const char *)L->a + (int64_t)L->gslot[L->ug[u]] * L->R * L->K * (bf ? 2 : 4);
+    for (int p0 = L->up[u]; p0 < L->up[u + 1]; p0 += MR) {
+        const int mr = L->up[u + 1] - p0 < MR ? L->up[u + 1] - p0 : MR;
+        switch (r1 - r0) {
+            case 4: SHRINK_ROWS(4) break;
+            case 3: SHRINK_ROWS(3) break;
+            case 2: SHRINK_ROWS(2) break;
+            default: SHRINK_ROWS(1) break;
+        }
+    }
+}
+
+/* Expand, one register block: y[rows of positions p0 .. p0 + mr][n0, n0 + 16 nv) += their mid
+ * (slice ranks from c0) times B^T's rows, which run along N ([slots, R, N] layout). */
+static inline __attribute__((always_inline)) void expand_block(const Lora *L, const char *bt, int c0, int rank,
+                                                               int p0, int n0, const int mr, const int nv,
+                                                               const int bf) {
+    const size_t esz = bf ? 2 : 4;
+    char *yr[MR];
+    const float *m[MR];
+    v16 acc[MR][TW / 16];
+    for (int r = 0; r < mr; r++) {
+        yr[r] = (char *)L->y + (int64_t)L->rows[p0 + r] * L->ys * esz;
+        m[r] = L->mid + (int64_t)(p0 + r) * L->ms + c0;
+        for (int c = 0; c < nv; c++) acc[r][c] = ld16(yr[r], n0 + c * 16, bf);
+    }
+    for (int k = 0; k < rank; k++) {
+        const char *w = bt + ((int64_t)(c0 + k) * L->N + n0) * esz;
+        v16 wv[TW / 16];
+        for (int c = 0; c < nv; c++) wv[c] = ld16(w, c * 16, bf);
+        for (int r = 0; r < mr; r++) {
+            const float mv = m[r][k];
+            for (int c = 0; c < nv; c++) acc[r][c] += mv * wv[c];
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nv; c++) st16(yr[r], n0 + c * 16, &acc[r][c], bf);
+}
+
+#define EXPAND_ROWS(NV)                                                          \
+    switch (mr) {                                                                \
+        case 4: expand_block(L, bt, c0, rank, p0, n0, 4, NV, bf); break;         \
+        case 3: expand_block(L, bt, c0, rank, p0, n0, 3, NV, bf); break;         \
+        case 2: expand_block(L, bt, c0, rank, p0, n0, 2, NV, bf); break;         \
+        default: expand_block(L, bt, c0, rank, p0, n0, 1, NV, bf); break;        \
+    }
+
+/* Expand: y[rows of unit u][n0, n0 + nw) += mid[.][j * rmax + r] * B^T[slot][j * rmax + r][n]
+ * over the group's rank; whole 16-column vectors in registers, a last partial one in scalars. */
+static inline __attribute__((always_inline)) void expand_item(const Lora *L, int u, int j, int n0, int nw,
+                                                              const int bf) {
+    const int g = L->ug[u], rank = L->grank[g], c0 = j * L->rmax, nv = nw / 16;
+    const char *bt = (const char *)L->b + (int64_t)L->gslot[g] * L->R * L->N * (bf ? 2 : 4);
+    for (int p0 = L->up[u]; p0 < L->up[u + 1]; p0 += MR) {
+        const int mr = L->up[u + 1] - p0 < MR ? L->up[u + 1] - p0 : MR;
+        switch (nv) {
+            case 4: EXPAND_ROWS(4) break;
+            case 3: EXPAND_ROWS(3) break;
+            case 2: EXPAND_ROWS(2) break;
+            case 1: EXPAND_ROWS(1) break;
+            default: break;
+        }
+    }
+    for (int n = n0 + nv * 16; n < n0 + nw; n++)
+        for (int p = L->up[u]; p < L->up[u + 1]; p++) {
+            char *yr = (char *)L->y + (int64_t)L->rows[p] * L->ys * (bf ? 2 : 4);
+            const float *m = L->mid + (int64_t)p * L->ms + c0;
+            float acc = ld1(yr, n, bf);
+            for (int k = 0; k < rank; k++) acc += m[k] * ld1(bt, (int64_t)(c0 + k) * L->N + n, bf);
+            if (bf) {
+                const uint16_t h = f32_to_bf16(acc);
+                memcpy(yr + (int64_t)n * 2, &h, 2);
+            } else {
+                memcpy(yr + (int64_t)n * 4, &acc, 4);
+            }
+        }
+}
+
+/* Per-chunk item counts: shrink: nsl * rank blocks; expand: 64-column tiles over the slices. */
+static int shrink_per_unit(const Lora *L) { return L->nsl * ((L->rmax + RB - 1) / RB); }
+
+static int expand_per_unit(const Lora *L) {
+    int n = 0;
+    for (int j = 0; j < L->nsl; j++) n += (L->noff[j + 1] - L->noff[j] + TW - 1) / TW;
+    return n;
+}
+
+/* Item i of a phase: its unit, slice and (rank block | tile); 0 cost means nothing to do. */
+static int64_t item_cost(const Lora *L, int expand, int i, int per, int *u, int *j, int *sub) {
+    *u = i / per;
+    int s = i % per;
+    const int rank = L->grank[L->ug[*u]], rows = L->up[*u + 1] - L->up[*u];
+    if (!expand) {
+        const int nb = (L->rmax + RB - 1) / RB;
+        *j = s / nb;
+        *sub = s % nb;
+        const int lo = *sub * RB, hi = lo + RB < rank ? lo + RB : rank;
+        return hi > lo ? (int64_t)(hi - lo) * (rows + 1) * L->K : 0;
+    }
+    for (*j = 0;; (*j)++) {
+        const int t = (L->noff[*j + 1] - L->noff[*j] + TW - 1) / TW;
+        if (s < t) break;
+        s -= t;
+    }
+    *sub = s;
+    return (int64_t)rank * (rows + 1) * TW;
+}
+
+typedef struct {
+    const Lora *L;
+    int expand, items, per;
+    int64_t total;
+} Phase;
+
+static inline __attribute__((always_inline)) void phase_run_dt(Phase *ph, int id, int nt, const int bf) {
+    const Lora *L = ph->L;
+    const int64_t lo = ph->total * id / nt, hi = ph->total * (id + 1) / nt;
+    int64_t at = 0;
+    for (int i = 0; i < ph->items && at < hi; i++) {
+        int u, j, sub;
+        const int64_t c = item_cost(L, ph->expand, i, ph->per, &u, &j, &sub);
+        const int64_t mine = at >= lo;  /* an item belongs to the thread whose range holds its start */
+        at += c;
+        if (!c || !mine) continue;
+        if (ph->expand) {
+            const int n0 = L->noff[j] + sub * TW, end = L->noff[j + 1];
+            expand_item(L, u, j, n0, end - n0 < TW ? end - n0 : TW, bf);
+        } else {
+            const int rank = L->grank[L->ug[u]], r0 = j * L->rmax + sub * RB;
+            const int r1 = sub * RB + RB < rank ? r0 + RB : j * L->rmax + rank;
+            shrink_item(L, u, r0, r1, bf);
+        }
+    }
+}
+
+static void phase_run(void *arg, int id, int nt) {
+    Phase *ph = (Phase *)arg;
+    if (ph->L->bf) phase_run_dt(ph, id, nt, 1);
+    else phase_run_dt(ph, id, nt, 0);
+}
+
+static void run_phase(const Lora *L, int expand, int num_threads) {
+    Phase ph = {L, expand, 0, expand ? expand_per_unit(L) : shrink_per_unit(L), 0};
+    ph.items = L->units * ph.per;
+    for (int i = 0; i < ph.items; i++) {
+        int u, j, sub;
+        ph.total += item_cost(L, expand, i, ph.per, &u, &j, &sub);
+    }
+    if (ph.total == 0) return;
+    if (num_threads > ph.items) num_threads = ph.items;
+    kv_parallel(phase_run, &ph, num_threads);
+}
+
+/* Returns 0, or -1 for bad arguments, -3 when out of memory. */
+int lora_sgmv(const void *x, int64_t xs, void *y, int64_t ys,
+              const void *a, const void *b, const int32_t *noff, int K, int R, int N, int nsl,
+              const int32_t *rows, const int32_t *gstart, const int32_t *gslot, const int32_t *grank,
+              float *mid, int64_t ms, int G, int bf, int num_threads) {
+    if (G <= 0 || K <= 0 || nsl <= 0 || R % nsl || ms < R || noff[0] != 0
+        || noff[nsl] != N)
+        return -1;
+    for (int g = 0; g < G; g++)
+        if (gstart[g + 1] < gstart[g] || grank[g] < 0 || grank[g] > R / nsl) return -1;
+    const int T = gstart[G];
+    if (T == 0) return 0;
+    /* row chunks: whole groups at decode sizes, split when rows could keep more threads busy */
+    const int nt = num_threads > 1 ? num_threads : 1;
+    int chunk = (T + 4 * nt - 1) / (4 * nt);
+    if (chunk < 16) chunk = 16;
+    int units = 0;
+    for (int g = 0; g < G; g++) units += (gstart[g + 1] - gstart[g] + chunk - 1) / chunk;
+    int *ug = malloc(sizeof(int) * (size_t)(2 * units + 1));
+    if (!ug) return -3;
+    int *up = ug + units;
+    int n = 0;
+    for (int g = 0; g < G; g++)
+        for (int p = gstart[g]; p < gstart[g + 1]; p += chunk) {
+            ug[n] = g;
+            up[n++] = p;
+        }
+    up[units] = T;
+    Lora L = {x, xs, y, ys, a, b, rows, gstart, gslot, grank, noff, mid, ms, G, K, R, N, nsl, R / nsl, bf != 0,
+              units, chunk, ug, up};
+    /* groups are consecutive, so a unit ends where the next one starts */
+    run_phase(&L, 0, nt);
+    run_phase(&L, 1, nt);
+    free(ug);
+    return 0;
+}
