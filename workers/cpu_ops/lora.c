@@ -97,7 +97,8 @@ typedef struct {
 /* Shrink, one register block: mid[p][r0 .. r0 + nr) for positions p0 .. p0 + mr (constants
  * after inlining, so the accumulators stay in registers). */
 static inline __attribute__((always_inline)) void shrink_block(const Lora *L, const char *a, int p0, int r0,
-                                                               const int mr, const int nr, const int bf) {
+                                                               const int mr, const int nr, const int pf,
+                                                               const int bf) {
     const int K = L->K, kv = K / 16 * 16;
     const size_t esz = bf ? 2 : 4;
     const void *ar[RB], *xr[MR];
@@ -108,6 +109,10 @@ static inline __attribute__((always_inline)) void shrink_block(const Lora *L, co
         for (int c = 0; c < nr; c++) acc[r][c] = (v16){0};
     for (int k = 0; k < kv; k += 16) {
         v16 w[RB];
+        /* the next rank block's rows (the item after this one, mostly), a line each step:
+         * the weights come from DRAM and a row of A is too short a stream to prefetch itself */
+        if (pf)
+            for (int c = 0; c < nr; c++) __builtin_prefetch((const char *)ar[c] + ((int64_t)nr * K + k) * esz, 0, 2);
         for (int c = 0; c < nr; c++) w[c] = ld16(ar[c], k, bf);
         for (int r = 0; r < mr; r++) {
             const v16 xv = ld16(xr[r], k, bf);
@@ -124,17 +129,17 @@ static inline __attribute__((always_inline)) void shrink_block(const Lora *L, co
 
 #define SHRINK_ROWS(NR)                                                    \
     switch (mr) {                                                          \
-        case 4: shrink_block(L, a, p0, r0, 4, NR, bf); break;              \
-        case 3: shrink_block(L, a, p0, r0, 3, NR, bf); break;              \
-        case 2: shrink_block(L, a, p0, r0, 2, NR, bf); break;              \
-        default: shrink_block(L, a, p0, r0, 1, NR, bf); break;             \
+        case 4: shrink_block(L, a, p0, r0, 4, NR, pf, bf); break;          \
+        case 3: shrink_block(L, a, p0, r0, 3, NR, pf, bf); break;          \
+        case 2: shrink_block(L, a, p0, r0, 2, NR, pf, bf); break;          \
+        default: shrink_block(L, a, p0, r0, 1, NR, pf, bf); break;         \
     }
 
 /* Shrink: mid[p][r] for the positions of unit u and ranks [r0, r1) (r1 - r0 <= RB). */
 static inline __attribute__((always_inline)) void shrink_item(const Lora *L, int u, int r0, int r1, const int bf) {
     const char *a = (const char *)L->a + (int64_t)L->gslot[L->ug[u]] * L->R * L->K * (bf ? 2 : 4);
     for (int p0 = L->up[u]; p0 < L->up[u + 1]; p0 += MR) {
-        const int mr = L->up[u + 1] - p0 < MR ? L->up[u + 1] - p0 : MR;
+        const int mr = L->up[u + 1] - p0 < MR ? L->up[u + 1] - p0 : MR, pf = p0 == L->up[u];
         switch (r1 - r0) {
             case 4: SHRINK_ROWS(4) break;
             case 3: SHRINK_ROWS(3) break;
@@ -148,7 +153,7 @@ static inline __attribute__((always_inline)) void shrink_item(const Lora *L, int
  * (slice ranks from c0) times B^T's rows, which run along N ([slots, R, N] layout). */
 static inline __attribute__((always_inline)) void expand_block(const Lora *L, const char *bt, int c0, int rank,
                                                                int p0, int n0, const int mr, const int nv,
-                                                               const int bf) {
+                                                               const int pf, const int bf) {
     const size_t esz = bf ? 2 : 4;
     char *yr[MR];
     const float *m[MR];
@@ -161,6 +166,8 @@ static inline __attribute__((always_inline)) void expand_block(const Lora *L, co
     for (int k = 0; k < rank; k++) {
         const char *w = bt + ((int64_t)(c0 + k) * L->N + n0) * esz;
         v16 wv[TW / 16];
+        if (pf)  /* the next tile's part of this row (the item after this one, mostly) */
+            for (int c = 0; c < nv; c++) __builtin_prefetch(w + (int64_t)(TW + c * 16) * esz, 0, 2);
         for (int c = 0; c < nv; c++) wv[c] = ld16(w, c * 16, bf);
         for (int r = 0; r < mr; r++) {
             const float mv = m[r][k];
@@ -173,10 +180,10 @@ static inline __attribute__((always_inline)) void expand_block(const Lora *L, co
 
 #define EXPAND_ROWS(NV)                                                          \
     switch (mr) {                                                                \
-        case 4: expand_block(L, bt, c0, rank, p0, n0, 4, NV, bf); break;         \
-        case 3: expand_block(L, bt, c0, rank, p0, n0, 3, NV, bf); break;         \
-        case 2: expand_block(L, bt, c0, rank, p0, n0, 2, NV, bf); break;         \
-        default: expand_block(L, bt, c0, rank, p0, n0, 1, NV, bf); break;        \
+        case 4: expand_block(L, bt, c0, rank, p0, n0, 4, NV, pf, bf); break;     \
+        case 3: expand_block(L, bt, c0, rank, p0, n0, 3, NV, pf, bf); break;     \
+        case 2: expand_block(L, bt, c0, rank, p0, n0, 2, NV, pf, bf); break;     \
+        default: expand_block(L, bt, c0, rank, p0, n0, 1, NV, pf, bf); break;    \
     }
 
 /* Expand: y[rows of unit u][n0, n0 + nw) += mid[.][j * rmax + r] * B^T[slot][j * rmax + r][n]
@@ -186,7 +193,7 @@ static inline __attribute__((always_inline)) void expand_item(const Lora *L, int
     const int g = L->ug[u], rank = L->grank[g], c0 = j * L->rmax, nv = nw / 16;
     const char *bt = (const char *)L->b + (int64_t)L->gslot[g] * L->R * L->N * (bf ? 2 : 4);
     for (int p0 = L->up[u]; p0 < L->up[u + 1]; p0 += MR) {
-        const int mr = L->up[u + 1] - p0 < MR ? L->up[u + 1] - p0 : MR;
+        const int mr = L->up[u + 1] - p0 < MR ? L->up[u + 1] - p0 : MR, pf = p0 == L->up[u];
         switch (nv) {
             case 4: EXPAND_ROWS(4) break;
             case 3: EXPAND_ROWS(3) break;

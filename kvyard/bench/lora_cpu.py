@@ -1,0 +1,102 @@
+"""The CPU LoRA step: lora.c (one C call per projection for all adapters) vs the torch
+path (a pair of GEMMs per adapter group, torch on one thread beside gemm.c), paired.
+
+Two engines share the demo model, identical but for their LoRA manager (the torch
+one built with `use_kernels=False`); each repetition runs the same closed-loop load
+(`lora_engine._run`: `concurrency` requests, each adapter drawn with Zipf popularity,
+rank-16 adapters on all seven projections) on both, alternating which goes first, and
+the ratio of their throughputs is one pair. The medians over the repetitions are the
+result; the machine's other load moves both halves of a pair alike.
+
+    python -m kvyard.bench.lora_cpu [--quick] [--reps 5] [--dtype float32|bfloat16]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+from pathlib import Path
+
+
+def _engines(dtype: str, n_adapters: int, d: Path):
+    import torch
+
+    from kvyard.common.models import resolve_model
+    from kvyard.common.tokenizer import load_tokenizer
+    from kvyard.workers.engine.config import EngineConfig
+    from kvyard.workers.engine.llm_engine import LLMEngine
+    from kvyard.workers.lora.config import LoRAConfig, LoRAModule
+    from kvyard.workers.lora.manager import LoRAManager
+    from kvyard.workers.model import load_model
+
+    from ._lora_files import write_adapter
+
+    model, cfg = load_model(resolve_model("demo"), getattr(torch, dtype))
+    tok = load_tokenizer("demo")
+    mods = [LoRAModule(f"a{i}", str(write_adapter(d / f"a{i}", cfg, rank=16, seed=i))) for i in range(n_adapters)]
+    lc = LoRAConfig(max_loras=n_adapters, max_lora_rank=16, max_cpu_loras=n_adapters, modules=mods)
+    conf = EngineConfig(dtype=dtype, kv_cache_memory_bytes=256 << 20, lora=lc, enable_prefix_caching=False)
+    c_engine, t_engine = LLMEngine(conf, model, cfg, tok), LLMEngine(conf, model, cfg, tok)
+    torch_mgr = LoRAManager(lc, cfg, torch.device("cpu"), t_engine.dtype, use_kernels=False)
+    for m in mods:
+        torch_mgr.add(m)
+    t_engine.lora = t_engine.runner.lora = torch_mgr
+    assert c_engine.lora.cpu is not None, "the C kernels did not load"
+    return c_engine, t_engine, tok
+
+
+def measure(quick: bool, reps: int = 5, dtype: str = "float32") -> dict:
+    from .lora_engine import _run, _zipf_names
+
+    concurrencies, adapter_counts = ([8], [4]) if quick else ([8, 32], [4, 16])
+    reps = 2 if quick else reps
+    max_tokens = 4 if quick else 16
+    out: dict = {"model": "demo", "dtype": dtype, "rank": 16, "max_tokens": max_tokens, "reps": reps,
+                 "threads": None, "rows": []}
+    with tempfile.TemporaryDirectory() as d:
+        c_engine, t_engine, tok = _engines(dtype, max(adapter_counts), Path(d))
+        out["threads"] = c_engine.runner.num_threads
+        for c in concurrencies:
+            prompts = [tok.encode(f"Request {i}: tell me something about number {i * 7}.") for i in range(c)]
+            for k in adapter_counts:
+                names = _zipf_names(k, c, random.Random(k * 1000 + c))
+                for e in (c_engine, t_engine):  # warm-up: slots filled, buffers sized
+                    _run(e, prompts, names, 2)
+                pairs = []
+                for rep in range(reps):
+                    order = (c_engine, t_engine) if rep % 2 == 0 else (t_engine, c_engine)
+                    got = {id(e): _run(e, prompts, names, max_tokens) for e in order}
+                    pairs.append((got[id(c_engine)], got[id(t_engine)]))
+                out["rows"].append({
+                    "concurrency": c, "adapters": k, "distinct_in_batch": len(set(names)),
+                    "c_tok_s": statistics.median(p[0]["tok_s"] for p in pairs),
+                    "torch_tok_s": statistics.median(p[1]["tok_s"] for p in pairs),
+                    "c_tpot_ms": statistics.median(p[0]["tpot_ms"] for p in pairs),
+                    "torch_tpot_ms": statistics.median(p[1]["tpot_ms"] for p in pairs),
+                    "ratio_median": statistics.median(p[0]["tok_s"] / p[1]["tok_s"] for p in pairs),
+                    "ratios": [round(p[0]["tok_s"] / p[1]["tok_s"], 3) for p in pairs]})
+    return out
+
+
+def main() -> None:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as kvyard.cli.main sets it for the worker
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    a = ap.parse_args()
+    res = measure(a.quick, a.reps, a.dtype)
+    print(json.dumps(res, indent=1))
+    print("| concurrency | adapters (distinct) | lora.c tok/s | torch tok/s | lora.c TPOT ms | torch TPOT ms "
+          "| paired ratio (median) |\n|---|---|---|---|---|---|---|")
+    for r in res["rows"]:
+        print(f"| {r['concurrency']} | {r['adapters']} ({r['distinct_in_batch']}) | {r['c_tok_s']:.1f} | "
+              f"{r['torch_tok_s']:.1f} | {r['c_tpot_ms']:.1f} | {r['torch_tpot_ms']:.1f} | "
+              f"**{r['ratio_median']:.2f}x** |")
+
+
+if __name__ == "__main__":
+    main()
