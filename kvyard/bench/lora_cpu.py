@@ -5,8 +5,9 @@ Two engines share the demo model, identical but for their LoRA manager (the torc
 one built with `use_kernels=False`); each repetition runs the same closed-loop load
 (`lora_engine._run`: `concurrency` requests, each adapter drawn with Zipf popularity,
 rank-16 adapters on all seven projections) on both, alternating which goes first, and
-the ratio of their throughputs is one pair. The medians over the repetitions are the
-result; the machine's other load moves both halves of a pair alike.
+the ratio of their throughputs is one pair; the base model alone runs after each pair
+for reference. The medians over the repetitions are the result; the machine's other
+load moves both halves of a pair alike.
 
     python -m kvyard.bench.lora_cpu [--quick] [--reps 5] [--dtype float32|bfloat16]
 """
@@ -65,17 +66,19 @@ def measure(quick: bool, reps: int = 5, dtype: str = "float32") -> dict:
                 names = _zipf_names(k, c, random.Random(k * 1000 + c))
                 for e in (c_engine, t_engine):  # warm-up: slots filled, buffers sized
                     _run(e, prompts, names, 2)
-                pairs = []
+                pairs, base = [], []
                 for rep in range(reps):
                     order = (c_engine, t_engine) if rep % 2 == 0 else (t_engine, c_engine)
                     got = {id(e): _run(e, prompts, names, max_tokens) for e in order}
                     pairs.append((got[id(c_engine)], got[id(t_engine)]))
+                    base.append(_run(c_engine, prompts, [None] * c, max_tokens)["tok_s"])
                 out["rows"].append({
                     "concurrency": c, "adapters": k, "distinct_in_batch": len(set(names)),
                     "c_tok_s": statistics.median(p[0]["tok_s"] for p in pairs),
                     "torch_tok_s": statistics.median(p[1]["tok_s"] for p in pairs),
                     "c_tpot_ms": statistics.median(p[0]["tpot_ms"] for p in pairs),
                     "torch_tpot_ms": statistics.median(p[1]["tpot_ms"] for p in pairs),
+                    "base_tok_s": statistics.median(base),
                     "ratio_median": statistics.median(p[0]["tok_s"] / p[1]["tok_s"] for p in pairs),
                     "ratios": [round(p[0]["tok_s"] / p[1]["tok_s"], 3) for p in pairs]})
     return out
@@ -90,11 +93,11 @@ def main() -> None:
     a = ap.parse_args()
     res = measure(a.quick, a.reps, a.dtype)
     print(json.dumps(res, indent=1))
-    print("| concurrency | adapters (distinct) | lora.c tok/s | torch tok/s | lora.c TPOT ms | torch TPOT ms "
-          "| paired ratio (median) |\n|---|---|---|---|---|---|---|")
+    print("| concurrency | adapters (distinct) | base tok/s | lora.c tok/s | torch tok/s | lora.c TPOT ms "
+          "| torch TPOT ms | paired ratio (median) |\n|---|---|---|---|---|---|---|---|")
     for r in res["rows"]:
-        print(f"| {r['concurrency']} | {r['adapters']} ({r['distinct_in_batch']}) | {r['c_tok_s']:.1f} | "
-              f"{r['torch_tok_s']:.1f} | {r['c_tpot_ms']:.1f} | {r['torch_tpot_ms']:.1f} | "
+        print(f"| {r['concurrency']} | {r['adapters']} ({r['distinct_in_batch']}) | {r['base_tok_s']:.1f} | "
+              f"{r['c_tok_s']:.1f} | {r['torch_tok_s']:.1f} | {r['c_tpot_ms']:.1f} | {r['torch_tpot_ms']:.1f} | "
               f"**{r['ratio_median']:.2f}x** |")
 
 
