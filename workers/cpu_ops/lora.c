@@ -30,7 +30,6 @@
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 
 #define MR 4      /* shrink: rows per register block */
@@ -90,7 +89,7 @@ typedef struct {
     int G, K, R, N, nsl, rmax, bf;
     /* items: row chunks (unit u: group ug[u], sorted positions [up[u], up[u + 1])) times
      * the phase's per-chunk count; nt threads share them by cost */
-    int units, chunk;
+    int units;
     int *ug, *up;
 } Lora;
 
@@ -321,7 +320,7 @@ int lora_sgmv(const void *x, int64_t xs, void *y, int64_t ys,
         }
     up[units] = T;
     Lora L = {x, xs, y, ys, a, b, rows, gstart, gslot, grank, noff, mid, ms, G, K, R, N, nsl, R / nsl, bf != 0,
-              units, chunk, ug, up};
+              units, ug, up};
     /* groups are consecutive, so a unit ends where the next one starts */
     run_phase(&L, 0, nt);
     run_phase(&L, 1, nt);
