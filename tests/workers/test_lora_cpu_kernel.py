@@ -16,7 +16,7 @@ from kvyard.workers.lora.batch import NO_SLOT, CpuLoRA, LoRABatch, _groups, appl
 
 RMAX = 16
 RANKS = [4, 8, 16, 16, 0]          # per slot; 0: the adapter leaves this projection alone
-K = 88                              # 5 vectors of 16 and a tail
+K = 91                              # whole vectors (of 16 or 8) and a tail
 NOFF = [0, 100, 136, 172]           # three slices (q/k/v-like), none a whole number of vectors
 ROWS = [0, NO_SLOT, 2, 0, 1, 3, 3, NO_SLOT, 2, 0, 4, 1] + [3] * 40 + [0, NO_SLOT, 2]
 

@@ -15,9 +15,8 @@
  * y rounded once. Both phases run on pool.c's team, work split by cost over
  * (row chunk, rank block) and (row chunk, 64-column tile) items.
  *
- * Written with GCC vector types of 16 floats: -march=native compiles them to
- * AVX-512 where the CPU has it, to pairs of AVX2 registers (or scalars) elsewhere,
- * so every build has this path.
+ * Written with GCC vector types: -march=native compiles them to AVX-512 where the
+ * CPU has it, to AVX2 (or SSE, or scalars) elsewhere, so every build has this path.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,24 +27,37 @@
 /* 64-byte vectors in a build without AVX-512 pass differently from one with it: all static here */
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-
+/* A vector is one register: 16 floats with AVX-512, 8 elsewhere (GCC splits wider
+ * vectors badly without it). Register blocks: accumulators plus operands must fit the
+ * register file, 32 zmm with AVX-512, 16 ymm without. */
+#ifdef __AVX512F__
+#define VL 16
 #define MR 4      /* shrink: rows per register block */
 #define RB 4      /* shrink: ranks per item (and register block) */
+#define EMR 4     /* expand: rows per register block */
+#else
+#define VL 8
+#define MR 2
+#define RB 4
+#define EMR 1
+#endif
+#define BMAX 4    /* the largest block in any build (the arrays' size; unused parts vanish) */
 #define TW 64     /* expand: output columns per item */
+#define NVMAX 8   /* TW / VL in any build */
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+typedef uint16_t vh __attribute__((vector_size(VL * 2)));
 
-static inline __attribute__((always_inline)) v16 ld16(const void *p, int64_t i, const int bf) {
+static inline __attribute__((always_inline)) vf ldv(const void *p, int64_t i, const int bf) {
     if (bf) {
-        u16x16 h;
+        vh h;
         memcpy(&h, (const uint16_t *)p + i, sizeof h);
-        const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-        v16 v;
+        const vu w = __builtin_convertvector(h, vu) << 16;
+        vf v;
         memcpy(&v, &w, sizeof v);
         return v;
     }
-    v16 v;
+    vf v;
     memcpy(&v, (const float *)p + i, sizeof v);
     return v;
 }
@@ -60,23 +72,23 @@ static inline float ld1(const void *p, int64_t i, const int bf) {
     return ((const float *)p)[i];
 }
 
-/* Round to nearest even as torch does (bf16.h's rule, 16 at a time). */
-static inline __attribute__((always_inline)) void st16(void *p, int64_t i, const v16 *v, const int bf) {
+/* Round to nearest even as torch does (bf16.h's rule, a vector at a time). */
+static inline __attribute__((always_inline)) void stv(void *p, int64_t i, const vf *v, const int bf) {
     if (!bf) {
         memcpy((float *)p + i, v, sizeof *v);
         return;
     }
-    u32x16 u;
+    vu u;
     memcpy(&u, v, sizeof u);
-    const u32x16 nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);
-    const u32x16 rnd = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const u16x16 h = __builtin_convertvector((nan & ((u >> 16) | 0x40u)) | (~nan & rnd), u16x16);
+    const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+    const vu rnd = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const vh h = __builtin_convertvector((nan & ((u >> 16) | 0x40u)) | (~nan & rnd), vh);
     memcpy((uint16_t *)p + i, &h, sizeof h);
 }
 
-static inline __attribute__((always_inline)) float hsum(const v16 *v) {
+static inline __attribute__((always_inline)) float hsum(const vf *v) {
     float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += (*v)[i];
+    for (int i = 0; i < VL; i++) s += (*v)[i];
     return s;
 }
 
@@ -98,23 +110,23 @@ typedef struct {
 static inline __attribute__((always_inline)) void shrink_block(const Lora *L, const char *a, int p0, int r0,
                                                                const int mr, const int nr, const int pf,
                                                                const int bf) {
-    const int K = L->K, kv = K / 16 * 16;
+    const int K = L->K, kv = K / VL * VL;
     const size_t esz = bf ? 2 : 4;
-    const void *ar[RB], *xr[MR];
+    const void *ar[BMAX], *xr[BMAX];
     for (int c = 0; c < nr; c++) ar[c] = a + (int64_t)(r0 + c) * K * esz;
     for (int r = 0; r < mr; r++) xr[r] = (const char *)L->x + (int64_t)L->rows[p0 + r] * L->xs * esz;
-    v16 acc[MR][RB];
+    vf acc[BMAX][BMAX];
     for (int r = 0; r < mr; r++)
-        for (int c = 0; c < nr; c++) acc[r][c] = (v16){0};
-    for (int k = 0; k < kv; k += 16) {
-        v16 w[RB];
+        for (int c = 0; c < nr; c++) acc[r][c] = (vf){0};
+    for (int k = 0; k < kv; k += VL) {
+        vf w[BMAX];
         /* the next rank block's rows (the item after this one, mostly), a line each step:
          * the weights come from DRAM and a row of A is too short a stream to prefetch itself */
         if (pf)
             for (int c = 0; c < nr; c++) __builtin_prefetch((const char *)ar[c] + ((int64_t)nr * K + k) * esz, 0, 2);
-        for (int c = 0; c < nr; c++) w[c] = ld16(ar[c], k, bf);
+        for (int c = 0; c < nr; c++) w[c] = ldv(ar[c], k, bf);
         for (int r = 0; r < mr; r++) {
-            const v16 xv = ld16(xr[r], k, bf);
+            const vf xv = ldv(xr[r], k, bf);
             for (int c = 0; c < nr; c++) acc[r][c] += xv * w[c];
         }
     }
@@ -148,33 +160,31 @@ static inline __attribute__((always_inline)) void shrink_item(const Lora *L, int
     }
 }
 
-/* Expand, one register block: y[rows of positions p0 .. p0 + mr][n0, n0 + 16 nv) += their mid
+/* Expand, one register block: y[rows of positions p0 .. p0 + mr][n0, n0 + VL nv) += their mid
  * (slice ranks from c0) times B^T's rows, which run along N ([slots, R, N] layout). */
 static inline __attribute__((always_inline)) void expand_block(const Lora *L, const char *bt, int c0, int rank,
                                                                int p0, int n0, const int mr, const int nv,
                                                                const int pf, const int bf) {
     const size_t esz = bf ? 2 : 4;
-    char *yr[MR];
-    const float *m[MR];
-    v16 acc[MR][TW / 16];
+    char *yr[BMAX];
+    const float *m[BMAX];
+    vf acc[BMAX][NVMAX];
     for (int r = 0; r < mr; r++) {
         yr[r] = (char *)L->y + (int64_t)L->rows[p0 + r] * L->ys * esz;
         m[r] = L->mid + (int64_t)(p0 + r) * L->ms + c0;
-        for (int c = 0; c < nv; c++) acc[r][c] = ld16(yr[r], n0 + c * 16, bf);
+        for (int c = 0; c < nv; c++) acc[r][c] = ldv(yr[r], n0 + c * VL, bf);
     }
     for (int k = 0; k < rank; k++) {
         const char *w = bt + ((int64_t)(c0 + k) * L->N + n0) * esz;
-        v16 wv[TW / 16];
         if (pf)  /* the next tile's part of this row (the item after this one, mostly) */
-            for (int c = 0; c < nv; c++) __builtin_prefetch(w + (int64_t)(TW + c * 16) * esz, 0, 2);
-        for (int c = 0; c < nv; c++) wv[c] = ld16(w, c * 16, bf);
-        for (int r = 0; r < mr; r++) {
-            const float mv = m[r][k];
-            for (int c = 0; c < nv; c++) acc[r][c] += mv * wv[c];
+            for (int c = 0; c < nv; c++) __builtin_prefetch(w + (int64_t)(TW + c * VL) * esz, 0, 2);
+        for (int c = 0; c < nv; c++) {
+            const vf wv = ldv(w, c * VL, bf);
+            for (int r = 0; r < mr; r++) acc[r][c] += m[r][k] * wv;
         }
     }
     for (int r = 0; r < mr; r++)
-        for (int c = 0; c < nv; c++) st16(yr[r], n0 + c * 16, &acc[r][c], bf);
+        for (int c = 0; c < nv; c++) stv(yr[r], n0 + c * VL, &acc[r][c], bf);
 }
 
 #define EXPAND_ROWS(NV)                                                          \
@@ -189,11 +199,15 @@ static inline __attribute__((always_inline)) void expand_block(const Lora *L, co
  * over the group's rank; whole 16-column vectors in registers, a last partial one in scalars. */
 static inline __attribute__((always_inline)) void expand_item(const Lora *L, int u, int j, int n0, int nw,
                                                               const int bf) {
-    const int g = L->ug[u], rank = L->grank[g], c0 = j * L->rmax, nv = nw / 16;
+    const int g = L->ug[u], rank = L->grank[g], c0 = j * L->rmax, nv = nw / VL;
     const char *bt = (const char *)L->b + (int64_t)L->gslot[g] * L->R * L->N * (bf ? 2 : 4);
-    for (int p0 = L->up[u]; p0 < L->up[u + 1]; p0 += MR) {
-        const int mr = L->up[u + 1] - p0 < MR ? L->up[u + 1] - p0 : MR, pf = p0 == L->up[u];
+    for (int p0 = L->up[u]; p0 < L->up[u + 1]; p0 += EMR) {
+        const int mr = L->up[u + 1] - p0 < EMR ? L->up[u + 1] - p0 : EMR, pf = p0 == L->up[u];
         switch (nv) {
+            case 8: EXPAND_ROWS(8) break;
+            case 7: EXPAND_ROWS(7) break;
+            case 6: EXPAND_ROWS(6) break;
+            case 5: EXPAND_ROWS(5) break;
             case 4: EXPAND_ROWS(4) break;
             case 3: EXPAND_ROWS(3) break;
             case 2: EXPAND_ROWS(2) break;
@@ -201,7 +215,7 @@ static inline __attribute__((always_inline)) void expand_item(const Lora *L, int
             default: break;
         }
     }
-    for (int n = n0 + nv * 16; n < n0 + nw; n++)
+    for (int n = n0 + nv * VL; n < n0 + nw; n++)
         for (int p = L->up[u]; p < L->up[u + 1]; p++) {
             char *yr = (char *)L->y + (int64_t)L->rows[p] * L->ys * (bf ? 2 : 4);
             const float *m = L->mid + (int64_t)p * L->ms + c0;
