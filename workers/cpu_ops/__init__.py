@@ -36,7 +36,8 @@ from .lora_args import LoraGroups, LoraWeights
 
 log = logging.getLogger(__name__)
 
-_SRCS = [Path(__file__).with_name(n) for n in ("paged_attention.c", "norm_rope.c", "gemm.c", "greedy.c", "lora.c", "pool.c")]
+_SRCS = [Path(__file__).with_name(n)
+         for n in ("paged_attention.c", "norm_rope.c", "gemm.c", "greedy.c", "lora.c", "pool.c")]
 
 # gemm.c's epilogues, applied to the float32 result before it is stored.
 EPI_NONE, EPI_ADD, EPI_MUL, EPI_SILU = 0, 1, 2, 3
