@@ -10,6 +10,7 @@ for reference. The medians over the repetitions are the result; the machine's ot
 load moves both halves of a pair alike.
 
     python -m kvyard.bench.lora_cpu [--quick] [--reps 5] [--dtype float32|bfloat16]
+    python -m kvyard.bench.lora_cpu --ops      # the LoRA ops of a step alone
 """
 from __future__ import annotations
 
@@ -84,13 +85,75 @@ def measure(quick: bool, reps: int = 5, dtype: str = "float32") -> dict:
     return out
 
 
+def measure_ops(reps: int = 7) -> list[dict]:
+    """The LoRA ops of one step alone (`LoRABatch.apply` for the 30 layers' four projections,
+    demo-model shapes, float32, random rank-16 weights in 16 slots, one thread): lora.c, its
+    portable build, and the torch path; medians of `reps` in ms."""
+    import time
+
+    import torch
+
+    from kvyard.common.models import resolve_model
+    from kvyard.workers.cpu_ops import load
+    from kvyard.workers.cpu_ops.lora_args import LoraWeights
+    from kvyard.workers.lora.adapter import projection_shapes
+    from kvyard.workers.lora.batch import CpuLoRA, LoRABatch
+    from kvyard.workers.model import load_model
+
+    from .lora_engine import _zipf_names
+
+    shapes = projection_shapes(load_model(resolve_model("demo"), torch.float32)[1])
+    slots, rank, layers = 16, 16, 30
+    gen = torch.Generator().manual_seed(0)
+    stacks = [{p: (torch.randn(slots, len(sl) * rank, k, generator=gen) * 0.01,
+                   torch.randn(slots, len(sl) * rank, sl[-1][0] + sl[-1][1], generator=gen).transpose(1, 2) * 0.01)
+               for p, (k, sl) in shapes.items()} for _ in range(layers)]
+    noff = {p: torch.tensor([c for c, _ in sl] + [sl[-1][0] + sl[-1][1]], dtype=torch.int32)
+            for p, (_, sl) in shapes.items()}
+    weights = [{p: LoraWeights.prepare(a, b, noff[p]) for p, (a, b) in layer.items()} for layer in stacks]
+    ranks = {p: [rank] * slots for p in shapes}
+    paths = {"lora.c": CpuLoRA(load(), weights, ranks), "lora.c portable": CpuLoRA(load(True), weights, ranks),
+             "torch": None}
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = []
+    try:
+        for t, k in ((8, 4), (8, 16), (32, 4), (32, 16)):
+            names = _zipf_names(k, t, random.Random(t * 100 + k))
+            row_slots = [int(n[1:]) for n in names]
+            xs = {p: torch.randn(t, k_in, generator=gen) for p, (k_in, _) in shapes.items()}
+            ys = {p: torch.randn(t, sl[-1][0] + sl[-1][1], generator=gen) for p, (_, sl) in shapes.items()}
+            row: dict = {"rows": t, "adapters": k}
+            for name, cpu in paths.items():
+                times = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    batch = LoRABatch.build(row_slots, stacks, frozenset(shapes), slots, torch.device("cpu"), cpu)
+                    for i in range(layers):
+                        for p in shapes:
+                            batch.apply(i, p, xs[p], ys[p])
+                    times.append(time.perf_counter() - t0)
+                row[name] = 1e3 * statistics.median(times)
+            rows.append(row)
+    finally:
+        torch.set_num_threads(before)
+    return rows
+
+
 def main() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as kvyard.cli.main sets it for the worker
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--ops", action="store_true", help="the LoRA ops alone (measure_ops), not the engine")
     a = ap.parse_args()
+    if a.ops:
+        rows = measure_ops()
+        print("| rows | adapters | lora.c ms | lora.c portable ms | torch ms |\n|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['rows']} | {r['adapters']} | {r['lora.c']:.1f} | {r['lora.c portable']:.1f} | {r['torch']:.1f} |")
+        return
     res = measure(a.quick, a.reps, a.dtype)
     print(json.dumps(res, indent=1))
     print("| concurrency | adapters (distinct) | base tok/s | lora.c tok/s | torch tok/s | lora.c TPOT ms "
