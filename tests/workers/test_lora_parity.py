@@ -165,3 +165,26 @@ def test_prefix_cache_and_events_are_keyed_by_adapter(loaded, case):
     e = next(e for e in stored if e.lora_name == "r4_attn")
     assert e.block_hashes[0] == block_hashes(e.token_ids, e.block_size, seed=adapter_seed("r4_attn"))[0]
     assert adapter_seed("r4_attn") != adapter_seed("r8_all") != adapter_seed(None) == 0
+
+
+class _CountingKernels:
+    """The real C kernels, counting lora.c's calls."""
+
+    def __init__(self, kernels) -> None:
+        self.kernels, self.calls = kernels, 0
+
+    def lora_sgmv(self, *args) -> None:
+        self.calls += 1
+        self.kernels.lora_sgmv(*args)
+
+
+def test_c_kernel_serves_the_cpu_lora_steps(loaded, case):
+    """The steps above run lora.c (workers/cpu_ops): here it is watched doing so, for every
+    adapter and the base model mixed in one batch."""
+    prompts, adapters, ref = case
+    llm = engine(loaded, adapters, max_loras=3, enable_prefix_caching=False)
+    cpu = llm.engine.lora.cpu
+    assert cpu is not None, "the C kernels did not load: CPU LoRA steps fall back to torch"
+    cpu.kernels = counting = _CountingKernels(cpu.kernels)
+    _check(llm, prompts, ref, NAMES)
+    assert counting.calls > 0

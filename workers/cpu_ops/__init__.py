@@ -1,6 +1,6 @@
 """The workers' CPU kernels in C: paged attention (paged_attention.c), bf16
-RMSNorm and RoPE (norm_rope.c), and the linear layers' GEMM (gemm.c). This
-module builds and loads them.
+RMSNorm and RoPE (norm_rope.c), the linear layers' GEMM (gemm.c) and the batched
+LoRA step (lora.c). This module builds and loads them.
 
 Why C through ctypes rather than a torch C++ extension: the kernels need no
 torch headers (it works on raw pointers), so it compiles in about a second
@@ -32,9 +32,12 @@ from pathlib import Path
 
 import torch
 
+from .lora_args import LoraGroups, LoraWeights
+
 log = logging.getLogger(__name__)
 
-_SRCS = [Path(__file__).with_name(n) for n in ("paged_attention.c", "norm_rope.c", "gemm.c", "greedy.c", "pool.c")]
+_SRCS = [Path(__file__).with_name(n)
+         for n in ("paged_attention.c", "norm_rope.c", "gemm.c", "greedy.c", "lora.c", "pool.c")]
 
 # gemm.c's epilogues, applied to the float32 result before it is stored.
 EPI_NONE, EPI_ADD, EPI_MUL, EPI_SILU = 0, 1, 2, 3
@@ -171,6 +174,9 @@ class CpuOps:
                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
         lib.greedy_refine.restype = ctypes.c_int
+        p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        lib.lora_sgmv.argtypes = [p, i64, p, i64, p, p, p, i32, i32, i32, i32, p, p, p, p, p, i64, i32, i32, i32]
+        lib.lora_sgmv.restype = ctypes.c_int
         self._lib = lib
 
     def has_gemm(self, dtype: torch.dtype) -> bool:
@@ -223,6 +229,19 @@ class CpuOps:
         if rc != 0:
             raise RuntimeError(f"greedy_refine failed ({rc})")
         return out
+
+    def lora_sgmv(self, x: torch.Tensor, y: torch.Tensor, w: LoraWeights, g: LoraGroups) -> None:
+        """lora.c, one projection for every adapter group of a step, in place:
+        y[r] += (x[r] @ A[s]^T) @ B[s]^T for the rows r of each group (slot s).
+        x [T, K] and y [T, N] with unit inner stride, in the weights' dtype."""
+        if x.dtype != w.dtype or y.dtype != w.dtype or x.shape != (g.num_rows, w.args[3]) \
+                or y.shape != (g.num_rows, w.args[5]) or x.stride(1) != 1 or y.stride(1) != 1 \
+                or g.mid.shape[1] < w.args[4]:
+            raise ValueError("lora_sgmv: unexpected operands")
+        rc = self._lib.lora_sgmv(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), *w.args, *g.args,
+                                 x.dtype == torch.bfloat16, torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"lora_sgmv failed ({rc})")
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """HF's LlamaRMSNorm of bf16 or float32 rows x ([T, H], unit inner stride) in one pass."""

@@ -337,9 +337,9 @@ class ModelRunner:
             num_decodes=sched.num_decodes,
         )
         threads = 1 if len(ids) <= self.single_thread_max_tokens else self.num_threads
-        if lora is not None and getattr(self.model, "gemm", None) is not None:
-            # gemm.c's own team runs the big GEMMs; torch's few small LoRA ops are faster on
-            # one thread than waking an OpenMP team beside it (measured 0.05 vs 35 ms per pair)
+        if lora is not None and lora.cpu is None and getattr(self.model, "gemm", None) is not None:
+            # torch's LoRA GEMMs (no lora.c) are faster on one thread than waking an OpenMP
+            # team beside gemm.c's (measured 0.05 vs 35 ms per pair); lora.c runs on gemm.c's team
             threads = 1
         before = torch.get_num_threads()
         if before != threads:

@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import cpu_ops
+from ..cpu_ops.lora_args import LoraWeights
 from .adapter import PROJECTIONS, LoRAAdapter, LoRAError, load_adapter, projection_shapes
-from .batch import NO_SLOT, LoRABatch
+from .batch import NO_SLOT, CpuLoRA, LoRABatch
 from .config import LoRAConfig, LoRAModule
 
 
@@ -45,6 +47,8 @@ class LoRAManager:
     slot_tick: list[int] = field(default_factory=list)
     stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
     stats: LoRAStats = field(default_factory=LoRAStats)
+    use_kernels: bool = True       # CPU: lora.c when the C kernels load (False: torch per group)
+    cpu: CpuLoRA | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     _tick: int = 0
 
@@ -54,14 +58,23 @@ class LoRAManager:
         self.slot_projs = [frozenset()] * n
         self.slot_tick = [0] * n
         shapes = projection_shapes(self.model_config)
+        kernels = cpu_ops.load() if self.device.type == "cpu" and self.use_kernels \
+            and self.dtype in (torch.bfloat16, torch.float32) else None
         for _ in range(self.model_config.num_layers):
             layer = {}
             for proj, (fan_in, slices) in shapes.items():
                 out = slices[-1][0] + slices[-1][1]
                 k = len(slices) * r
-                layer[proj] = (torch.zeros(n, k, fan_in, dtype=self.dtype, device=self.device),
-                               torch.zeros(n, out, k, dtype=self.dtype, device=self.device))
+                # lora.c streams B's rows along the output: stored transposed for it
+                b = torch.zeros(n, k, out, dtype=self.dtype, device=self.device).transpose(1, 2) \
+                    if kernels is not None else torch.zeros(n, out, k, dtype=self.dtype, device=self.device)
+                layer[proj] = (torch.zeros(n, k, fan_in, dtype=self.dtype, device=self.device), b)
             self.stacks.append(layer)
+        if kernels is not None:
+            noff = {p: torch.tensor([c for c, _ in sl] + [sl[-1][0] + sl[-1][1]], dtype=torch.int32)
+                    for p, (_, sl) in shapes.items()}
+            self.cpu = CpuLoRA(kernels, [{p: LoraWeights.prepare(a, b, noff[p]) for p, (a, b) in layer.items()}
+                                         for layer in self.stacks], {p: [0] * n for p in shapes})
 
     # ---- any thread ------------------------------------------------------------
     def load(self, module: LoRAModule) -> LoRAAdapter:
@@ -136,7 +149,7 @@ class LoRAManager:
         where = self.activate(names, in_use)
         projs = frozenset().union(*(self.slot_projs[where[n]] for n in names))
         slots = [NO_SLOT if n is None else where[n] for n in row_names]
-        return LoRABatch.build(slots, self.stacks, projs, len(self.slot_names), self.device)
+        return LoRABatch.build(slots, self.stacks, projs, len(self.slot_names), self.device, self.cpu)
 
     def active_names(self) -> list[str]:
         return [n for n in self.slot_names if n is not None]
@@ -175,6 +188,9 @@ class LoRAManager:
                     b_st[s, :, j * rmax:j * rmax + r].copy_(b_l[proj][:, j * r:(j + 1) * r])
         self.slot_names[s] = adapter.name
         self.slot_projs[s] = adapter.projections
+        if self.cpu is not None:
+            for proj, ranks in self.cpu.ranks.items():
+                ranks[s] = r if proj in adapter.projections else 0
         self.stats.slot_fills += 1
 
 
