@@ -161,6 +161,17 @@ def test_gemv_decode_rows_against_float64(method, rows, k) -> None:
     assert _rel(qw.linear(wide.to(DEV)), wide.double() @ qw.dense(torch.float64).double().cpu().T) < 1e-6
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_dequantize_weight_kernel_equals_dense(method) -> None:
+    """The one-launch dequantization that prefill-sized products hand to cuBLAS."""
+    from kvyard.workers.model.quant.cuda_gemv import dequantize_weight
+    from kvyard.workers.model.quant.cuda_quant import KINDS
+
+    qw = QuantWeight.build(quantize(_w(70, 160, 6), method), torch.device(DEV))
+    got = dequantize_weight(qw.codes, qw.scale, qw.zero, qw.n, qw.k, KINDS[method], torch.float32)
+    assert torch.equal(got.cpu(), qw.dense(torch.float32).cpu())
+
+
 def test_fused_fp8_row_quantization_matches_torch() -> None:
     """The one-launch row quantizer feeding `_scaled_mm` gives torch's codes and scales."""
     x = torch.randn(6, 300, generator=torch.Generator().manual_seed(3)) * 3

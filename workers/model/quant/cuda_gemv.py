@@ -165,3 +165,32 @@ def quantize_rows_fp8_fused(x: torch.Tensor, fp8_max: float) -> tuple[torch.Tens
         _quant_rows_kernel[(rows,)](x, q.view(torch.uint8), s, k, x.stride(0), q.stride(0), FP8_MAX=fp8_max,
                                     BK=min(4096, triton.next_power_of_2(k)), num_warps=8)
     return q, s
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, d_ptr, m_ptr, w_ptr, N, K, KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """w[N, K] = the dequantized weight in w's dtype (KIND as in _gemv_kernel)."""
+    rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    mask = (rn < N)[:, None] & (rk < K)[None, :]
+    if KIND == 1:
+        b = tl.load(q_ptr + rn[:, None] * (K // 2) + rk[None, :] // 2, mask=mask, other=0)
+        c = ((b >> ((rk[None, :] % 2) * 4).to(tl.uint8)) & 0xF).to(tl.float32)
+        g = rn[:, None] * (K // 32) + rk[None, :] // 32
+        w = c * tl.load(d_ptr + g, mask=mask, other=0.0).to(tl.float32) + tl.load(m_ptr + g, mask=mask, other=0.0)
+    else:
+        c = tl.load(q_ptr + rn[:, None] * K + rk[None, :], mask=mask, other=0)
+        w = (c.to(tl.float8e4nv, bitcast=True).to(tl.float32) if KIND == 2 else c.to(tl.float32))
+        w = w * tl.load(d_ptr + rn, mask=rn < N, other=0.0)[:, None]
+    tl.store(w_ptr + rn[:, None] * K + rk[None, :], w.to(w_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_weight(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, n: int, k: int, kind: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """The [N, K] weight in `dtype`, one launch (prefill-sized products then run on cuBLAS:
+    at hundreds of rows the matmul is compute-bound and a dense GEMM beats the dequantizing one)."""
+    w = torch.empty(n, k, dtype=dtype, device=codes.device)
+    q = codes.view(torch.uint8) if codes.dtype == torch.float8_e4m3fn else codes
+    _dequant_kernel[(triton.cdiv(n, 32), triton.cdiv(k, 128))](q, d, d if m is None else m, w, n, k, KIND=kind,
+                                                               BN=32, BK=128, num_warps=4)
+    return w

@@ -12,7 +12,10 @@ elsewhere.
         with row-wise scales; where that raises (no fp8 GEMM on the device), the weight is
         dequantized per call instead.
   Up to GEMV_MAX_ROWS rows (decode), every method streams its codes through the GEMV
-  of cuda_gemv.py (W8A16 for fp8: the activations stay exact).
+  of cuda_gemv.py (W8A16 for fp8: the activations stay exact). From DENSE_MIN_ROWS rows
+  (prefill) with 16-bit activations, an int8 or int4 weight is dequantized in one launch and the
+  product runs on cuBLAS: the extra weight traffic costs less than a dequantizing GEMM's
+  lower matmul throughput there.
 
 Kernels run under TRITON_INTERPRET=1 on CPU tensors too (tests compare with a float64
 reference). Launch grids depend on shapes only (CUDA-graph capturable).
@@ -27,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .cuda_gemv import GEMV_MAX_ROWS, gemv, quantize_rows_fp8_fused
+from .cuda_gemv import GEMV_MAX_ROWS, dequantize_weight, gemv, quantize_rows_fp8_fused
 from .formats import FP8_MAX, GROUP, QuantParts
 
 
@@ -119,6 +122,7 @@ def scaled_mm_works(device: torch.device) -> bool:
 
 
 KINDS = {"int8": 0, "int4": 1, "fp8": 2}   # cuda_gemv's KIND codes
+DENSE_MIN_ROWS = 512   # from here (prefill) int8/int4 dequantize the weight for cuBLAS (fp8: fp8 matmuls)
 
 
 @dataclass(slots=True)
@@ -162,7 +166,10 @@ class QuantWeight:
         return (self.codes.float() * self.scale[:, None]).to(dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] <= GEMV_MAX_ROWS:
+        if x.shape[0] >= DENSE_MIN_ROWS and self.method != "fp8" and x.is_cuda and x.dtype != torch.float32:
+            y = F.linear(x, dequantize_weight(self.codes, self.scale, self.zero, self.n, self.k, KINDS[self.method],
+                                              x.dtype))
+        elif x.shape[0] <= GEMV_MAX_ROWS:
             y = gemv(x if x.stride(1) == 1 else x.contiguous(), self.codes, self.scale, self.zero, self.n,
                      KINDS[self.method], self.sms)
         elif self.method == "fp8":
