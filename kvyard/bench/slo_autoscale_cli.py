@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--autoscale-time-scale", type=float, default=2.0,
                    help="the pods' --time-scale (simulated seconds per wall second)")
     g.add_argument("--autoscale-poll", type=float, default=10.0, help="KEDA's pollingInterval")
-    g.add_argument("--autoscale-target", type=float, default=0.8, help="KEDA's targetValue")
+    g.add_argument("--autoscale-target", type=float, default=0.6, help="KEDA's targetValue")
     g.add_argument("--autoscale-lead", type=float, default=None,
                    help="the forecast's horizon (default: --pod-start)")
 

@@ -44,12 +44,12 @@ class Settings:
     time_scale: float = 2.0
     profile: str = "h100"
     prompt_tokens: int = 2000
-    output_tokens: int = 32
+    output_tokens: int = 1        # prefill-bound (RAG, classification): see the docstring
     ttft_s: float = 1.5           # the TTFT objective
     tpot_s: float = 0.2           # the TPOT objective the scaler sizes decode by
     polling_s: float = 10.0       # KEDA's pollingInterval
     window_s: float = 30.0        # the HPA's scale-down stabilization
-    target: float = 0.8           # KEDA's targetValue (replicas = ceil(metric / target))
+    target: float = 0.6           # KEDA's targetValue (replicas = ceil(metric / target))
     lead_s: float | None = None   # the forecast's horizon; None: pod_start_s
     seed: int = 0
 

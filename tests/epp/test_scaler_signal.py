@@ -48,8 +48,9 @@ def test_the_forecast_extrapolates_from_the_window_centre_and_takes_the_larger_t
     assert required_replicas(f, "prefill", 4000.0, 16.0, 0.05, 45.0) == pytest.approx(4.0)
     assert required_replicas(f, "decode", 4000.0, 16.0, 0.05, 45.0) == pytest.approx(5.0)
     assert required_replicas(f, "both", 4000.0, 16.0, 0.05, 45.0) == pytest.approx(5.0)
-    falling = Forecast(1.0, -1.0, 1000.0, 100.0)
-    assert required_replicas(falling, "both", 4000.0, 16.0, 0.05, 45.0) == 0.0
+    # a falling trend is not extrapolated: the window's mean rate stands
+    falling = Forecast(8.0, -1.0, 1000.0, 100.0, age_s=15.0)
+    assert required_replicas(falling, "prefill", 4000.0, 16.0, 0.05, 45.0) == 2.0
 
 
 async def test_backlog_signal_leaves_the_forecast_out() -> None:
@@ -70,3 +71,25 @@ async def test_backlog_signal_leaves_the_forecast_out() -> None:
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         await s.stop()
+
+
+def _windows(pending_tokens: float) -> bool:
+    """Two 1-s windows of a pod running 2 requests whose generated tokens advance; with
+    `pending_tokens` both are mid-prefill. Whether a TPOT sample was taken."""
+    from kvyard.epp.pool.endpoints import Endpoint
+    from kvyard.epp.pool.metrics_parse import WorkerMetrics
+    from kvyard.epp.scaler.capacity import Capacity
+
+    cap, ep = Capacity(window_s=1.0), Endpoint("10.0.0.1:8000")
+    for i in range(5):
+        cap.observe(ep, WorkerMetrics(running=2, prompt_tokens=1000.0 * i,
+                                      generation_tokens=50.0 * i, finished=2.0 * i,
+                                      prompt_tokens_pending=pending_tokens), now=0.5 * i)
+    return cap.role("both").decode_measured
+
+
+def test_requests_mid_prefill_are_not_counted_as_decoding() -> None:
+    assert _windows(pending_tokens=0.0)
+    # 2 x the measured prompt length pending and nothing waiting: both running requests
+    # are mid-prefill, so the tokens generated meanwhile say nothing about their TPOT
+    assert not _windows(pending_tokens=1000.0)
