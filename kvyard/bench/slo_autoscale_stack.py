@@ -11,7 +11,11 @@ autoscaler adds is ready `pod_start_s` after it starts (`kvyard sim serve --star
 The two modes differ in one scalerMetadata key only: `signal: backlog` (reactive) or
 `signal: predictive` (the larger of the backlog and the forecast, `leadMs` = the pod start).
 Traffic (`slo_autoscale_traffic.Ramp`): open-loop Poisson arrivals of unique prompts
-through Envoy, the same arrivals and prompts for both modes.
+through Envoy, the same arrivals and prompts for both modes. The requests are
+prefill-bound (2,000-token prompts, one-token answers: scoring, classification, RAG
+reranking), so TTFT is the objective that binds and the scaler sizes the pool by its
+measured prefill rate; with longer answers its decode term would bind instead, and on
+colocated pods its TPOT fit counts the steps' prefill time as decode time.
 
 Every time here is simulated seconds: the pods run `--time-scale S` (S simulated seconds
 per wall second), and what the EPP and the autoscaler take in wall time (the TTFT/TPOT

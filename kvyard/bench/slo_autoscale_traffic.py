@@ -17,7 +17,7 @@ class Ramp:
     base_s: float = 60.0
     ramp_s: float = 60.0
     hold_s: float = 60.0
-    spike_x: float = 3.0
+    spike_x: float = 2.5
     spike_s: float = 30.0
     after_s: float = 60.0
     warmup_s: float = 120.0
