@@ -56,8 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-requests", type=int, default=24,
                    help="held-out requests on a real CPU worker (0: skip that run)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pod-start", type=float, default=60.0,
-                   help="autoscale: simulated pod start seconds")
+    p.add_argument("--pod-start", type=float, default=None,
+                   help="autoscale: simulated pod start seconds (default 60 on the stack, "
+                        "30 in the fluid model)")
     from kvyard.bench.slo_autoscale_cli import add_arguments as autoscale_arguments
 
     autoscale_arguments(p)

@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 KEYS = ("attainment", "goodput", "pod_seconds")
+FLUID_POD_START_S = 30.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,13 +32,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def settings(args: argparse.Namespace, quick: bool):
-    from kvyard.bench.slo_autoscale_stack import Settings
+    from kvyard.bench.slo_autoscale_stack import POD_START_S, Settings
     from kvyard.bench.slo_autoscale_traffic import QUICK_RAMP, Ramp
 
-    ramp = QUICK_RAMP if quick else Ramp()
-    return Settings(ramp=Ramp(args.autoscale_base, *(getattr(ramp, f) for f in (
-        "base_s", "ramp_s", "hold_s", "spike_x", "spike_s", "after_s", "warmup_s"))),
-        max_pods=args.autoscale_max_pods, pod_start_s=args.pod_start,
+    ramp = replace(QUICK_RAMP if quick else Ramp(), base_rps=args.autoscale_base)
+    return Settings(ramp=ramp,
+        max_pods=args.autoscale_max_pods,
+        pod_start_s=POD_START_S if args.pod_start is None else args.pod_start,
         time_scale=args.autoscale_time_scale, polling_s=args.autoscale_poll,
         target=args.autoscale_target, lead_s=args.autoscale_lead, seed=args.seed)
 
@@ -48,7 +50,8 @@ def section(args: argparse.Namespace, root: Path) -> dict:
     if model == "fluid":
         from kvyard.bench.slo_autoscale import compare
 
-        out = compare(base=8.0, max_pods=args.pods, start_s=args.pod_start)
+        out = compare(base=8.0, max_pods=args.pods,
+                      start_s=FLUID_POD_START_S if args.pod_start is None else args.pod_start)
         out["model"] = {"kind": "fluid", **out["model"]}
         return out
     from kvyard.bench.slo_autoscale_stack import compare
@@ -90,5 +93,5 @@ def table(auto: dict):
         if "attainment_by_phase" in auto[mode]:
             rep.notes.append(f"{mode} by phase: {json.dumps(auto[mode]['attainment_by_phase'])}; "
                              f"events: {json.dumps(auto[mode].get('events'))}")
-    rep.notes.append(f"model: {json.dumps({k: v for k, v in m.items()})}")
+    rep.notes.append(f"model: {json.dumps(m)}")
     return rep

@@ -37,6 +37,7 @@ from pathlib import Path
 from kvyard.bench.slo_autoscale_traffic import Ramp, Sample, summarize
 
 MODES = {"reactive": "backlog", "predictive": "predictive"}
+POD_START_S = 60.0  # a GPU pod: image pulled, weights loaded
 
 
 @dataclass(slots=True)
@@ -44,7 +45,7 @@ class Settings:
     ramp: Ramp = field(default_factory=Ramp)
     max_pods: int = 8
     start_pods: int = 2
-    pod_start_s: float = 60.0     # a GPU pod: image pulled, weights loaded
+    pod_start_s: float = POD_START_S
     time_scale: float = 2.0
     profile: str = "h100"
     prompt_tokens: int = 2000
