@@ -10,7 +10,8 @@ come from `kvyard.common.keda`.
 
 * `scalerMetadata`: `pool` (must be this EPP's `--pool-name`, else NOT_FOUND),
   `role` (`both|decode|prefill`), optional `targetValue`, `ttftMs`, `tpotMs`,
-  `kvTarget`, `signal` (`predictive|backlog`), `leadMs`; `meta.py` documents them. Bad metadata is INVALID_ARGUMENT.
+  `kvTarget`, `signal` (`predictive|backlog`), `leadMs`; `meta.py` documents them.
+  Bad metadata is INVALID_ARGUMENT.
 * Metric (`GetMetricSpec` / `GetMetrics`): one per ScaledObject, named
   `kvyard-<pool>-<role>`, in replicas' worth of demand; the formula is in
   `metric.py`, the capacity it divides by is measured in `capacity.py`.

@@ -34,7 +34,8 @@ class Ramp:
     def phases(self) -> list[tuple[str, float, float]]:
         """(name, start, end) of each phase, the warm-up first."""
         out, t = [], 0.0
-        for name, d in (("warmup", self.warmup_s), ("base", self.base_s), ("ramp", self.ramp_s), ("hold", self.hold_s),
+        for name, d in (("warmup", self.warmup_s), ("base", self.base_s),
+                        ("ramp", self.ramp_s), ("hold", self.hold_s),
                         ("spike", self.spike_s), ("after", self.after_s)):
             out.append((name, t, t + d))
             t += d
