@@ -10,8 +10,8 @@ vLLM's --max-num-batched-tokens and LoRA flags (--enable-lora, --lora-modules, -
 lora.py, with kvyard's --lora-load-time); kvyard's own: --profile, --itl-per-running-seq (ITL growth per extra running sequence),
 --time-scale, --start-delay, --min-step, --pods/--ports/--roles/--first-pod (many pods in one
 process) and vLLM's --kv-events-config (the worker's flag). A bound KV-event endpoint (a
-wildcard, as the worker's) and the replay endpoint get port + the pod's index in the pool; a connected one
-(llm-d's central listener) is shared by every pod.
+wildcard, as the worker's) and the replay endpoint get port + the pod's index in the pool; a
+connected one (llm-d's central listener) is shared by every pod.
 """
 from __future__ import annotations
 
