@@ -13,14 +13,18 @@ fallback stands.
 * Prefill rate (prompt tokens/s per replica): `Δvllm:prompt_tokens_total / Δt`.
   A window in which the endpoint had a queue at every scrape ran at capacity:
   the estimate moves toward it (EWMA). Any other window ran at demand, which
-  is a lower bound: the estimate is raised to it if lower.
+  is a lower bound: the estimate is raised toward it (the same EWMA) if lower, not to
+  it, since one window's rate is noisy (the counter advances by whole prompts) and the
+  largest of many noisy windows would overstate the rate.
 * Prompt length (tokens per request): `Σ Δprompt_tokens / Σ Δvllm:request_success_total`
   over the recent windows (both sums decay alike), which turns queued requests into
   prompt tokens. A ratio of sums, not a mean of per-window ratios: a request is
   prefilled in one window and counted finished in a later one, and the requests
   running now (prefilled, not finished) join the denominator.
 * Decode time per output token as a function of batch size: a window with
-  mean running batch `b` and `Δvllm:generation_tokens_total = g` gives each
+  mean decoding batch `b` (running requests less those still mid-prefill, which generate
+  nothing yet: `kvyard:prompt_tokens_pending` beyond the waiting requests' prompts, in
+  prompts of the measured length) and `Δvllm:generation_tokens_total = g` gives each
   sequence's TPOT `t = b·Δt / g`. The samples fit `t = a + c·b` by least
   squares with forgetting; the capacity at a TPOT objective is the batch
   `(objective − a) / c` at which the fit reaches it. Without a spread of batch
@@ -30,6 +34,7 @@ fallback stands.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..pool.endpoints import Endpoint
@@ -84,10 +89,10 @@ class RoleCapacity:
 
     def add_prefill(self, rate: float, at_capacity: bool) -> None:
         cur = self.prefill_tokens_per_s
-        if at_capacity:
-            self.prefill_tokens_per_s = rate if cur is None else cur + _EWMA * (rate - cur)
-        elif cur is None or rate > cur:
+        if cur is None:
             self.prefill_tokens_per_s = rate
+        elif at_capacity or rate > cur:
+            self.prefill_tokens_per_s = cur + _EWMA * (rate - cur)
 
     def add_requests(self, prompt_tokens: float, finished: float) -> None:
         self._prompt_sum = self._prompt_sum * _FORGET_PROMPT + prompt_tokens
@@ -176,7 +181,7 @@ class Capacity:
                 or done < w.done0):  # first scrape, or the counters reset (a restart)
             self._windows[ep.address] = _Window(now, m.prompt_tokens, m.generation_tokens, done)
             return
-        w.running_sum += m.running
+        w.running_sum += m.running - self._prefilling(ep.role, m)
         w.scrapes += 1
         w.queued_throughout = w.queued_throughout and m.waiting > 0
         dt = now - w.t0
@@ -187,6 +192,15 @@ class Capacity:
         self._close(ep.role, w, dt, m.prompt_tokens - w.prompt0, m.generation_tokens - w.gen0,
                     done - w.done0)
         self._windows[ep.address] = _Window(now, m.prompt_tokens, m.generation_tokens, done)
+
+    def _prefilling(self, role: str, m: WorkerMetrics) -> float:
+        """Running requests still mid-prefill (vLLM counts them as running), from the
+        pending prompt tokens the waiting requests do not account for."""
+        if not m.prompt_tokens_pending or m.running <= 0:
+            return 0.0
+        plen = max(1.0, self.role(role).prompt_len(self.fallback))
+        mid = max(0.0, m.prompt_tokens_pending - m.waiting * plen)
+        return min(float(m.running), math.ceil(mid / plen - 1e-9))
 
     def _close(self, role: str, w: _Window, dt: float, prompt: float, gen: float,
                done: float) -> None:

@@ -10,6 +10,8 @@ Keys (all strings, as KEDA passes them):
 | `ttftMs` | the TTFT objective: a replica's prefill backlog should clear within it | EPP's `ttft_s` |
 | `tpotMs` | the TPOT objective at which a replica's decode capacity is measured | EPP's `tpot_s` |
 | `kvTarget` | KV-cache occupancy (0..1] one replica should run at | EPP's `kv_target` |
+| `signal` | `predictive`: the larger of the backlog and the arrival forecast (`predictive.py`; the backlog alone where the EPP has no forecast, i.e. no latency scorer); `backlog`: the backlog only | `predictive` |
+| `leadMs` | how far ahead the forecast looks: the pod start time | 60000 |
 
 KEDA passes its own trigger keys along (`scalerAddress`, TLS settings); they are
 ignored. Any other key is refused, so a misspelt `targetvalue` is an
@@ -23,9 +25,12 @@ from dataclasses import dataclass
 
 from kvyard.common.wire import ROLES
 
+from .predictive import LEAD_S
+
 KEDA_KEYS = frozenset({"scalerAddress", "enableTLS", "unsafeSsl", "caCert", "tlsCertFile",
                        "tlsClientCert", "tlsClientKey"})
-KEYS = ("pool", "role", "targetValue", "ttftMs", "tpotMs", "kvTarget")
+KEYS = ("pool", "role", "targetValue", "ttftMs", "tpotMs", "kvTarget", "signal", "leadMs")
+SIGNALS = ("predictive", "backlog")
 # Demand.notify's wait roles → the ScaledObject roles a notification wakes. A request
 # waiting for "decode" can be served by a `decode` or a `both` endpoint.
 WAKES = {"decode": ("decode", "both"), "prefill": ("prefill",)}
@@ -53,6 +58,8 @@ class ScaledObjectParams:
     ttft_s: float
     tpot_s: float
     kv_target: float
+    predictive: bool = True  # signal: the forecast joins the backlog (when the EPP has one)
+    lead_s: float = LEAD_S
 
     @property
     def wait_role(self) -> str:
@@ -68,7 +75,9 @@ class ScaledObjectParams:
         """The metadata that selects exactly these parameters (what `kvyard status` shows)."""
         return {"pool": self.pool, "role": self.role, "targetValue": _num(self.target_value),
                 "ttftMs": _num(self.ttft_s * 1000), "tpotMs": _num(self.tpot_s * 1000),
-                "kvTarget": _num(self.kv_target)}
+                "kvTarget": _num(self.kv_target),
+                "signal": SIGNALS[0] if self.predictive else SIGNALS[1],
+                "leadMs": _num(self.lead_s * 1000)}
 
 
 def _num(x: float) -> str:
@@ -100,8 +109,13 @@ def parse_metadata(meta: dict[str, str], d: ScalerDefaults) -> ScaledObjectParam
     role = meta.get("role", "")
     if role not in ROLES:
         raise MetadataError(f"scalerMetadata.role: {role!r} must be one of {', '.join(ROLES)}")
+    signal = meta.get("signal", SIGNALS[0])
+    if signal not in SIGNALS:
+        raise MetadataError(f"scalerMetadata.signal: {signal!r} must be one of "
+                            f"{', '.join(SIGNALS)}")
     return ScaledObjectParams(
         pool=pool, role=role, target_value=_positive(meta, "targetValue", d.target_value),
         ttft_s=_positive(meta, "ttftMs", d.ttft_s * 1000) / 1000,
         tpot_s=_positive(meta, "tpotMs", d.tpot_s * 1000) / 1000,
-        kv_target=_positive(meta, "kvTarget", d.kv_target, hi=1.0))
+        kv_target=_positive(meta, "kvTarget", d.kv_target, hi=1.0),
+        predictive=signal == SIGNALS[0], lead_s=_positive(meta, "leadMs", LEAD_S * 1000) / 1000)

@@ -7,11 +7,20 @@ predictors see: prompt tokens and predicted output tokens, `epp/slo/predictor.py
 and the per-replica capacity `capacity.py` measured, and reports the replicas needed
 at the rate expected `lead_s` from now (the pod start time):
 
-    rate'    = max(0, rate + trend * lead_s)
+    rate'    = max(rate, rate + trend * (lead_s + age_s))
+               rate: the mean over the window, which is centred `age_s` back (half the
+               window); lead_s: the scalerMetadata's `leadMs`, the pod start time. Only a
+               rising trend is extrapolated: a pod stops at once, so the lead buys
+               nothing on the way down, and a noisy falling trend over a minute's lead
+               would forecast no traffic under a steady load
     prefill  = rate' * prompt_tokens / prefill_tokens_per_s            (busy replicas)
     decode   = rate' * output_tokens * tpot_objective / sequences_at_tpot_objective
                (Little's law: sequences in flight, each lasting output x TPOT)
-    replicas = prefill (role prefill), decode (role decode), prefill + decode (both)
+    replicas = prefill (role prefill), decode (role decode), max(prefill, decode) (both)
+
+For `both` the larger term, as in the reactive metric: a colocated pod's decode capacity
+is measured on steps that also carry prefill chunks (`capacity.py`'s TPOT samples), so it
+already pays for the prefill; adding the prefill term would count that time twice.
 
 The scaler reports the larger of this and the reactive metric, so a backlog still
 scales the pool when the forecast is low.
@@ -31,14 +40,15 @@ class Forecast:
     trend: float           # its change per second
     prompt_tokens: float   # mean per request
     output_tokens: float   # mean predicted per request
+    age_s: float = 0.0     # how long ago `rate` held: half its averaging window
 
 
 def required_replicas(f: Forecast, role: str, prefill_tokens_per_s: float,
                       sequences_at_tpot: float, tpot_s: float, lead_s: float = LEAD_S) -> float:
-    rate = max(0.0, f.rate + f.trend * lead_s)
+    rate = max(f.rate, f.rate + f.trend * (lead_s + f.age_s))
     prefill = rate * f.prompt_tokens / max(prefill_tokens_per_s, 1e-9)
     decode = rate * f.output_tokens * tpot_s / max(sequences_at_tpot, 1e-9)
-    return {"prefill": prefill, "decode": decode}.get(role, prefill + decode)
+    return {"prefill": prefill, "decode": decode}.get(role, max(prefill, decode))
 
 
 def from_capacity(f: Forecast, role: str, rc: RoleCapacity, fb: Fallback, tpot_s: float,

@@ -10,7 +10,8 @@ come from `kvyard.common.keda`.
 
 * `scalerMetadata`: `pool` (must be this EPP's `--pool-name`, else NOT_FOUND),
   `role` (`both|decode|prefill`), optional `targetValue`, `ttftMs`, `tpotMs`,
-  `kvTarget`; `meta.py` documents them. Bad metadata is INVALID_ARGUMENT.
+  `kvTarget`, `signal` (`predictive|backlog`), `leadMs`; `meta.py` documents them.
+  Bad metadata is INVALID_ARGUMENT.
 * Metric (`GetMetricSpec` / `GetMetrics`): one per ScaledObject, named
   `kvyard-<pool>-<role>`, in replicas' worth of demand; the formula is in
   `metric.py`, the capacity it divides by is measured in `capacity.py`.
@@ -107,10 +108,10 @@ class ScalerServicer(pb2_grpc.ExternalScalerServicer):
 
     def read(self, p: ScaledObjectParams) -> Reading:
         r = read(self.pool, self.demand, self.capacity, p)
-        if self.forecast is not None:  # the SLO predictors' arrivals (predictive.py)
+        if self.forecast is not None and p.predictive:  # the SLO predictors' arrivals
             f = self.forecast(p.role)
             r.predicted = from_capacity(f, p.role, self.capacity.role(p.role),
-                                        self.capacity.fallback, p.tpot_s)
+                                        self.capacity.fallback, p.tpot_s, p.lead_s)
             r.metric = max(r.metric, r.predicted)
             r.active = r.active or f.rate > 0
         return r

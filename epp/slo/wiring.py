@@ -9,7 +9,7 @@ from ..scheduling.scheduler import Scheduler
 from ..scheduling.scorers.latency import LatencyScorer
 from ..scheduling.types import SchedRequest
 from .headers import FACTS, RequestFacts, fairness_id, parse_slo
-from .predictor import LatencyPredictor
+from .predictor import RATE_WINDOW_S, LatencyPredictor
 
 
 def latency_scorers(sched: Scheduler) -> list[LatencyScorer]:
@@ -39,6 +39,6 @@ def forecaster(predictor: LatencyPredictor):
     """The scaler's per-role forecast from the arrivals the predictor counted."""
 
     def forecast(role: str) -> Forecast:
-        return Forecast(*predictor.forecast(role))
+        return Forecast(*predictor.forecast(role), age_s=RATE_WINDOW_S / 2)
 
     return forecast

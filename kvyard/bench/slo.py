@@ -56,8 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-requests", type=int, default=24,
                    help="held-out requests on a real CPU worker (0: skip that run)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pod-start", type=float, default=30.0,
-                   help="autoscale: simulated pod start seconds")
+    p.add_argument("--pod-start", type=float, default=None,
+                   help="autoscale: simulated pod start seconds (default 60 on the stack, "
+                        "30 in the fluid model)")
+    from kvyard.bench.slo_autoscale_cli import add_arguments as autoscale_arguments
+
+    autoscale_arguments(p)
     p.add_argument("--plot", default="docs/bench/slo-goodput.svg")
     p.add_argument("--run-dir", default=None)
 
@@ -185,9 +189,11 @@ def run_policy(name: str, scorers: list[dict], pods, work, tags, run_root: Path,
 def run(args: argparse.Namespace) -> int:
     from kvyard.bench.route import _finite, build_workload
     from kvyard.bench.route_stack import Pods
-    from kvyard.bench.slo_autoscale import compare
+    from kvyard.bench import slo_autoscale_cli
     from kvyard.bench.slo_cost import epp_cost
 
+    if args.only == "autoscale":
+        return slo_autoscale_cli.run_only(args)
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
@@ -222,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
                  "ttft_p90_coverage": ttft_cov, "tpot_p90_coverage": tpot_cov,
                  "samples": pred.get("ttft", {}).get("samples"),
                  "output_len_mae": ol.get("mae"), "output_len_mae_baseline": ol.get("mae_baseline")}
-    auto = compare(base=8.0, max_pods=args.pods, start_s=args.pod_start)
+    auto = slo_autoscale_cli.section(args, root)
     cost = epp_cost([16, 64], 100 if args.quick else 400)
     cpu_run = None
     if args.cpu_requests:
@@ -232,14 +238,13 @@ def run(args: argparse.Namespace) -> int:
                           args.seed)
     cost["epp_cpu_s_per_request"] = cpu  # the latency policies with response observation
     doc = {"policies": policies, "predictor": predictor,
-           "autoscale": {k: {"attainment": auto[k]["attainment"],
-                             "pod_seconds": auto[k]["pod_seconds"]}
-                         for k in ("reactive", "predictive")},
+           "autoscale": slo_autoscale_cli.summary(auto),
            "by_rate": by_rate, "epp_cost": cost, "cpu_workers": cpu_run,
            "config": {"pods": args.pods, "profile": args.profile, "time_scale": scale,
                       "rates_sim_rps": args.rates, "rung_wall_s": args.duration,
                       "classes": CLASSES, "max_tokens": MAX_TOKENS, "quick": args.quick,
-                      "autoscale_model": auto["model"], "autoscale_spare": auto["spare"],
+                      "autoscale_model": auto["model"], "autoscale_spare": auto.get("spare"),
+                      "autoscale_detail": {m: auto[m] for m in ("reactive", "predictive")},
                       "run_dir": str(root),
                       "requests": desc.get("requests"), "wall_s": time.monotonic() - t0}}
     if args.plot:

@@ -88,9 +88,12 @@ def simulate(predictive: bool, pod: PodModel, base: float, max_pods: int, start_
             mean = sum(r for _, r in window) / len(window)
             trend = ((sum(half) / len(half) - sum(older) / len(older)) / 15.0
                      if half and older else 0.0)
-            f = Forecast(mean, trend, pod.prompt_tokens, pod.output_tokens)
-            want = max(want, required_replicas(f, "both", pod.prefill_tokens_per_s,
-                                               pod.sequences_at_tpot, pod.tpot_s, start_s))
+            f = Forecast(mean, trend, pod.prompt_tokens, pod.output_tokens, age_s=15.0)
+            # this model's pods split their time additively (`PodModel.capacity`), and its
+            # decode capacity is pure decode: both terms, summed
+            want = max(want, sum(required_replicas(f, role, pod.prefill_tokens_per_s,
+                                                   pod.sequences_at_tpot, pod.tpot_s, start_s)
+                                 for role in ("prefill", "decode")))
         desired = min(max_pods, max(1, math.ceil(want / TARGET)))
         have = ready + len(starting)
         if desired > have:

@@ -8,10 +8,10 @@
 (a bare number is milliseconds, as llm-d's deprecated integer form).
 vLLM's --max-num-batched-tokens and LoRA flags (--enable-lora, --lora-modules, --max-loras;
 lora.py, with kvyard's --lora-load-time); kvyard's own: --profile, --itl-per-running-seq (ITL growth per extra running sequence),
---time-scale, --min-step, --pods/--ports/--roles/--first-pod (many pods in one process) and
-vLLM's --kv-events-config (the worker's flag). A bound KV-event endpoint (a wildcard, as the
-worker's) and the replay endpoint get port + the pod's index in the pool; a connected one
-(llm-d's central listener) is shared by every pod.
+--time-scale, --start-delay, --min-step, --pods/--ports/--roles/--first-pod (many pods in one
+process) and vLLM's --kv-events-config (the worker's flag). A bound KV-event endpoint (a
+wildcard, as the worker's) and the replay endpoint get port + the pod's index in the pool; a
+connected one (llm-d's central listener) is shared by every pod.
 """
 from __future__ import annotations
 
@@ -94,6 +94,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         g.add_argument("--" + flag.replace("_", "-"), type=duration, default=None, metavar="DUR")
     g.add_argument("--time-scale", type=float, default=1.0,
                    help="simulated seconds per wall second (latency.py says what it distorts)")
+    g.add_argument("--start-delay", type=duration, default=0.0, metavar="DUR",
+                   help="simulated start time: /health is 503 (starting) and nothing is "
+                        "served until this long after the process serves (e.g. 90s: a GPU "
+                        "pod's image and weights; startup.py)")
     g.add_argument("--min-step", type=duration, default=duration("2ms"), metavar="DUR",
                    help="shortest wall-clock wait per step; shorter decode steps are merged")
     g.add_argument("--seed", type=int, default=None, help="jitter RNG seed (per pod: seed + i)")

@@ -30,6 +30,7 @@ class Pod:
     fallbacks: int = 0
     rejected: int = 0
     started: float = field(default_factory=time.time)
+    ready_at: float = 0.0                # monotonic; 503 before it (startup.py, --start-delay)
 
     @property
     def headers(self) -> dict[str, str]:

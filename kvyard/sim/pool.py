@@ -17,6 +17,7 @@ from aiohttp import web
 
 from kvyard.common import pd_auth
 from kvyard.common.tokenizer import ChatTokenizer, load_tokenizer
+from kvyard.sim import startup
 from kvyard.sim.cache import BlockPool
 from kvyard.sim.config import PodPlan
 from kvyard.sim.engine import SimEngine
@@ -56,6 +57,8 @@ class PodSettings:
     lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> path
     max_loras: int = 1
     lora_load_s: float = DEFAULT_LOAD_S
+    start_delay_s: float = 0.0           # simulated seconds before the pods are ready
+    ready_at: float = 0.0                # monotonic; set by `serve` (startup.py)
 
 
 def build_pod(plan: PodPlan, i: int, s: PodSettings, tok: ChatTokenizer,
@@ -77,7 +80,7 @@ def build_pod(plan: PodPlan, i: int, s: PodSettings, tok: ChatTokenizer,
     return Pod(address=plan.address, role=plan.role, engine=engine, tokenizer=tok,
                served=s.served or [tok.name], max_model_len=s.max_model_len,
                profile_name=s.profile.name, text_of=lambda t: texts.get(t) or tok.token_text(t),
-               publisher=pub, pd_key=s.pd_key)
+               publisher=pub, pd_key=s.pd_key, ready_at=s.ready_at)
 
 
 @dataclass(slots=True)
@@ -134,11 +137,12 @@ def settings_of(a: Any, profile: LatencyProfile) -> PodSettings:
                        pd_key=key, enable_lora=a.enable_lora,
                        lora_modules=parse_lora_modules(a.lora_modules), max_loras=a.max_loras,
                        lora_load_s=DEFAULT_LOAD_S if a.lora_load_time is None
-                       else a.lora_load_time)
+                       else a.lora_load_time, start_delay_s=a.start_delay)
 
 
 async def serve(plans: list[PodPlan], s: PodSettings, model_ref: str | Path,
                 host: str = "127.0.0.1") -> None:
+    s.ready_at = startup.ready_at(s.start_delay_s, s.time_scale)  # the tokenizer loads meanwhile
     tok = load_tokenizer(model_ref)
     group = await PodGroup().start(plans, s, tok, host)
     log.warning("%d simulated pod(s) on %s:%s (profile %s, time scale %g)", len(plans), host,

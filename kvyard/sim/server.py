@@ -25,7 +25,7 @@ from aiohttp import web
 from kvyard.common import pd_auth, wire
 from kvyard.common.hashing import adapter_seed
 from kvyard.common.openai_shapes import DONE, Shaper, Usage
-from kvyard.sim import metrics
+from kvyard.sim import metrics, startup
 from kvyard.sim.engine import SimRequest
 from kvyard.sim.pod import Pod
 from kvyard.sim.requests import ApiError, GenerateSpec, parse_generate
@@ -271,7 +271,8 @@ async def _render(request: web.Request) -> web.Response:
 
 
 def make_app(pod: Pod) -> web.Application:
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = web.Application(client_max_size=64 * 1024 * 1024,
+                          middlewares=[startup.gate(lambda r: r.app[POD])])
     app[POD] = pod
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)

@@ -11,6 +11,10 @@ scales the way KEDA scales an `external-push` ScaledObject:
   ceil(metric / target), a scale-down only once that holds for `window_s` (the
   HPA's stabilization); not active for `cooldown_s` since the last active answer
   (`cooldownPeriod`): to the minimum, zero with scale-to-zero.
+* `--metadata KEY=VALUE` adds scalerMetadata (`targetValue`, `ttftMs`, `signal`,
+  `leadMs`, ...: epp/scaler/meta.py). With the EPP's predictive signal the poll also asks
+  the same metric with `signal: backlog`, which KEDA would not: `autoscale.json` then says
+  whether the forecast or the backlog asked for each scale-up (`events`).
 
 The decision (`Scaler`) is pure; this process writes it to `autoscale.json` in
 the run dir, the desired replicas and what it saw, and wakes the supervisor
@@ -40,6 +44,7 @@ log = logging.getLogger("kvyard.autoscale")
 FILE = "autoscale.json"
 NAMESPACE = "local"          # the ScaledObjectRef's namespace, as KEDA would send one
 BACKOFF_S, BACKOFF_MAX_S = 2.0, 60.0
+EVENTS = 64  # replica changes kept in autoscale.json
 
 
 @dataclass(slots=True)
@@ -53,13 +58,19 @@ class Target:
     cooldown_s: float = 300.0  # cooldownPeriod: idle time before the step to the minimum
     polling_s: float = 30.0   # pollingInterval
     window_s: float = 30.0    # scale-down stabilization between 1 and N
+    extra: dict[str, str] = field(default_factory=dict)  # more scalerMetadata (meta.py)
 
     @property
     def name(self) -> str:
         return f"{self.pool}-{self.role}"
 
     def metadata(self) -> dict[str, str]:
-        return {"pool": self.pool, "role": self.role}
+        return {**self.extra, "pool": self.pool, "role": self.role}
+
+    @property
+    def explains(self) -> bool:
+        """The metric may hold the EPP's forecast: ask the backlog alone beside it."""
+        return self.extra.get("signal", "predictive") != "backlog"
 
 
 @dataclass(slots=True)
@@ -73,7 +84,15 @@ class Scaler:
     metric: float | None = None
     metric_target: float | None = None
     reason: str = "start"
+    backlog: float | None = None  # the same metric with signal=backlog (`Target.explains`)
+    events: deque = field(default_factory=lambda: deque(maxlen=EVENTS))  # replica changes
     _recs: deque = field(default_factory=deque)  # (time, HPA recommendation)
+
+    def hold(self, now: float) -> None:
+        """The replicas now count as a recommendation: a pool that starts (or resumes) at N
+        is not taken below N before the stabilization window has passed (the HPA starts
+        from the Deployment's replicas)."""
+        self._recs.append((now, self.replicas))
 
     def push(self, result: bool, now: float) -> bool:
         """A StreamIsActive answer; True when the replicas changed."""
@@ -85,10 +104,12 @@ class Scaler:
         return False
 
     def poll(self, active: bool, metric: float | None, target: float | None,
-             now: float) -> bool:
-        """One polling round (IsActive, then the metric if there is one)."""
+             now: float, backlog: float | None = None) -> bool:
+        """One polling round (IsActive, then the metric if there is one; `backlog`: the
+        metric without the forecast, recorded with each change)."""
         t = self.target
         self.active, self.metric, self.metric_target = active, metric, target
+        self.backlog = backlog
         if active:
             self.last_active = now
             if self.replicas == 0:
@@ -109,6 +130,9 @@ class Scaler:
         if n == self.replicas:
             return False
         log.info("%s: %d -> %d replicas (%s)", self.target.name, self.replicas, n, why)
+        self.events.append({"t": round(now, 3), "from": self.replicas, "to": n,
+                            "metric": self.metric, "backlog": self.backlog,
+                            "target": self.metric_target, "reason": why})
         self.replicas, self.reason = n, why
         return True
 
@@ -116,7 +140,8 @@ class Scaler:
         t = self.target
         return {"pool": t.pool, "role": t.role, "replicas": self.replicas,
                 "min": t.min_replicas, "max": t.max_replicas, "active": self.active,
-                "metric": self.metric, "target": self.metric_target, "reason": self.reason,
+                "metric": self.metric, "backlog": self.backlog, "target": self.metric_target,
+                "reason": self.reason, "events": list(self.events),
                 "idle_s": round(now - self.last_active, 1) if self.last_active else None,
                 "cooldown_s": t.cooldown_s, "polling_s": t.polling_s}
 
@@ -147,9 +172,9 @@ class Autoscaler:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _ref(self, s: Scaler, pb2):
+    def _ref(self, s: Scaler, pb2, **override: str):
         return pb2.ScaledObjectRef(name=s.target.name, namespace=NAMESPACE,
-                                   scalerMetadata=s.target.metadata())
+                                   scalerMetadata={**s.target.metadata(), **override})
 
     def _failed(self, what: str, e: grpc.aio.AioRpcError) -> None:
         self.errors += 1
@@ -183,19 +208,19 @@ class Autoscaler:
             ref = self._ref(s, pb2)
             try:
                 active = (await stub.IsActive(ref, timeout=5)).result
-                metric = target = None
+                metric = target = backlog = None
                 spec = (await stub.GetMetricSpec(ref, timeout=5)).metricSpecs
                 if spec:
                     m = spec[0]
                     target = m.targetSizeFloat or float(m.targetSize)
-                    vals = (await stub.GetMetrics(pb2.GetMetricsRequest(
-                        scaledObjectRef=ref, metricName=m.metricName), timeout=5)).metricValues
-                    if vals:
-                        metric = vals[0].metricValueFloat or float(vals[0].metricValue)
+                    metric = await _metric(stub, pb2, ref, m.metricName)
+                    if s.target.explains:
+                        backlog = await _metric(stub, pb2, self._ref(s, pb2, signal="backlog"),
+                                                m.metricName)
             except grpc.aio.AioRpcError as e:
                 self._failed("poll", e)  # KEDA keeps the replicas when its scaler errs
             else:
-                s.poll(active, metric, target, time.monotonic())
+                s.poll(active, metric, target, time.monotonic(), backlog)
             self.on_change(self)  # published every round: status shows what was seen
             await asyncio.sleep(s.target.polling_s)  # the polling interval
 
@@ -205,6 +230,12 @@ class Autoscaler:
                 "pushes": self.pushes, "errors": self.errors, "last_error": self.last_error,
                 "streams": dict(self.stream_state),
                 "pools": [s.snapshot(now) for s in self.scalers]}
+
+
+async def _metric(stub, pb2, ref, name: str) -> float | None:
+    vals = (await stub.GetMetrics(pb2.GetMetricsRequest(scaledObjectRef=ref, metricName=name),
+                                  timeout=5)).metricValues
+    return (vals[0].metricValueFloat or float(vals[0].metricValue)) if vals else None
 
 
 def write_file(run_dir: Path, doc: dict) -> None:
@@ -244,7 +275,8 @@ def command(run_dir: Path, address: str, t: Target, replicas: int) -> list[str]:
             "--scaler-address", address, "--pool", t.pool, "--role", t.role,
             "--min", str(t.min_replicas), "--max", str(t.max_replicas),
             "--idle-seconds", f"{t.cooldown_s:g}", "--polling-seconds", f"{t.polling_s:g}",
-            "--window-seconds", f"{t.window_s:g}", "--replicas", str(replicas)]
+            "--window-seconds", f"{t.window_s:g}", "--replicas", str(replicas),
+            *[f"--metadata={k}={v}" for k, v in t.extra.items()]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--polling-seconds", type=float, default=30.0, help="pollingInterval")
     p.add_argument("--window-seconds", type=float, default=30.0,
                    help="scale-down stabilization between 1 and max")
+    p.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE",
+                   help="more scalerMetadata, e.g. targetValue=0.8, signal=backlog, "
+                        "leadMs=90000 (epp/scaler/meta.py)")
     p.add_argument("--replicas", type=int, default=None,
                    help="replicas now (default: the last autoscale.json's, else --max)")
     a = p.parse_args(argv)
@@ -266,12 +301,16 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not 0 <= a.min <= a.max or a.max < 1:
         p.error("want 0 <= --min <= --max and --max >= 1")
+    extra = dict(kv.partition("=")[::2] for kv in a.metadata)
+    if any(not k or k in ("pool", "role") for k in extra):
+        p.error("--metadata KEY=VALUE, a key other than pool and role (--pool, --role)")
     run = Path(a.run_dir).resolve()
     t = Target(a.pool, a.role, a.min, a.max, a.idle_seconds, a.polling_seconds,
-               a.window_seconds)
+               a.window_seconds, extra)
     # A restart resumes from the replicas it last wrote (the workers that run now).
     now = desired(run).get(a.role, a.replicas if a.replicas is not None else a.max)
     scaler = Scaler(t, now, last_active=time.monotonic())
+    scaler.hold(time.monotonic())
 
     def publish(auto: Autoscaler) -> None:
         before = desired(run).get(t.role, now)

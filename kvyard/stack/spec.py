@@ -85,6 +85,10 @@ class StackSpec:
     scale_window_s: float = 30.0  # scale-down stabilization between 1 and `workers`
     pool_name: str = "local"      # the EPP's --pool-name, the autoscaler's scalerMetadata.pool
     prestart: bool = True         # keep a spare interpreter for the next worker (prestart.py)
+    scale_min: int = 0            # the autoscaler's bounds: min, and max (None: `workers`)
+    scale_max: int | None = None
+    scaler_metadata: dict[str, str] = field(default_factory=dict)  # e.g. targetValue, signal
+    scale_up_args: list[str] = field(default_factory=list)  # flags of the workers it adds
 
     @property
     def disaggregated(self) -> bool:

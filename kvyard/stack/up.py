@@ -18,6 +18,7 @@ import os
 import shlex
 import signal
 import sys
+from pathlib import Path
 
 from kvyard.kvstore.redis_conf import DEFAULT_MAX_MEMORY_BYTES
 from kvyard.stack.spec import POOL_TIERS
@@ -63,6 +64,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--polling-seconds", type=float, default=5.0,
                    help="the autoscaler's poll (KEDA's pollingInterval): scale-down and 1..N "
                         "decisions; a request at zero wakes a worker at once (default 5)")
+    p.add_argument("--max-workers", type=int, default=None, metavar="M",
+                   help="with --scale-to-zero: start --workers, scale up to M (default: "
+                        "--workers)")
+    p.add_argument("--scaler-metadata", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --scale-to-zero: more scalerMetadata for the EPP's scaler, e.g. "
+                        "targetValue=0.8, signal=backlog, leadMs=90000 (repeatable)")
+    p.add_argument("--epp-config", default=None, metavar="FILE",
+                   help="the EPP's scheduler config (colocated pools; e.g. with the latency "
+                        "scorer, whose arrival forecast the scaler's predictive signal reads)")
     p.add_argument("--prestart", action=argparse.BooleanOptionalAction, default=True,
                    help="with --scale-to-zero: keep one spare interpreter (torch and the "
                         "worker's modules imported; no model, no KV cache) that becomes the "
@@ -207,6 +217,18 @@ def run(args: argparse.Namespace) -> int:
         print("kvyard up: --scale-to-zero scales colocated workers (--workers N >= 1, not P/D) "
               "and needs --idle-seconds and --polling-seconds > 0", file=sys.stderr)
         return 2
+    if args.max_workers is not None and (not args.scale_to_zero
+                                         or args.max_workers < args.workers):
+        print("kvyard up: --max-workers M needs --scale-to-zero and M >= --workers",
+              file=sys.stderr)
+        return 2
+    if args.epp_config and (args.prefill or args.decode):
+        print("kvyard up: --epp-config is for colocated pools (P/D runs its own config)",
+              file=sys.stderr)
+        return 2
+    if any("=" not in kv for kv in args.scaler_metadata):
+        print("kvyard up: --scaler-metadata KEY=VALUE", file=sys.stderr)
+        return 2
     from kvyard.stack.models import lora_args, parse_adapters, parse_models
     try:
         model, named = parse_models(args.model)
@@ -226,7 +248,9 @@ def run(args: argparse.Namespace) -> int:
                      kv_redis_max_memory=args.kv_redis_max_memory,
                      scale_to_zero=args.scale_to_zero, idle_seconds=args.idle_seconds,
                      polling_seconds=args.polling_seconds, prestart=args.prestart,
-                     epp_replicas=args.epp_replicas, kv_events=args.kv_events)
+                     epp_replicas=args.epp_replicas, kv_events=args.kv_events,
+                     scale_max=args.max_workers,
+                     scaler_metadata=dict(kv.split("=", 1) for kv in args.scaler_metadata))
     if args.standin_workers:
         # Test stacks share a machine: a preferred port could be taken between the
         # free-port check and the bind, so every port is any free one.
@@ -239,6 +263,8 @@ def run(args: argparse.Namespace) -> int:
         spec.sim_kv_cache_size, spec.kv_tiers = args.sim_kv_cache_size, False
         spec.sim_args = shlex.split(args.sim_args)
         spec.epp_args = epp_args(args.sim * max(1, len(named)))
+    if args.epp_config:
+        spec.epp_args += ["--config", str(Path(args.epp_config).resolve())]
     if adapters and not named:  # one pool: its workers get the adapters' flags directly
         spec.worker_args += lora_args(spec, "")
         spec.sim_args += lora_args(spec, "")
