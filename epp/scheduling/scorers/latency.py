@@ -26,6 +26,7 @@ from ...pool.endpoints import Endpoint
 from ...request import slo_unattainable
 from ...slo.headers import FACTS
 from ...slo.predictor import LatencyPredictor, Prediction
+from ...slo.trace import jsonl_writer
 from ..cycle import StateKey
 from ..hooks import PoolListener, PreRequest, Scorer
 from ..plugin_config import param
@@ -46,6 +47,8 @@ class LatencyParams:
     minSamples: int = param(20, min=1, doc="observations before predictions are acted on")
     observeFraction: float = param(1.0, min=0.0, max=1.0,
                                    doc="share of routed requests whose responses are timed")
+    traceFile: str = param("", doc="append one JSON line per followed request (the state it "
+                                   "was routed in, its prediction and outcome) to this file")
     admission: bool = param(False, doc="SLO admission: shed sheddable requests no endpoint "
                                        "is predicted to meet (429)")
 
@@ -62,7 +65,10 @@ class LatencyScorer(Scorer, PreRequest, PoolListener):
 
     @classmethod
     def build(cls, p: LatencyParams) -> "LatencyScorer":
-        return cls(LatencyPredictor(p.minSamples, p.observeFraction, random.Random(0)), p)
+        pred = LatencyPredictor(p.minSamples, p.observeFraction, random.Random(0))
+        if p.traceFile:
+            pred.trace = jsonl_writer(p.traceFile)
+        return cls(pred, p)
 
     def slack(self, slo, pr: Prediction) -> float:
         p = self.params
