@@ -26,7 +26,7 @@ from ..prompt import LazyPrompt
 from ..scheduling.cycle import PREFIX_MATCHES, StateKey
 from ..scheduling.types import SchedRequest
 from .features import TPOT_DIM, TTFT_DIM, EndpointLoad, tpot_features, ttft_features
-from .headers import FACTS, RequestFacts
+from .headers import FACTS, RequestFacts, Slo
 from .models import PoolModels
 from .outlen import OutputLength
 
@@ -71,6 +71,30 @@ class ErrorStats:
 
 
 @dataclass(slots=True)
+class TypicalSlo:
+    """The standard (priority >= 0) class's typical objective: an exponentially weighted
+    mean of the TTFT and TPOT objectives its requests carry."""
+
+    alpha: float = 0.02
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def add(self, slo: Slo) -> None:
+        self.ttft_s = _ewma(self.ttft_s, slo.ttft_s, self.alpha)
+        self.tpot_s = _ewma(self.tpot_s, slo.tpot_s, self.alpha)
+
+    def objective(self) -> Slo | None:
+        return None if self.ttft_s is None and self.tpot_s is None else Slo(self.ttft_s,
+                                                                            self.tpot_s)
+
+
+def _ewma(mean: float | None, x: float | None, alpha: float) -> float | None:
+    if x is None:
+        return mean
+    return x if mean is None else mean + alpha * (x - mean)
+
+
+@dataclass(slots=True)
 class Flight:
     address: str
     role: str
@@ -107,6 +131,7 @@ class LatencyPredictor:
     slo_requests: dict[str, int] = field(default_factory=dict)
     ttft_violations: dict[str, int] = field(default_factory=dict)
     arrivals: dict[str, deque] = field(default_factory=dict)  # role -> (t, prompt, output)
+    standard: TypicalSlo = field(default_factory=TypicalSlo)
     trace: Callable[[dict], None] | None = None  # one record per followed request (offline fits)
 
     # ---- models -------------------------------------------------------------------
@@ -157,6 +182,8 @@ class LatencyPredictor:
             return None
         now = time.monotonic()
         self._arrival(ep.role, now, facts)
+        if facts.slo is not None and req.priority >= 0:
+            self.standard.add(facts.slo)
         ld = self.load(ep.address)
         unc = self.uncached(req, facts, ep)
         if self.observe_fraction < 1.0 and self.rng.random() >= self.observe_fraction:

@@ -82,10 +82,12 @@ def chunk_cost(n: int = 20000) -> float:
     """CPU seconds to time one streamed chunk of an observed response."""
     from kvyard.epp.slo.headers import RequestFacts
     from kvyard.epp.slo.observe import ResponseTracker
+    from kvyard.epp.slo.features import TPOT_DIM, TTFT_DIM
     from kvyard.epp.slo.predictor import Flight, LatencyPredictor, Prediction
 
     p = LatencyPredictor()
-    f = Flight("a", "both", RequestFacts(None, 100, 64, "", "m"), 0.0, [1.0] * 7, [1.0] * 7,
+    f = Flight("a", "both", RequestFacts(None, 100, 64, "", "m"), 0.0, [1.0] * TTFT_DIM,
+               [1.0] * TPOT_DIM,
                Prediction(0.1, 0.1, 0.02, 0.02), 0, 0.0)
     tr = ResponseTracker(p, f)
     tr.headers({":status": "200", "content-type": "text/event-stream"})

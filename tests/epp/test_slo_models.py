@@ -71,3 +71,43 @@ def test_trace_records_each_followed_request_and_replay_learns_only_past_outcome
     out = compare([str(trace)])
     assert {r["kind"] for r in out} == {"ttft", "tpot"}
     assert all(r["samples"][0] == 20 for r in out if r["kind"] == "ttft")
+
+
+def _teach_all(app, ttft: float, tpot: float, n: int) -> None:
+    from kvyard.epp.prompt import LazyPrompt
+    from kvyard.epp.scheduling.types import SchedRequest
+    from kvyard.epp.slo.headers import FACTS, RequestFacts, Slo
+    import time
+
+    pred = app.predictor
+    for e in app.pool.all():
+        for _ in range(n):  # standard requests (priority 0) with the interactive objective
+            req = SchedRequest("m", LazyPrompt.of_hashes([1, 2]), now=time.monotonic())
+            req.cycle.write(FACTS, RequestFacts(Slo(0.5, 0.05), 128, 64, "", "m"))
+            f = pred.start(req, e)
+            pred.claim(req.prompt)
+            pred.first_token(f, f.t0 + ttft)
+            pred.finish(f, f.t0 + ttft + 9 * tpot, 10, 10)
+        e.pending = 0
+
+
+def test_sheddable_requests_yield_when_the_standard_objective_is_out_of_reach(tmp_path):
+    """Every endpoint answers in 0.8 s: a batch request (TTFT <= 1 s) could still be met,
+    but the interactive objective (0.5 s) no longer is: with protectStandard (the
+    default) SLO admission sheds the batch request; without it, it is routed."""
+    batch = {**HEADERS, "x-llm-d-slo-ttft-ms": "1000", "x-llm-d-slo-tpot-ms": "100",
+             "x-llm-d-inference-objective": "-1"}
+    for protect, shed in ((True, True), (False, False)):
+        app = _app(tmp_path, [{"type": "latency", "weight": 4, "minSamples": 5,
+                               "admission": True, "protectStandard": protect}],
+                   n=2, name=f"p{protect}.yaml", flow_control=False)
+        _teach_all(app, 0.8, 0.02, 40)
+        assert app.predictor.standard.objective().ttft_s == 0.5
+        out = app.director.handle(batch, _body("batch question"))
+        assert (getattr(out, "status", None) == 429) is shed, protect
+        kept = app.director.handle({**HEADERS, **SLO}, _body("interactive"))
+        assert type(kept).__name__ == "Decision"  # standard: never shed, goes least late
+    fast = _app(tmp_path, [{"type": "latency", "weight": 4, "minSamples": 5,
+                            "admission": True}], n=2, name="fast.yaml", flow_control=False)
+    _teach_all(fast, 0.1, 0.02, 40)  # both objectives in reach: nothing is shed
+    assert type(fast.director.handle(batch, _body("batch"))).__name__ == "Decision"

@@ -8,8 +8,15 @@ slack of an endpoint is `ttftWeight * (slo_ttft - p90_ttft) / slo_ttft + tpotWei
 where it just fits and lightly loaded endpoints keep room; `most`, more slack first);
 the band is narrow so that among feasible endpoints the prefix and load scorers still
 decide (a cache hit saves the pool work). Those that miss score in [0, 0.2], the least
-late highest. When none meets and SLO admission is on (`epp/slo/admission.py`), a
-sheddable request is refused with 429 `rejected-slo-unattainable`.
+late highest. With SLO admission on (`epp/slo/admission.py`) a sheddable request is
+refused with 429 `rejected-slo-unattainable` when none meets its SLO, and also, with
+`protectStandard`, when none is predicted (p90) to meet the standard (priority >= 0)
+requests' typical objective: the pool is at the limit where more work makes the
+standard class late (the p90, as for feasibility: shedding starts when the standard
+class begins to miss, not once most of it already does), so
+the sheddable request yields before queues build (shedding only once the sheddable
+class's own, looser objective is out of reach comes after the standard class has
+collapsed).
 
 A request without SLO headers scores 0 everywhere, so it routes exactly as without
 this scorer; so does every request until the predictor has `minSamples` observations.
@@ -51,6 +58,9 @@ class LatencyParams:
                                    "was routed in, its prediction and outcome) to this file")
     admission: bool = param(False, doc="SLO admission: shed sheddable requests no endpoint "
                                        "is predicted to meet (429)")
+    protectStandard: bool = param(True, doc="with admission: also shed sheddable requests "
+                                            "when no endpoint is predicted to meet the "
+                                            "standard class's typical objective")
 
 
 def _clamp(x: float) -> float:
@@ -90,8 +100,11 @@ class LatencyScorer(Scorer, PreRequest, PoolListener):
         preds = pred.predict(req, eps)
         meets = [slo.met(p.ttft_p90, p.tpot_p90) for p in preds]
         req.cycle.write(SLO_MEETS, any(meets))
-        if not any(meets) and req.priority < 0 and req.cycle.read(SHED_UNATTAINABLE):
-            raise slo_unattainable()
+        if req.priority < 0 and req.cycle.read(SHED_UNATTAINABLE):
+            std = pred.standard.objective() if self.params.protectStandard else None
+            if not any(meets) or (std is not None and
+                                  not any(std.met(p.ttft_p90, p.tpot_p90) for p in preds)):
+                raise slo_unattainable()
         least = self.params.headroom == "least"
         out = []
         for m, p in zip(meets, preds):
