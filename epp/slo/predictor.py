@@ -72,16 +72,19 @@ class ErrorStats:
 
 @dataclass(slots=True)
 class TypicalSlo:
-    """The standard (priority >= 0) class's typical objective: an exponentially weighted
-    mean of the TTFT and TPOT objectives its requests carry."""
+    """The standard (priority >= 0) class's typical request: exponentially weighted means
+    of the TTFT and TPOT objectives its requests carry and of their uncached prompt
+    tokens on the endpoint they were routed to."""
 
     alpha: float = 0.02
     ttft_s: float | None = None
     tpot_s: float | None = None
+    uncached: float = 0.0
 
-    def add(self, slo: Slo) -> None:
+    def add(self, slo: Slo, uncached: float) -> None:
         self.ttft_s = _ewma(self.ttft_s, slo.ttft_s, self.alpha)
         self.tpot_s = _ewma(self.tpot_s, slo.tpot_s, self.alpha)
+        self.uncached = _ewma(self.uncached, uncached, self.alpha) or 0.0
 
     def objective(self) -> Slo | None:
         return None if self.ttft_s is None and self.tpot_s is None else Slo(self.ttft_s,
@@ -170,6 +173,19 @@ class LatencyPredictor:
         req.cycle.write(PREDICTIONS, {e.address: p for e, p in zip(eps, preds)})
         return preds
 
+    def standard_late(self, req: SchedRequest, eps: list[Endpoint],
+                      preds: list[Prediction]) -> bool:
+        """Whether a typical standard request arriving now is predicted (p90) to miss its
+        objective on every endpoint: the pool's queues, not this request's own prompt."""
+        std = self.standard.objective()
+        if std is None:
+            return False
+        for e, p in zip(eps, preds):
+            x = ttft_features(e, self.load(e.address), self.standard.uncached, req.now)
+            if std.met(self.ttft_models.model(e.address, e.role).predict(x)[1], p.tpot_p90):
+                return False
+        return True
+
     def annotate(self, facts: RequestFacts) -> None:
         facts.predicted_output = self.outlen.predict(facts.model, facts.fairness_id,
                                                      facts.max_tokens)
@@ -182,10 +198,10 @@ class LatencyPredictor:
             return None
         now = time.monotonic()
         self._arrival(ep.role, now, facts)
-        if facts.slo is not None and req.priority >= 0:
-            self.standard.add(facts.slo)
         ld = self.load(ep.address)
         unc = self.uncached(req, facts, ep)
+        if facts.slo is not None and req.priority >= 0:
+            self.standard.add(facts.slo, unc)
         if self.observe_fraction < 1.0 and self.rng.random() >= self.observe_fraction:
             ld.routed(unc, now)
             return None

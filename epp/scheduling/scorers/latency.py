@@ -10,13 +10,12 @@ the band is narrow so that among feasible endpoints the prefix and load scorers 
 decide (a cache hit saves the pool work). Those that miss score in [0, 0.2], the least
 late highest. With SLO admission on (`epp/slo/admission.py`) a sheddable request is
 refused with 429 `rejected-slo-unattainable` when none meets its SLO, and also, with
-`protectStandard`, when none is predicted (p90) to meet the standard (priority >= 0)
-requests' typical objective: the pool is at the limit where more work makes the
-standard class late (the p90, as for feasibility: shedding starts when the standard
-class begins to miss, not once most of it already does), so
-the sheddable request yields before queues build (shedding only once the sheddable
-class's own, looser objective is out of reach comes after the standard class has
-collapsed).
+`protectStandard`, when on none a typical standard (priority >= 0) request (its typical
+objective and uncached prompt: the pool's queues decide, not this prompt's size) is
+predicted (p90) to meet its objective. The pool is then at the limit where more work
+makes the standard class late, and the sheddable request yields before queues build:
+the sheddable class's own objective is usually the looser one, so shedding only when
+that is out of reach comes after the standard class has collapsed.
 
 A request without SLO headers scores 0 everywhere, so it routes exactly as without
 this scorer; so does every request until the predictor has `minSamples` observations.
@@ -101,9 +100,8 @@ class LatencyScorer(Scorer, PreRequest, PoolListener):
         meets = [slo.met(p.ttft_p90, p.tpot_p90) for p in preds]
         req.cycle.write(SLO_MEETS, any(meets))
         if req.priority < 0 and req.cycle.read(SHED_UNATTAINABLE):
-            std = pred.standard.objective() if self.params.protectStandard else None
-            if not any(meets) or (std is not None and
-                                  not any(std.met(p.ttft_p90, p.tpot_p90) for p in preds)):
+            if not any(meets) or (self.params.protectStandard and
+                                  pred.standard_late(req, eps, preds)):
                 raise slo_unattainable()
         least = self.params.headroom == "least"
         out = []
