@@ -111,3 +111,27 @@ def test_sheddable_requests_yield_when_the_standard_objective_is_out_of_reach(tm
                             "admission": True}], n=2, name="fast.yaml", flow_control=False)
     _teach_all(fast, 0.1, 0.02, 40)  # both objectives in reach: nothing is shed
     assert type(fast.director.handle(batch, _body("batch"))).__name__ == "Decision"
+
+
+def test_standard_class_is_judged_by_the_pools_queues_not_the_requests_own_prompt():
+    from kvyard.epp.pool.endpoints import Endpoint
+    from kvyard.epp.slo.features import EndpointLoad, ttft_features
+    from kvyard.epp.slo.headers import Slo
+    from kvyard.epp.slo.predictor import LatencyPredictor, Prediction
+
+    class Req:
+        now = 0.0
+
+    rng = random.Random(6)
+    pred = LatencyPredictor()
+    ep = Endpoint("10.0.0.1:8000")
+    for _ in range(500):  # TTFT = 50 ms + 0.25 ms per token queued or own
+        unc, queued = rng.uniform(0, 4000), rng.uniform(0, 4000)
+        x = ttft_features(ep, EndpointLoad(prefill_tokens=queued), unc, 0.0)
+        pred.ttft_models.learn(ep.address, ep.role, x, 0.05 + 0.00025 * (unc + queued))
+    for _ in range(50):
+        pred.standard.add(Slo(0.5, 0.05), 200.0)
+    own_prompt_late = [Prediction(1.1, 1.2, 0.02, 0.03)]  # a cold 4,000-token batch prompt
+    assert not pred.standard_late(Req(), [ep], own_prompt_late)
+    pred.load(ep.address).prefill_tokens = 3000.0  # queues: a typical request waits 0.85 s
+    assert pred.standard_late(Req(), [ep], own_prompt_late)
