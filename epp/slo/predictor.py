@@ -1,4 +1,4 @@
-"""Per-endpoint TTFT and TPOT predictors, trained online from the EPP's own observations.
+"""TTFT and TPOT predictors, trained online from the EPP's own observations.
 
 TTFT and TPOT each have `models.py`'s `PoolModels` (`LatencyModel`s: mean by
 relative-error recursive least squares on `features.py`'s vectors, p90 from the tracked
