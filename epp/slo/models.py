@@ -35,7 +35,7 @@ class PoolModels:
     pooled: dict[str, LatencyModel] = field(default_factory=dict)  # role -> model
     own: dict[str, _Own] = field(default_factory=dict)             # address -> model
 
-    def _pooled(self, role: str) -> LatencyModel:
+    def pooled_model(self, role: str) -> LatencyModel:
         m = self.pooled.get(role)
         if m is None:
             m = self.pooled[role] = LatencyModel(self.dim, self.forget, self.relative)
@@ -43,12 +43,13 @@ class PoolModels:
 
     def model(self, address: str, role: str) -> LatencyModel:
         o = self.own.get(address)
-        if o is not None and o.model.samples >= self.min_samples and o.err_own < MARGIN * o.err_pooled:
+        if (o is not None and o.model.samples >= self.min_samples
+                and o.err_own < MARGIN * o.err_pooled):
             return o.model
-        return self._pooled(role)
+        return self.pooled_model(role)
 
     def learn(self, address: str, role: str, x: list[float], y: float) -> None:
-        pooled = self._pooled(role)
+        pooled = self.pooled_model(role)
         o = self.own.get(address)
         if o is None:
             o = self.own[address] = _Own(LatencyModel(self.dim, self.forget, self.relative))

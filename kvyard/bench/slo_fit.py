@@ -14,15 +14,16 @@ more than an online model gets) with a p90 quantile objective.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from kvyard.epp.pool.endpoints import Endpoint
 from kvyard.epp.slo.features import EndpointLoad, tpot_features, ttft_features
 from kvyard.epp.slo.models import PoolModels
-from kvyard.epp.slo.online import LatencyModel
+from kvyard.epp.slo.predictor import TPOT_FORGET, TTFT_FORGET
 
 Features = Callable[[dict], list[float]]
 
@@ -60,7 +61,7 @@ FEATURES: dict[str, dict[str, Features]] = {
     "ttft": {"shipped": shipped_ttft, "plain": plain_ttft},
     "tpot": {"shipped": shipped_tpot, "plain": plain_tpot},
 }
-FORGET = {"ttft": 0.995, "tpot": 0.999}
+FORGET = {"ttft": TTFT_FORGET, "tpot": TPOT_FORGET}
 
 
 def _end(r: dict, kind: str) -> float:
@@ -91,7 +92,7 @@ def replay(rs: list[dict], kind: str, fx: Features, mode: str = "pooled+own",
         elif mode == "per endpoint" and own is not None and own.model.samples >= 20:
             m = own.model
         else:
-            m = models._pooled("both")
+            m = models.pooled_model("both")
         out[i] = m.predict(x)
     return out
 
@@ -123,8 +124,8 @@ def trees(rs: list[dict], kind: str, fx: Features):
 
 def compare(paths: list[str]) -> list[dict]:
     rows = []
-    traces = [sorted((json.loads(line) for line in open(p)), key=lambda r: r["t0"])
-              for p in paths]
+    traces = [sorted((json.loads(line) for line in Path(p).read_text().splitlines()),
+                     key=lambda r: r["t0"]) for p in paths]
     for kind in ("ttft", "tpot"):
         variants = []
         for fname, fx in FEATURES[kind].items():
@@ -133,12 +134,9 @@ def compare(paths: list[str]) -> list[dict]:
                     variants.append((f"RLS {'relative' if rel else 'absolute'}, {mode}", fname,
                                      lambda rs, fx=fx, mo=mode, re=rel:
                                      replay(rs, kind, fx, mo, re)))
-            try:
-                import lightgbm  # noqa: F401
+            if importlib.util.find_spec("lightgbm") is not None:
                 variants.append(("LightGBM (batch fit, first half)", fname,
                                  lambda rs, fx=fx: trees(rs, kind, fx)))
-            except ImportError:
-                pass
         for model, fname, fit in variants:
             per = [errors(fit(rs), rs, kind) for rs in traces]
             rows.append({"kind": kind, "model": model, "features": fname,
