@@ -7,7 +7,7 @@ routing time, and a model learns an outcome only once it has happened (TTFT at t
 first token, TPOT at the end), so every error is on a held-out request. Errors are
 those of the second half of each trace (the first warms the models up). Rows: the
 shipped model (`PoolModels`, relative-error RLS on `features.py`), the same on the
-earlier feature sets, per-endpoint vs pooled, absolute vs relative error, and, where
+plain feature set, per-endpoint vs pooled, absolute vs relative error, and, where
 LightGBM is installed, gradient-boosted trees fitted on the first half (a batch fit:
 more than an online model gets) with a p90 quantile objective.
 """
@@ -69,7 +69,7 @@ def _end(r: dict, kind: str) -> float:
     return t if kind == "ttft" else t + r["tpot"] * (r["out"] - 1)
 
 
-MODES = {"per endpoint": "an endpoint's own model once it has 20 outcomes (the first design)",
+MODES = {"per endpoint": "an endpoint's own model once it has 20 outcomes",
          "pooled": "the role's model only",
          "pooled+own": "the role's, or the endpoint's own where it predicts it better (shipped)"}
 
