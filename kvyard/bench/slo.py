@@ -17,7 +17,8 @@ Policies: load, precise_prefix, precise_prefix+latency, +admission (= precise_pr
 class's SLO), attainment per class, TTFT/TPOT p50/p90/p99, sheds, errors, the pods'
 prefix-hit rate (conversation affinity). Predictor: MAPE and p90 coverage of the last
 latency policy's EPP on the requests after the first rung (each predicted before its
-own outcome was learned), and output-length MAE vs max_tokens; `cpu_workers`: the same
+own outcome was learned), and output-length MAE vs max_tokens. `--repeat N` runs every
+policy N times, paired, and reports medians with min/max (`slo_repeat`); `cpu_workers`: the same
 on a real CPU worker (`slo_cpu`). `epp_cost`: decision latency with and without the
 latency scorer, paired (`slo_cost`), and the EPP's CPU per request per policy.
 """
@@ -60,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="autoscale: simulated pod start seconds")
     p.add_argument("--plot", default="docs/bench/slo-goodput.svg")
     p.add_argument("--run-dir", default=None)
-    p.add_argument("--policies", nargs="+", default=None,
+    p.add_argument("--policies", nargs="+", default=None, choices=list(_policies()),
                    help="run only these policies (default: all four)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run every policy N times, paired (each repeat runs all policies on "
