@@ -12,9 +12,11 @@ server (stock vLLM works), it is exact per request, and no token waits for the E
 Without the latency scorer and `observe_responses`, nothing of this runs.
 
 Modules: `headers.py` (the SLO headers, the request facts in the cycle state),
-`online.py` (recursive least squares and an online quantile), `features.py` (what a
-prediction reads off an endpoint), `outlen.py` (output length), `predictor.py`
-(per-endpoint TTFT/TPOT models, requests in flight, held-out error), `observe.py` (one
+`online.py` (relative-error recursive least squares and an online quantile), `models.py`
+(a model per role pooled over its endpoints, an endpoint's own where it is better),
+`features.py` (what a prediction reads off an endpoint), `outlen.py` (output length),
+`predictor.py` (TTFT/TPOT models, requests in flight, held-out error), `trace.py` (the
+optional per-request trace for offline fits), `observe.py` (one
 response's timing; the observing streams paired with decisions), `admission.py` (SLO
 admission), `metrics.py` (Prometheus), `wiring.py` (into the EPP).
 """

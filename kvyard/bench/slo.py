@@ -17,7 +17,8 @@ Policies: load, precise_prefix, precise_prefix+latency, +admission (= precise_pr
 class's SLO), attainment per class, TTFT/TPOT p50/p90/p99, sheds, errors, the pods'
 prefix-hit rate (conversation affinity). Predictor: MAPE and p90 coverage of the last
 latency policy's EPP on the requests after the first rung (each predicted before its
-own outcome was learned), and output-length MAE vs max_tokens; `cpu_workers`: the same
+own outcome was learned), and output-length MAE vs max_tokens. `--repeat N` runs every
+policy N times, paired, and reports medians with min/max (`slo_repeat`); `cpu_workers`: the same
 on a real CPU worker (`slo_cpu`). `epp_cost`: decision latency with and without the
 latency scorer, paired (`slo_cost`), and the EPP's CPU per request per policy.
 """
@@ -64,6 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     autoscale_arguments(p)
     p.add_argument("--plot", default="docs/bench/slo-goodput.svg")
     p.add_argument("--run-dir", default=None)
+    p.add_argument("--policies", nargs="+", default=None, choices=list(_policies()),
+                   help="run only these policies (default: all four)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run every policy N times, paired (each repeat runs all policies on "
+                        "the same requests back to back); report medians and min/max")
 
 
 @dataclass(slots=True)
@@ -183,6 +189,7 @@ def run_policy(name: str, scorers: list[dict], pods, work, tags, run_root: Path,
         route_stack.stop(stack)
     slo = held_out(snaps[0], snaps[-1]) if len(snaps) > 1 else (snaps[0] if snaps else {})
     slo["epp_cpu_s_per_req"] = cpu
+    (run / "result.json").write_text(json.dumps({"rows": rows, "slo": slo}))
     return rows, slo
 
 
@@ -191,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
     from kvyard.bench.route_stack import Pods
     from kvyard.bench import slo_autoscale_cli
     from kvyard.bench.slo_cost import epp_cost
+    from kvyard.bench.slo_repeat import _median, merge_policy, merge_predictor
 
     if args.only == "autoscale":
         return slo_autoscale_cli.run_only(args)
@@ -209,17 +217,30 @@ def run(args: argparse.Namespace) -> int:
     tags = _tags(work.rungs, args.seed)
     pods = Pods("sim", args.pods, args.profile, args.kv_blocks, 8192, args.seed, scale)
     root = Path(args.run_dir or tempfile.mkdtemp(prefix="kvyard-bench-slo-"))
-    policies, by_rate, pred, cpu = {}, {}, {}, {}
-    for name, scorers in _policies().items():
-        rows, slo = run_policy(name, scorers, pods, work, tags, root, scale)
-        by_rate[name] = rows
-        cpu[name] = slo.get("epp_cpu_s_per_req")
+    policies, by_rate, cpu = {}, {}, {}
+    chosen = {n: s for n, s in _policies().items() if not args.policies or n in args.policies}
+    runs: dict[str, list[list[dict]]] = {name: [] for name in chosen}
+    snaps: list[dict] = []
+    for rep in range(max(1, args.repeat)):
+        pred = {}
+        for name, scorers in chosen.items():
+            sub = root / f"repeat-{rep}" if args.repeat > 1 else root
+            rows, slo = run_policy(name, scorers, pods, work, tags, sub, scale)
+            runs[name].append(rows)
+            cpu.setdefault(name, []).append(slo.get("epp_cpu_s_per_req"))
+            if slo.get("ttft", {}).get("samples"):
+                pred = slo
+        snaps.append(pred)
+    for name, reps in runs.items():
+        rows = by_rate[name] = merge_policy(reps) if len(reps) > 1 else reps[0]
+        cpu[name] = _median(cpu[name])
         top = rows[-1]
         policies[name] = {"goodput": top["goodput"], "attainment": top["attainment"],
                           "ttft_p90": top["ttft_p90"], "tpot_p90": top["tpot_p90"],
                           "shed": top["shed"], "errors": top["errors"]}
-        if slo.get("ttft", {}).get("samples"):
-            pred = slo
+        if len(reps) > 1:
+            policies[name].update({k: top[k] for k in top if k.endswith(("_min", "_max"))})
+    pred = merge_predictor(snaps) if len(snaps) > 1 else snaps[0]
     ol = pred.get("output_len", {})
     ttft_cov, tpot_cov = (pred.get(k, {}).get("p90_coverage") for k in ("ttft", "tpot"))
     predictor = {"ttft_mape": pred.get("ttft", {}).get("mape"),
@@ -242,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
            "by_rate": by_rate, "epp_cost": cost, "cpu_workers": cpu_run,
            "config": {"pods": args.pods, "profile": args.profile, "time_scale": scale,
                       "rates_sim_rps": args.rates, "rung_wall_s": args.duration,
+                      "repeat": args.repeat,
                       "classes": CLASSES, "max_tokens": MAX_TOKENS, "quick": args.quick,
                       "autoscale_model": auto["model"], "autoscale_spare": auto.get("spare"),
                       "autoscale_detail": {m: auto[m] for m in ("reactive", "predictive")},
@@ -267,13 +289,20 @@ def _table(doc: dict) -> str:
     from kvyard.bench.report import Report
     from kvyard.bench.route import _finite
 
-    rep = Report(title="kvyard bench slo (simulated seconds)",
-                 columns=["policy", "rate", "goodput", "att_interactive", "att_batch",
-                          "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p90", "hit_rate", "shed",
-                          "errors"])
+    repeat = doc["config"].get("repeat", 1)
+    spread = ["goodput_range", "att_interactive_range"] if repeat > 1 else []
+    rep = Report(title="kvyard bench slo (simulated seconds" +
+                 (f"; medians of {repeat} paired repeats, min-max)" if repeat > 1 else ")"),
+                 columns=["policy", "rate", "goodput", *spread[:1], "att_interactive",
+                          *spread[1:], "att_batch", "ttft_p50", "ttft_p90", "ttft_p99",
+                          "tpot_p90", "hit_rate", "shed", "errors"])
     for name, rows in doc["by_rate"].items():
         for r in rows:
+            ranges = {k: f"{r[k + '_min']:.1f}-{r[k + '_max']:.1f}" if k == "goodput" else
+                      f"{r[k + '_min']:.2f}-{r[k + '_max']:.2f}"
+                      for k in ("goodput", "att_interactive") if k + "_min" in r}
             rep.add(policy=name, rate=r["rate"], goodput=r["goodput"],
+                    **{k + "_range": v for k, v in ranges.items()},
                     att_interactive=r["attainment"]["interactive"],
                     att_batch=r["attainment"]["batch"], ttft_p50=r["ttft_p50"],
                     ttft_p90=r["ttft_p90"], ttft_p99=r["ttft_p99"], tpot_p90=r["tpot_p90"],

@@ -1,7 +1,9 @@
 """What SLO routing costs the EPP, paired: the same requests (with SLO headers) decided
 by `Director.handle` (what `kvyard bench epp` times) of an EPP with the default-shaped
 config and of one with the latency scorer added (its predictor trained, so every
-request is predicted on every endpoint), alternating request by request; plus the
+request is predicted on every endpoint), and sheddable requests through SLO admission
+(which also predicts a typical standard request on every endpoint), alternating request
+by request; plus the
 cost of timing one streamed response chunk (`ResponseTracker.body`). CPU time of
 this thread (`time.thread_time`): on a shared machine wall time measures neighbours.
 """
@@ -18,6 +20,8 @@ SLO = {":method": "POST", ":path": "/v1/completions", "x-llm-d-slo-ttft-ms": "50
        "x-llm-d-slo-tpot-ms": "50"}
 BASE = [{"type": "prefix-cache", "weight": 3}, {"type": "queue", "weight": 2},
         {"type": "kv-cache-utilization", "weight": 2}]
+SHEDDABLE = {**SLO, "x-llm-d-slo-ttft-ms": "1000", "x-llm-d-slo-tpot-ms": "100",
+             "x-llm-d-inference-objective": "-1"}
 
 
 def _app(scorers: list[dict], n: int, tmp: Path, name: str):
@@ -60,15 +64,22 @@ def paired(endpoints: int, iterations: int) -> dict:
         base = _app(BASE, endpoints, tmp, "base.json")
         lat = _app([*BASE, {"type": "latency", "weight": 4, "minSamples": 8}], endpoints, tmp,
                    "lat.json")
+        adm = _app([*BASE, {"type": "latency", "weight": 4, "minSamples": 8,
+                            "admission": True}], endpoints, tmp, "adm.json")
         _train(lat)
-        out: dict[str, list[float]] = {"base": [], "latency": []}
+        _train(adm)
+        arms = [("base", base, SLO), ("latency", lat, SLO), ("admission", adm, SHEDDABLE)]
+        out: dict[str, list[float]] = {name: [] for name, _, _ in arms}
         for i in range(iterations):
             body = _body(i)
-            for name, app in (("base", base), ("latency", lat)) if i % 2 else (
-                    ("latency", lat), ("base", base)):
+            for name, app, headers in arms[i % 3:] + arms[:i % 3]:
+                for e in app.pool.all():  # as a scrape would: the picks are in its queue
+                    e.pending = 0
                 t0 = time.thread_time()
-                dec = app.director.handle(SLO, body)
+                dec = app.director.handle(headers, body)
                 out[name].append(time.thread_time() - t0)
+                if getattr(dec, "endpoint", None) is None:  # shed: nothing routed
+                    continue
                 app.director.scheduler.learn(dec.endpoint.address, dec.prompt.finish())
                 if app.predictor is not None:
                     f = app.predictor.claim(dec.prompt)
@@ -82,10 +93,12 @@ def chunk_cost(n: int = 20000) -> float:
     """CPU seconds to time one streamed chunk of an observed response."""
     from kvyard.epp.slo.headers import RequestFacts
     from kvyard.epp.slo.observe import ResponseTracker
+    from kvyard.epp.slo.features import TPOT_DIM, TTFT_DIM
     from kvyard.epp.slo.predictor import Flight, LatencyPredictor, Prediction
 
     p = LatencyPredictor()
-    f = Flight("a", "both", RequestFacts(None, 100, 64, "", "m"), 0.0, [1.0] * 7, [1.0] * 7,
+    f = Flight("a", "both", RequestFacts(None, 100, 64, "", "m"), 0.0, [1.0] * TTFT_DIM,
+               [1.0] * TPOT_DIM,
                Prediction(0.1, 0.1, 0.02, 0.02), 0, 0.0)
     tr = ResponseTracker(p, f)
     tr.headers({":status": "200", "content-type": "text/event-stream"})

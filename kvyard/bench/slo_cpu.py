@@ -103,13 +103,15 @@ async def _send(url: str, n: int, concurrency: int, seed: int) -> int:
     return ok
 
 
-def run_cpu(workers: int, requests: int, warmup: int, run: Path, seed: int = 0) -> dict:
+def run_cpu(workers: int, requests: int, warmup: int, run: Path, seed: int = 0,
+            trace: str = "") -> dict:
+    """`trace`: the latency scorer's traceFile (for `slo_fit`), "" for none."""
     from kvyard.bench import route_stack
     from kvyard.bench.route_policies import Policy
 
     run.mkdir(parents=True, exist_ok=True)
     scorers = [{"type": "prefix-cache", "weight": 3}, {"type": "queue", "weight": 2},
-               {"type": "latency", "weight": 4, "minSamples": warmup}]
+               {"type": "latency", "weight": 4, "minSamples": warmup, "traceFile": trace}]
     stack = route_stack.start(CpuPods(workers), run, Policy("cpu", scorers).write(run),
                               timeout_s=600.0, observe_responses=True)
     try:

@@ -34,11 +34,14 @@ def _rotate(x1, x2, cos, sin):
 def _store_q8(c_ptr, cf_ptr, dst, fdst, x1, x2, hmask, j, W: tl.constexpr, HD: tl.constexpr,
               QMAX: tl.constexpr, FMT: tl.constexpr):
     """Codes of one row given as two halves of width W (x2 None-like when W == HD), then its scale."""
+    # IEEE division (a GPU's `/` is approximate): the scale must be kv_quant.quantize's bit for bit
     if W == HD:
-        scale = tl.max(tl.abs(x1), 1) / QMAX
+        amax = tl.max(tl.abs(x1), 1)
+        scale = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
         tl.store(c_ptr + dst + j, encode(x1, scale, FMT), mask=hmask)
     else:
-        scale = tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1)) / QMAX
+        amax = tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1))
+        scale = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
         tl.store(c_ptr + dst + j, encode(x1, scale, FMT), mask=hmask)
         tl.store(c_ptr + dst + W + j, encode(x2, scale, FMT), mask=hmask)
     tl.store(cf_ptr + fdst + HD // 4, scale[:, None], mask=hmask)

@@ -8,8 +8,14 @@ slack of an endpoint is `ttftWeight * (slo_ttft - p90_ttft) / slo_ttft + tpotWei
 where it just fits and lightly loaded endpoints keep room; `most`, more slack first);
 the band is narrow so that among feasible endpoints the prefix and load scorers still
 decide (a cache hit saves the pool work). Those that miss score in [0, 0.2], the least
-late highest. When none meets and SLO admission is on (`epp/slo/admission.py`), a
-sheddable request is refused with 429 `rejected-slo-unattainable`.
+late highest. With SLO admission on (`epp/slo/admission.py`) a sheddable request is
+refused with 429 `rejected-slo-unattainable` when none meets its SLO, and also, with
+`protectStandard`, when on none a typical standard (priority >= 0) request (its typical
+objective and uncached prompt: the pool's queues decide, not this prompt's size) is
+predicted (p90) to meet its objective. The pool is then at the limit where more work
+makes the standard class late, and the sheddable request yields before queues build:
+the sheddable class's own objective is usually the looser one, so shedding only when
+that is out of reach comes after the standard class has collapsed.
 
 A request without SLO headers scores 0 everywhere, so it routes exactly as without
 this scorer; so does every request until the predictor has `minSamples` observations.
@@ -26,6 +32,7 @@ from ...pool.endpoints import Endpoint
 from ...request import slo_unattainable
 from ...slo.headers import FACTS
 from ...slo.predictor import LatencyPredictor, Prediction
+from ...slo.trace import jsonl_writer
 from ..cycle import StateKey
 from ..hooks import PoolListener, PreRequest, Scorer
 from ..plugin_config import param
@@ -46,8 +53,13 @@ class LatencyParams:
     minSamples: int = param(20, min=1, doc="observations before predictions are acted on")
     observeFraction: float = param(1.0, min=0.0, max=1.0,
                                    doc="share of routed requests whose responses are timed")
+    traceFile: str = param("", doc="append one JSON line per followed request (the state it "
+                                   "was routed in, its prediction and outcome) to this file")
     admission: bool = param(False, doc="SLO admission: shed sheddable requests no endpoint "
                                        "is predicted to meet (429)")
+    protectStandard: bool = param(True, doc="with admission: also shed sheddable requests "
+                                            "when no endpoint is predicted to meet the "
+                                            "standard class's typical objective")
 
 
 def _clamp(x: float) -> float:
@@ -62,7 +74,10 @@ class LatencyScorer(Scorer, PreRequest, PoolListener):
 
     @classmethod
     def build(cls, p: LatencyParams) -> "LatencyScorer":
-        return cls(LatencyPredictor(p.minSamples, p.observeFraction, random.Random(0)), p)
+        pred = LatencyPredictor(p.minSamples, p.observeFraction, random.Random(0))
+        if p.traceFile:
+            pred.trace = jsonl_writer(p.traceFile)
+        return cls(pred, p)
 
     def slack(self, slo, pr: Prediction) -> float:
         p = self.params
@@ -84,8 +99,10 @@ class LatencyScorer(Scorer, PreRequest, PoolListener):
         preds = pred.predict(req, eps)
         meets = [slo.met(p.ttft_p90, p.tpot_p90) for p in preds]
         req.cycle.write(SLO_MEETS, any(meets))
-        if not any(meets) and req.priority < 0 and req.cycle.read(SHED_UNATTAINABLE):
-            raise slo_unattainable()
+        if req.priority < 0 and req.cycle.read(SHED_UNATTAINABLE):
+            if not any(meets) or (self.params.protectStandard and
+                                  pred.standard_late(req, eps, preds)):
+                raise slo_unattainable()
         least = self.params.headroom == "least"
         out = []
         for m, p in zip(meets, preds):

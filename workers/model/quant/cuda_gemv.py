@@ -146,7 +146,8 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, sxm, sqm, FP8_MAX: tl.constexpr, 
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
         amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + r * sxm + rk, mask=rk < K, other=0.0).to(tl.float32)))
-    s = tl.maximum(tl.max(amax, 0) / FP8_MAX, 1e-12)
+    top = tl.full((1,), tl.max(amax, 0), tl.float32)
+    s = tl.max(tl.maximum(tl.math.div_rn(top, tl.full((1,), FP8_MAX, tl.float32)), 1e-12), 0)  # IEEE, as torch
     tl.store(s_ptr + r, s)
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
