@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .kv_quant import format_of, head_dim_of
+from .triton_decode_quant import decode_quant_kernel, program_range
 from .triton_kv_quant import decode_codes, quant_views
 
 LOG2E = 1.4426950408889634
@@ -63,21 +64,6 @@ class DecodeWorkspace:
                  device: torch.device | str) -> "DecodeWorkspace":
         return cls(torch.empty(max_batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=device),
                    torch.empty(max_batch, num_heads, num_splits, dtype=torch.float32, device=device))
-
-
-@triton.jit
-def program_range(lens_ptr, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """This program's sequence b, KV head kh, split s, its context range [start, end) and
-    its query heads (g, heads, gmask: the group padded to GP rows)."""
-    b = tl.program_id(0).to(tl.int64)
-    kh = tl.program_id(1)
-    s = tl.program_id(2)
-    seq_len = tl.load(lens_ptr + b)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = s * per_split
-    end = tl.minimum(seq_len, start + per_split)
-    g = tl.arange(0, GP)
-    return b, kh, s, start, end, g, kh * G + g, (g < G)[:, None]
 
 
 @triton.jit
@@ -192,8 +178,6 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     gp = max(16, triton.next_power_of_2(g))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     if code and hd >= 64:
-        from .triton_decode_quant import decode_quant_kernel
-
         words = kv_cache.view(torch.int32)
         kw, vw = words[0], words[1]
         decode_quant_kernel[(B, nkv, S)](

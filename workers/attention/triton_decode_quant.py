@@ -10,15 +10,29 @@ so each slice is its own pair of dots against q's matching slice and its own out
 slice, and nothing is shuffled back: q is loaded and the output stored with stride 4.
 E4M3 codes widen through a bitcast and the device's converter, int8 codes by a cast.
 
-Same program layout, split-K partials and CUDA-graph rules as triton_decode.py (which
-owns the merge kernel and the dispatch); needs head_dim / 4 >= 16 (tl.dot's minimum).
+Same program layout (`program_range`, shared with triton_decode.py's kernel), split-K
+partials and CUDA-graph rules as triton_decode.py (which owns the merge kernel and the
+dispatch); needs head_dim / 4 >= 16 (tl.dot's minimum).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .triton_decode import program_range
+
+@triton.jit
+def program_range(lens_ptr, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """This program's sequence b, KV head kh, split s, its context range [start, end) and
+    its query heads (g, heads, gmask: the group padded to GP rows)."""
+    b = tl.program_id(0).to(tl.int64)
+    kh = tl.program_id(1)
+    s = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = s * per_split
+    end = tl.minimum(seq_len, start + per_split)
+    g = tl.arange(0, GP)
+    return b, kh, s, start, end, g, kh * G + g, (g < G)[:, None]
 
 
 @triton.jit
