@@ -2,7 +2,7 @@
 
 The reactive metric (`metric.py`) sees demand once it is queued or running; by then a
 GPU pod that takes minutes to start is late. This one reads the arrivals the EPP
-routed in the last 30 s (their rate, its trend, and the per-request cost the
+routed in the last 15 s (their rate, its trend, and the per-request cost the
 predictors see: prompt tokens and predicted output tokens, `epp/slo/predictor.py`)
 and the per-replica capacity `capacity.py` measured, and reports the replicas needed
 at the rate expected `lead_s` from now (the pod start time):

@@ -32,7 +32,7 @@ from .outlen import OutputLength
 
 MAX_FLIGHTS = 8192        # routed requests waiting for their stream (the oldest dropped)
 ATTAINMENT_WINDOW = 512   # recent SLO requests per class behind kvyard:slo_attainment
-RATE_WINDOW_S = 30.0      # arrivals counted for the scaler's rate
+RATE_WINDOW_S = 15.0      # arrivals counted for the scaler's rate (its trend shows a ramp ~half of this in)
 # RLS memory, in outcomes: TTFT follows the queue (~200), TPOT's noisier samples need ~1000
 TTFT_FORGET = 0.995
 TPOT_FORGET = 0.999
