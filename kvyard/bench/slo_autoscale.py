@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 from kvyard.epp.scaler.predictive import Forecast, required_replicas
 
+from .slo_autoscale_traffic import Ramp
+
 
 @dataclass(slots=True, frozen=True)
 class PodModel:
@@ -44,14 +46,10 @@ class PodModel:
 TARGET = 0.9  # KEDA's targetValue for both: replicas = ceil(metric / 0.9)
 
 
-def traffic(base: float, t: int) -> float:
-    if t < 60:
-        return base
-    if t < 180:
-        return base * (1.0 + (t - 60) / 120.0)
-    if 240 <= t < 270:
-        return base * 2.5
-    return base * 2.0
+def fluid_ramp(base: float) -> Ramp:
+    """The fluid model's traffic: the stack's ramp shape, 120 s of ramp, 30 s after the spike,
+    no warm-up."""
+    return Ramp(base_rps=base, base_s=60.0, ramp_s=120.0, hold_s=60.0, spike_s=30.0, after_s=30.0, warmup_s=0.0)
 
 
 def simulate(predictive: bool, pod: PodModel, base: float, max_pods: int, start_s: float,
@@ -63,11 +61,12 @@ def simulate(predictive: bool, pod: PodModel, base: float, max_pods: int, start_
     queue = served_total = met = arrived = pod_s = 0.0
     window: deque[tuple[int, float]] = deque()
     low_since: int | None = None
+    ramp = fluid_ramp(base)
     for t in range(duration_s):
         while starting and starting[0] <= t:
             starting.popleft()
             ready += 1
-        rate = traffic(base, t)
+        rate = ramp.rate(t)
         window.append((t, rate))
         while window[0][0] <= t - 30:
             window.popleft()
