@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", help="float32 keeps greedy tokens comparable bit for bit")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (decode and verify)")
     p.add_argument("--device", default="cuda", help="cuda (cpu: a functional check of this script)")
+    p.add_argument("--profile", default="", help="a mode to run once more under torch.profiler at batch 1 "
+                   "(its top operators by CPU and CUDA time go to the JSON's \"profile\")")
     a = p.parse_args(argv)
 
     import torch
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         for b in (1, 8):
             ps = batch_prompts(prompts, b, a.prompts_b1)
             for m in modes:  # every engine's first steps (kernel compiles, lazy captures) before timing
-                measure(engines[m], ps[:1], 1, 16)
+                measure(engines[m], ps[:b], b, 16)
             rows[b] = paired(engines, modes, ps, b, a.max_tokens, a.rounds)
             print(f"# {w} b{b}: " + ", ".join(f"{m} {rows[b][m]['speedup']:.2f}x" for m in modes), flush=True)
         result["modes"][w] = {f"b{b}": r for b, r in rows.items()}
@@ -63,11 +65,29 @@ def main(argv: list[str] | None = None) -> int:
                              "speedup_b8": rows[8][main_mode]["speedup"],
                              "acceptance": rows[1][main_mode]["acceptance"],
                              "greedy_unchanged": all(r[m]["same_tokens"] for r in rows.values() for m in modes)}
+    if a.profile:
+        result["profile"] = profile_mode(engines[a.profile], load_prompts(tok, a.workloads.split(",")[0])[:1],
+                                         a.max_tokens)
     result["elapsed_s"] = round(time.time() - t0, 1)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=2)
     print(json.dumps(result["spec"], indent=2))
     return 0
+
+
+def profile_mode(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, str]:
+    """One generation under torch.profiler: where a mode's step time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvyard.bench.spec_run import measure
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.config.device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        m = measure(engine, prompts, 1, max_tokens)
+    avg = prof.key_averages()
+    return {"tok_s": f"{m.tok_s:.1f}",
+            "by_cpu": avg.table(sort_by="self_cpu_time_total", row_limit=25),
+            "by_cuda": avg.table(sort_by="self_cuda_time_total", row_limit=25) if len(acts) > 1 else ""}
 
 
 if __name__ == "__main__":

@@ -198,3 +198,34 @@ def test_predictive_scaler_term_reports_the_forecast(tmp_path):
     r = app.scaler.servicer.read(p)
     assert r.active and r.predicted > 0 and r.metric >= r.predicted
     assert math.isfinite(r.metric)
+
+
+def test_latency_scorer_never_pulls_a_request_off_its_cached_endpoint(tmp_path):
+    """The cached endpoint is predicted late, a cold one to meet: moving the request would
+    make the pool recompute its prompt, so the cold endpoint scores in the late band too
+    (the prefix and load scorers decide); within `moveTokens` of the best match it does not."""
+    from kvyard.epp.scheduling.cycle import PREFIX_MATCHES
+    from kvyard.epp.slo.wiring import latency_scorers
+    from kvyard.epp.scheduling.types import SchedRequest
+    from kvyard.epp.prompt import LazyPrompt
+    from kvyard.epp.slo.headers import FACTS, RequestFacts, Slo
+
+    app = _app(tmp_path, [{"type": "latency", "weight": 4, "minSamples": 5}], n=2, flow_control=False)
+    cached, cold = sorted(e.address for e in app.pool.all())
+    _teach(app, 60, slow=cached)
+    scorer = latency_scorers(app.director.scheduler)[0]
+    eps = sorted(app.pool.all(), key=lambda e: e.address)
+
+    def scores(matched: dict[str, int]) -> list[float]:
+        req = SchedRequest("m", LazyPrompt.of_hashes(list(range(64))), now=time.monotonic())
+        req.cycle.write(FACTS, RequestFacts(Slo(0.5, 0.05), 1024, 64, "", "m"))
+        req.cycle.write(PREFIX_MATCHES, matched)
+        return scorer.score(req, eps)
+
+    bs = LazyPrompt.of_hashes([1]).block_size
+    far = scores({cached: 1024 // bs, cold: 0})        # the cold endpoint lacks 1,024 tokens
+    assert far[0] <= 0.2 and far[1] <= 0.2
+    near = scores({cached: 1024 // bs, cold: (1024 - 128) // bs})  # 128 tokens short: ranked
+    assert near[0] <= 0.2 and near[1] >= 0.8
+    fresh = scores({})                                  # a cold prompt everywhere: ranked
+    assert fresh[0] <= 0.2 and fresh[1] >= 0.8

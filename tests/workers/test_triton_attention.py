@@ -24,7 +24,7 @@ from kvyard.workers.attention.reference import SeqStep, build_metadata  # noqa: 
 from kvyard.workers.attention.triton_backend import TritonBackend  # noqa: E402
 from kvyard.workers.attention.triton_decode import DecodeConfig, paged_decode  # noqa: E402
 from kvyard.workers.attention.triton_kv_write import rope_write_kv, write_kv  # noqa: E402
-from kvyard.workers.attention.triton_prefill import PrefillConfig, paged_prefill  # noqa: E402
+from kvyard.workers.attention.triton_prefill import PrefillConfig, paged_prefill, prefill_config  # noqa: E402
 from kvyard.workers.model.rope import apply_rope  # noqa: E402
 
 if not CUDA:
@@ -172,6 +172,22 @@ def test_prefill_matches_reference(bs: int, gqa: int, hd: int, dtype: torch.dtyp
                         max_query_len=37, out=_poisoned(batch.q), config=cfg)
     assert torch.isfinite(out).all(), "every output element is written"
     assert _rel(out, batch.reference(hd ** -0.5)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_verify_shaped_default_config(dtype: torch.dtype) -> None:
+    """Verify steps (1 + k queries per row over a long context) take the default config, whose
+    query tile fits the few rows; results match the reference on every device."""
+    assert prefill_config(64, 5).block_m == 16 and prefill_config(64, 20).block_m == 32
+    assert prefill_config(128, 512) == prefill_config(128)
+    specs = [(70, 5), (33, 5), (90, 5)]
+    batch = _Batch(specs, 16, 2, 8, 64, dtype, seed=11)
+    k, v = batch.new_kv()
+    write_kv(k, v, batch.cache, batch.slots())
+    out = paged_prefill(batch.q, batch.cache, batch.tables(torch.int64), batch.query_start(), batch.lens(),
+                        0.125, max_query_len=5, out=_poisoned(batch.q))
+    assert torch.isfinite(out).all()
+    assert _rel(out, batch.reference(0.125)) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -37,9 +37,15 @@ class PrefillConfig:
     num_stages: int = 3
 
 
-def prefill_config(head_dim: int) -> PrefillConfig:
+def prefill_config(head_dim: int, max_query_len: int | None = None) -> PrefillConfig:
     """head_dim 128: the fastest of six tilings on an H200 for 2k-8k prompts and 4k-prefix extends
-    (docs/gpu-notes.md). Smaller heads: half-width key tiles (not yet timed)."""
+    (docs/gpu-notes.md). Smaller heads: half-width key tiles (not yet timed).
+    A few new tokens per sequence (speculative verify steps, short extends) get query tiles of
+    16-32 rows: a 128-row tile would compute and hold 8-32x more rows than exist, and with
+    float32 (no tensor cores) its registers spill; on an H200 a verify step of 5 queries per row
+    took ~1.2 ms a layer that way."""
+    if max_query_len is not None and max_query_len <= 32:
+        return PrefillConfig(block_m=max(16, 1 << (max_query_len - 1).bit_length()), block_n=64, num_warps=4)
     return PrefillConfig() if head_dim >= 128 else PrefillConfig(block_n=64, num_warps=4)
 
 
@@ -144,8 +150,8 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
         out = torch.empty_like(q)
     if T == 0 or B == 0:
         return out
-    config = config or prefill_config(hd)
     max_q = T if max_query_len is None else max_query_len
+    config = config or prefill_config(hd, max_q)
     cache, fcache, code = quant_views(kv_cache)
     kc, vc, kf, vf = cache[0], cache[1], fcache[0], fcache[1]
     grid = (nh, triton.cdiv(max_q, config.block_m), B)

@@ -17,6 +17,16 @@ makes the standard class late, and the sheddable request yields before queues bu
 the sheddable class's own objective is usually the looser one, so shedding only when
 that is out of reach comes after the standard class has collapsed.
 
+Cache affinity: an endpoint holding `moveTokens` fewer of the prompt's tokens than the
+best-matched candidate scores in the late band whatever its prediction. Moving a request
+off its cached endpoint makes the pool recompute the prefix, and that prefill lands in the
+decode steps of every request running on the new endpoint: a cost to them that the
+request's own prediction does not see. Past saturation, scoring such moves by the mover's
+predicted latency spread work to the edge of every endpoint's objective and lowered both
+goodput and attainment; so the latency scorer only ranks endpoints that hold about as much
+of the prompt as the best one (all of them for a cold prompt), and leaving a cached
+endpoint stays the prefix and load scorers' call ("sticky until saturated").
+
 A request without SLO headers scores 0 everywhere, so it routes exactly as without
 this scorer; so does every request until the predictor has `minSamples` observations.
 As a `PreRequest` hook the plugin starts following each routed request (the ext_proc
@@ -33,7 +43,7 @@ from ...request import slo_unattainable
 from ...slo.headers import FACTS
 from ...slo.predictor import LatencyPredictor, Prediction
 from ...slo.trace import jsonl_writer
-from ..cycle import StateKey
+from ..cycle import PREFIX_MATCHES, StateKey
 from ..hooks import PoolListener, PreRequest, Scorer
 from ..plugin_config import param
 from ..types import SchedRequest
@@ -50,6 +60,8 @@ class LatencyParams:
     tpotWeight: float = param(0.2, min=0.0, doc="weight of TPOT slack")
     headroom: str = param("least", choices=("least", "most"),
                           doc="among endpoints that meet the SLO, prefer the least or most slack")
+    moveTokens: int = param(256, min=0, doc="an endpoint holding this many fewer prompt tokens "
+                                            "than the best-matched one is scored as late")
     minSamples: int = param(20, min=1, doc="observations before predictions are acted on")
     observeFraction: float = param(1.0, min=0.0, max=1.0,
                                    doc="share of routed requests whose responses are timed")
@@ -104,10 +116,14 @@ class LatencyScorer(Scorer, PreRequest, PoolListener):
                                   pred.standard_late(req, eps, preds)):
                 raise slo_unattainable()
         least = self.params.headroom == "least"
+        matched = req.cycle.read(PREFIX_MATCHES, {})
+        bs = req.prompt.block_size if req.prompt is not None else 0
+        held = [matched.get(e.address, 0) * bs for e in eps]
+        floor = max(held) - self.params.moveTokens
         out = []
-        for m, p in zip(meets, preds):
+        for m, p, h in zip(meets, preds, held):
             s = self.slack(slo, p)
-            if m:  # a narrow band: among feasible endpoints prefix and load still decide
+            if m and h >= floor:  # a narrow band: among feasible endpoints prefix and load still decide
                 out.append(0.8 + 0.2 * (1.0 - _clamp(s) if least else _clamp(s)))
             else:  # late: s < 0; the least late scores highest, in a narrow band too:
                 # steering every late request to the least loaded endpoint moves

@@ -98,7 +98,7 @@ def _block_n(n: int, sms: int) -> int:
 
 
 def _block_k(k: int, cap: int = 256) -> int:
-    return next(b for b in (1024, 512, 256, 128, 64, 32) if b <= cap and k % b == 0)
+    return next(b for b in (2048, 1024, 512, 256, 128, 64, 32) if b <= cap and k % b == 0)
 
 
 # On CUDA the block shape is tuned per (N, K, rows) at the first call (Triton's autotuner,
@@ -106,7 +106,9 @@ def _block_k(k: int, cap: int = 256) -> int:
 # first guess use the static choice above.
 _TUNE = [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st)
          for bn, bk, w, st in ((4, 512, 4, 3), (8, 256, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3),
-                               (4, 1024, 4, 2), (16, 512, 8, 3), (32, 256, 8, 3), (8, 1024, 8, 2))]
+                               (4, 1024, 4, 2), (16, 512, 8, 3), (32, 256, 8, 3), (8, 1024, 8, 2),
+                               # deeper pipelines and wider K tiles: more bytes in flight per SM at batch 1
+                               (4, 1024, 4, 4), (8, 512, 4, 4), (16, 1024, 8, 2), (2, 2048, 4, 2))]
 
 
 def _prune(configs, named_args, **kwargs):
