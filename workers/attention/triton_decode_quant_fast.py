@@ -1,0 +1,423 @@
+"""Paged decode attention over a quantized KV cache: kernel variants and the choice between them.
+
+On Hopper the word kernel (triton_decode_quant.py, variant "words") is ALU-bound, not
+memory-bound: each code byte costs a shift, a mask, a narrowing cast, a bitcast and an
+fp8 -> bf16 convert (~8-10 instructions) where an H200 has ~7 ALU operations per byte at
+full HBM rate. The variants here cut that cost and keep the row layout (head_dim code
+bytes then a float32 scale, kv_quant.py; rows only 4-byte aligned):
+
+- "asm": rows as int32 words, as "words", but one PTX block widens a word into its 4
+  codes as float16: fp8 by two `cvt.rn.f16x2.e4m3x2` (one per 16-bit half), int8 by the
+  magic-number trick (byte ^ 0x80 placed under fp16 exponent 0x6400 is 1024 + code + 128;
+  one `sub.f16x2` removes 1152), ~1.25 instructions per byte. Under TRITON_INTERPRET
+  (which runs no assembly) the same kernel widens with plain Triton ops (ASM=False).
+- "bytes": the codes as one [BLOCK_N, head_dim] uint8 tile (4-byte alignment hinted, so
+  the loads vectorise to 32 bits), one native widening of the whole tile (fp8 -> fp16 is
+  `cvt.rn.f16x2.e4m3x2` on sm_89+) and ONE dot per K and V tile as in the bf16 kernel:
+  no slices, so Triton may keep the loads in flight through its software pipeline.
+- "bytes_t": "bytes" with the roles of the dots swapped, keys as the M dimension
+  (scores [BLOCK_N, group] = K q^T, output^T = V^T P^T). With the query group (16 rows)
+  as M, Hopper's wgmma (M >= 64 per warp group) is out of reach and the dots run as
+  mma.sync; with 64-128 keys as M the widened K tile can feed wgmma from registers.
+
+In the three new variants the dots run in float16 when q is 16-bit: int8 and E4M3 codes
+are exact in fp16, so are q's values (|q| < 65504), and the fp8 -> fp16 conversion is the
+device's cheapest. The V scale folds into p (p * scale, in [0, amax]) times a power of
+two (VMUL: 512 for fp8, 128 for int8) so that small V rows stay clear of fp16's subnormals;
+the output divides it out again (exact). A float32 q keeps float32 dots.
+
+`DEFAULTS` is the one table to edit after a tuning run (`python3 -m
+kvyard.bench.gpu_kvquant_tune`, docs/gpu-notes.md): per format, the variant and tile for
+split and unsplit launches; its JSON's `suggested_defaults` has this table's shape. A
+DecodeConfig's `quant_*` fields override it per call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from .kv_quant import format_of
+from .triton_decode_quant import _store_slices, _widen, decode_quant_kernel, program_range
+
+
+@dataclass(slots=True, frozen=True)
+class QuantTile:
+    """Which quantized kernel and tile; a None field takes the DecodeConfig's own value."""
+
+    variant: str = "words"
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+# The kernel per format for split (several programs per sequence) and unsplit launches.
+DEFAULTS: dict[str, dict[str, QuantTile]] = {
+    "fp8": {"split": QuantTile("words"), "unsplit": QuantTile("words")},
+    "int8": {"split": QuantTile("words"), "unsplit": QuantTile("words")},
+}
+VARIANTS = ("words", "asm", "bytes", "bytes_t", "win")
+VMUL = {1: 128.0, 2: 512.0}   # by format code: V scale multiplier (a power of two; see above)
+
+
+class TileConfig(Protocol):
+    """What the launch reads from triton_decode.DecodeConfig."""
+
+    num_splits: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    quant_variant: str | None
+    quant_block_n: int | None
+    quant_num_warps: int | None
+    quant_num_stages: int | None
+
+
+def choose_tile(fmt: str, config: TileConfig, table: dict[str, dict[str, QuantTile]] | None = None) -> QuantTile:
+    """The variant and tile for one launch, every field set: the config's quant_* fields, else
+    the table's entry (when it names the same variant), else the config's block_n/warps/stages."""
+    entry = (table or DEFAULTS)[fmt]["split" if config.num_splits > 1 else "unsplit"]
+    variant = config.quant_variant or entry.variant
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown quantized decode variant {variant!r}: {', '.join(VARIANTS)}")
+    if variant != entry.variant:
+        entry = QuantTile(variant)
+    return QuantTile(variant,
+                     config.quant_block_n or entry.block_n or config.block_n,
+                     config.quant_num_warps or entry.num_warps or config.num_warps,
+                     config.quant_num_stages or entry.num_stages or config.num_stages)
+
+
+_E4M3X4 = tl.constexpr("""{
+.reg .b16 lo, hi;
+.reg .b32 a, b;
+mov.b32 {lo, hi}, $4;
+cvt.rn.f16x2.e4m3x2 a, lo;   // bytes 0, 1 -> two halves of a
+cvt.rn.f16x2.e4m3x2 b, hi;
+mov.b32 {$0, $1}, a;
+mov.b32 {$2, $3}, b;
+}""")
+_S8X4 = tl.constexpr("""{
+.reg .b32 x, a, b, m;
+xor.b32 x, $4, 0x80808080;            // each signed byte -> code + 128, unsigned
+prmt.b32 a, x, 0x64646464, 0x4140;    // [byte 0, 0x64, byte 1, 0x64]: fp16 1024 + byte
+prmt.b32 b, x, 0x64646464, 0x4342;
+mov.b32 m, 0x64806480;                // fp16 1152 = 1024 + 128, twice
+sub.f16x2 a, a, m;
+sub.f16x2 b, b, m;
+mov.b32 {$0, $1}, a;
+mov.b32 {$2, $3}, b;
+}""")
+
+
+@triton.jit
+def _widen4_asm(w, FMT: tl.constexpr):
+    f16: tl.constexpr = tl.float16
+    if FMT == 1:
+        return tl.inline_asm_elementwise(_S8X4, "=h,=h,=h,=h,r", [w], dtype=(f16, f16, f16, f16),
+                                         is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(_E4M3X4, "=h,=h,=h,=h,r", [w], dtype=(f16, f16, f16, f16),
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _widen4(w, FMT: tl.constexpr, ASM: tl.constexpr):
+    """The 4 codes of each int32 word (byte i -> output i) as float16 values."""
+    if ASM:
+        return _widen4_asm(w, FMT)
+    return (_widen(w, 0, FMT, tl.float16), _widen(w, 1, FMT, tl.float16), _widen(w, 2, FMT, tl.float16),
+            _widen(w, 3, FMT, tl.float16))
+
+
+@triton.jit
+def _dot_dtype(x, F16: tl.constexpr):
+    if F16:
+        x = x.to(tl.float16)
+    return x
+
+
+@triton.jit
+def _rows(bt_row, n0, end, kh, BS: tl.constexpr, BLOCK_N: tl.constexpr, stride_wb, stride_wt, stride_wh):
+    """The tile's validity and each row's offset in 32-bit words."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    valid = pos < end
+    blk = tl.load(bt_row + pos // BS, mask=valid, other=0).to(tl.int64)
+    return valid, blk * stride_wb + (pos % BS) * stride_wt + kh * stride_wh
+
+
+@triton.jit
+def _online(qk, valid, m_i, l_i):
+    """One tile of the online softmax over scores [group, keys] (log2 units)."""
+    qk = tl.where(valid[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _store_lse(lse_ptr, b, s, g, heads, m_i, l_i, stride_lb, stride_lh, G: tl.constexpr):
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + s, lse, mask=g < G)
+
+
+@triton.jit
+def _tile(c_ptr, f_ptr, row, valid, HD: tl.constexpr, FMT: tl.constexpr, dt: tl.constexpr):
+    """Codes [BLOCK_N, HD] widened to dt and scales [BLOCK_N] of the rows at word offsets `row`
+    (c_ptr: the cache as bytes, f_ptr: as float32)."""
+    d = tl.max_contiguous(tl.arange(0, HD), HD)
+    off = tl.multiple_of(4 * row, 4)[:, None] + d[None, :]
+    codes = tl.load(c_ptr + off, mask=valid[:, None], other=0)
+    scale = tl.load(f_ptr + row + HD // 4, mask=valid, other=0.0)
+    if FMT == 1:
+        return codes.to(tl.int8, bitcast=True).to(dt), scale
+    return codes.to(tl.float8e4nv, bitcast=True).to(dt), scale
+
+
+@triton.jit
+def _finish(acc, m_i, l_i, b, s, g, heads, gmask, o_ptr, part_ptr, lse_ptr,
+            stride_ob, stride_oh, stride_pb, stride_ph, stride_lb, stride_lh,
+            G: tl.constexpr, HD: tl.constexpr, NUM_SPLITS: tl.constexpr, VM: tl.constexpr):
+    """acc [group, HD] (V scales times VM) normalised into out, or a split's partial and lse."""
+    d = tl.arange(0, HD)
+    out = acc / (tl.where(l_i > 0, l_i, 1.0) * VM)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=gmask)
+    else:
+        tl.store(part_ptr + b * stride_pb + heads[:, None] * stride_ph + s * HD + d[None, :], out, mask=gmask)
+        _store_lse(lse_ptr, b, s, g, heads, m_i, l_i, stride_lb, stride_lh, G)
+
+
+@triton.jit
+def decode_asm_kernel(
+    q_ptr, k_ptr, v_ptr, kf_ptr, vf_ptr, bt_ptr, lens_ptr, o_ptr, part_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+    stride_wb, stride_wt, stride_wh,
+    stride_pb, stride_ph, stride_lb, stride_lh, scale_log2,
+    G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr, FMT: tl.constexpr,
+    F16: tl.constexpr, VM: tl.constexpr, ASM: tl.constexpr,
+):
+    """k/v: the caches as int32 words (kf/vf unused: the scale is each row's last word)."""
+    W: tl.constexpr = HD // 4
+    b, kh, s, start, end, g, heads, gmask = program_range(lens_ptr, G, GP, BLOCK_N, NUM_SPLITS)
+    d4 = tl.arange(0, W)
+    qrow = q_ptr + b * stride_qb + heads[:, None] * stride_qh + 4 * d4[None, :]
+    q0 = _dot_dtype(tl.load(qrow, mask=gmask, other=0.0), F16)
+    q1 = _dot_dtype(tl.load(qrow + 1, mask=gmask, other=0.0), F16)
+    q2 = _dot_dtype(tl.load(qrow + 2, mask=gmask, other=0.0), F16)
+    q3 = _dot_dtype(tl.load(qrow + 3, mask=gmask, other=0.0), F16)
+    dt = q0.dtype
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    a0 = tl.zeros([GP, W], tl.float32)
+    a1 = tl.zeros([GP, W], tl.float32)
+    a2 = tl.zeros([GP, W], tl.float32)
+    a3 = tl.zeros([GP, W], tl.float32)
+    bt_row = bt_ptr + b * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        valid, row = _rows(bt_row, n0, end, kh, BS, BLOCK_N, stride_wb, stride_wt, stride_wh)
+        off = row[:, None] + d4[None, :]
+        k0, k1, k2, k3 = _widen4(tl.load(k_ptr + off, mask=valid[:, None], other=0), FMT, ASM)
+        ks = tl.load(k_ptr + row + W, mask=valid, other=0).to(tl.float32, bitcast=True)
+        qk = tl.dot(q0, tl.trans(k0.to(dt)), input_precision=PREC)
+        qk += tl.dot(q1, tl.trans(k1.to(dt)), input_precision=PREC)
+        qk += tl.dot(q2, tl.trans(k2.to(dt)), input_precision=PREC)
+        qk += tl.dot(q3, tl.trans(k3.to(dt)), input_precision=PREC)
+        p, alpha, m_i, l_i = _online(qk * (ks * scale_log2)[None, :], valid, m_i, l_i)
+        v0, v1, v2, v3 = _widen4(tl.load(v_ptr + off, mask=valid[:, None], other=0), FMT, ASM)
+        vs = tl.load(v_ptr + row + W, mask=valid, other=0).to(tl.float32, bitcast=True)
+        pv = (p * (vs * VM)[None, :]).to(dt)
+        a0 = a0 * alpha[:, None] + tl.dot(pv, v0.to(dt), input_precision=PREC)
+        a1 = a1 * alpha[:, None] + tl.dot(pv, v1.to(dt), input_precision=PREC)
+        a2 = a2 * alpha[:, None] + tl.dot(pv, v2.to(dt), input_precision=PREC)
+        a3 = a3 * alpha[:, None] + tl.dot(pv, v3.to(dt), input_precision=PREC)
+    den = (tl.where(l_i > 0, l_i, 1.0) * VM)[:, None]
+    if NUM_SPLITS == 1:
+        t = o_ptr.dtype.element_ty
+        _store_slices(o_ptr + b * stride_ob + heads[:, None] * stride_oh, (a0 / den).to(t), (a1 / den).to(t),
+                      (a2 / den).to(t), (a3 / den).to(t), d4, gmask)
+    else:
+        _store_slices(part_ptr + b * stride_pb + heads[:, None] * stride_ph + s * HD, a0 / den, a1 / den,
+                      a2 / den, a3 / den, d4, gmask)
+        _store_lse(lse_ptr, b, s, g, heads, m_i, l_i, stride_lb, stride_lh, G)
+
+
+@triton.jit
+def decode_bytes_kernel(
+    q_ptr, k_ptr, v_ptr, kf_ptr, vf_ptr, bt_ptr, lens_ptr, o_ptr, part_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+    stride_wb, stride_wt, stride_wh,
+    stride_pb, stride_ph, stride_lb, stride_lh, scale_log2,
+    G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr, FMT: tl.constexpr,
+    F16: tl.constexpr, VM: tl.constexpr, ASM: tl.constexpr, TRANS: tl.constexpr = False,
+):
+    """k/v: the caches as bytes, kf/vf as float32; strides in 32-bit words. TRANS ("bytes_t"):
+    scores as [keys, group] and the accumulator as [HD, group]."""
+    b, kh, s, start, end, g, heads, gmask = program_range(lens_ptr, G, GP, BLOCK_N, NUM_SPLITS)
+    d = tl.arange(0, HD)
+    q = _dot_dtype(tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask, other=0.0),
+                   F16)
+    qt = tl.trans(q)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    if TRANS:
+        acc = tl.zeros([HD, GP], tl.float32)
+    else:
+        acc = tl.zeros([GP, HD], tl.float32)
+    bt_row = bt_ptr + b * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        valid, row = _rows(bt_row, n0, end, kh, BS, BLOCK_N, stride_wb, stride_wt, stride_wh)
+        k, ks = _tile(k_ptr, kf_ptr, row, valid, HD, FMT, q.dtype)
+        if TRANS:
+            sc = tl.dot(k, qt, input_precision=PREC) * (ks * scale_log2)[:, None]
+            sc = tl.where(valid[:, None], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 0))
+            p = tl.exp2(sc - m_new[None, :])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 0)
+            m_i = m_new
+            v, vs = _tile(v_ptr, vf_ptr, row, valid, HD, FMT, q.dtype)
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(v), (p * (vs * VM)[:, None]).to(q.dtype),
+                                                input_precision=PREC)
+        else:
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * (ks * scale_log2)[None, :]
+            p, alpha, m_i, l_i = _online(qk, valid, m_i, l_i)
+            v, vs = _tile(v_ptr, vf_ptr, row, valid, HD, FMT, q.dtype)
+            acc = acc * alpha[:, None] + tl.dot((p * (vs * VM)[None, :]).to(q.dtype), v, input_precision=PREC)
+    if TRANS:
+        acc = tl.trans(acc)
+    _finish(acc, m_i, l_i, b, s, g, heads, gmask, o_ptr, part_ptr, lse_ptr, stride_ob, stride_oh,
+            stride_pb, stride_ph, stride_lb, stride_lh, G, HD, NUM_SPLITS, VM)
+
+
+@triton.jit
+def _win_tiles(c_ptr, win, valid, sh, HD: tl.constexpr, FMT: tl.constexpr, MASK: tl.constexpr, dt: tl.constexpr):
+    """A row's 16-byte-aligned window (it starts `sh` bytes before the row): its first HD bytes
+    and the 16 after, widened to dt; with MASK the bytes outside the row's codes are zeroed
+    (an fp8 view of a scale's bytes may be NaN, and 0 * NaN is NaN in the dot)."""
+    d = tl.max_contiguous(tl.arange(0, HD), HD)
+    e = tl.arange(0, 16)
+    a = tl.load(c_ptr + win[:, None] + d[None, :], mask=valid[:, None], other=0)
+    b = tl.load(c_ptr + win[:, None] + HD + e[None, :], mask=valid[:, None], other=0)
+    if MASK:
+        a = tl.where((d >= sh)[None, :], a, 0)
+        b = tl.where((e < sh)[None, :], b, 0)
+    if FMT == 1:
+        return a.to(tl.int8, bitcast=True).to(dt), b.to(tl.int8, bitcast=True).to(dt)
+    return a.to(tl.float8e4nv, bitcast=True).to(dt), b.to(tl.float8e4nv, bitcast=True).to(dt)
+
+
+@triton.jit
+def decode_win_kernel(
+    q_ptr, k_ptr, v_ptr, kf_ptr, vf_ptr, bt_ptr, lens_ptr, o_ptr, part_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+    stride_wb, stride_wt, stride_wh,
+    stride_pb, stride_ph, stride_lb, stride_lh, scale_log2,
+    G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr, FMT: tl.constexpr,
+    F16: tl.constexpr, VM: tl.constexpr, ASM: tl.constexpr,
+):
+    """decode_bytes_kernel over 16-byte-aligned windows (needs block and token strides of a
+    multiple of 16 bytes: then every row of this KV head starts `sh` bytes past a 16-byte
+    boundary). q is shifted by `sh` to match, split into the window's two tiles."""
+    b, kh, s, start, end, g, heads, gmask = program_range(lens_ptr, G, GP, BLOCK_N, NUM_SPLITS)
+    ph = (kh * stride_wh) % 4
+    sh = 4 * ph
+    d = tl.arange(0, HD)
+    e = tl.arange(0, 16)
+    qrow = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    qa = _dot_dtype(tl.load(qrow + (d - sh)[None, :], mask=gmask & (d >= sh)[None, :], other=0.0), F16)
+    qb = _dot_dtype(tl.load(qrow + (HD + e - sh)[None, :], mask=gmask & (e < sh)[None, :], other=0.0), F16)
+    dt = qa.dtype
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc_a = tl.zeros([GP, HD], tl.float32)
+    acc_b = tl.zeros([GP, 16], tl.float32)
+    bt_row = bt_ptr + b * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        valid, row = _rows(bt_row, n0, end, kh, BS, BLOCK_N, stride_wb, stride_wt, stride_wh)
+        win = tl.multiple_of(4 * (row - ph), 16)
+        ka, kb = _win_tiles(k_ptr, win, valid, sh, HD, FMT, FMT == 2, dt)
+        ks = tl.load(kf_ptr + row + HD // 4, mask=valid, other=0.0)
+        qk = tl.dot(qa, tl.trans(ka), input_precision=PREC)
+        qk = tl.dot(qb, tl.trans(kb), qk, input_precision=PREC)
+        p, alpha, m_i, l_i = _online(qk * (ks * scale_log2)[None, :], valid, m_i, l_i)
+        # V needs no mask: the window's other columns land in acc columns that are never stored
+        va, vb = _win_tiles(v_ptr, win, valid, sh, HD, FMT, False, dt)
+        vs = tl.load(vf_ptr + row + HD // 4, mask=valid, other=0.0)
+        pv = (p * (vs * VM)[None, :]).to(dt)
+        acc_a = acc_a * alpha[:, None] + tl.dot(pv, va, input_precision=PREC)
+        acc_b = acc_b * alpha[:, None] + tl.dot(pv, vb, input_precision=PREC)
+    den = (tl.where(l_i > 0, l_i, 1.0) * VM)[:, None]
+    if NUM_SPLITS == 1:
+        t = o_ptr.dtype.element_ty
+        orow = o_ptr + b * stride_ob + heads[:, None] * stride_oh
+        tl.store(orow + (d - sh)[None, :], (acc_a / den).to(t), mask=gmask & (d >= sh)[None, :])
+        tl.store(orow + (HD + e - sh)[None, :], (acc_b / den).to(t), mask=gmask & (e < sh)[None, :])
+    else:
+        prow = part_ptr + b * stride_pb + heads[:, None] * stride_ph + s * HD
+        tl.store(prow + (d - sh)[None, :], acc_a / den, mask=gmask & (d >= sh)[None, :])
+        tl.store(prow + (HD + e - sh)[None, :], acc_b / den, mask=gmask & (e < sh)[None, :])
+        _store_lse(lse_ptr, b, s, g, heads, m_i, l_i, stride_lb, stride_lh, G)
+
+
+_KERNELS = {"asm": decode_asm_kernel, "bytes": decode_bytes_kernel, "bytes_t": decode_bytes_kernel,
+            "win": decode_win_kernel}
+
+
+def _asm_ok(kernel: Any, device: torch.device, code: int) -> bool:
+    """Inline PTX runs on CUDA only (not the interpreter); the e4m3x2 convert needs sm_89."""
+    if isinstance(kernel, InterpretedFunction) or device.type != "cuda":
+        return False
+    return code == 1 or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _windows_aligned(kv_cache: torch.Tensor) -> bool:
+    """"win" reads 16-byte windows: every row of a KV head must sit at the same offset from a
+    16-byte boundary, i.e. block and token strides (and V's start) a multiple of 16 bytes (at
+    head_dim + 4 bytes a row: KV heads a multiple of 4)."""
+    b = kv_cache.view(torch.uint8)
+    return b.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in b.stride()[:3])
+
+
+def decode_quantized(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     out: torch.Tensor, part: torch.Tensor, lse: torch.Tensor, scale_log2: float,
+                     config: TileConfig, *, group: int, group_pad: int, prec: str) -> QuantTile:
+    """Launch the chosen variant over a quantized cache with head_dim >= 64 (triton_decode.paged_decode
+    checks the shapes, allocates the split workspace and merges); returns the tile it ran."""
+    fmt = format_of(kv_cache)
+    tile = choose_tile(fmt.name, config)
+    S = config.num_splits
+    B, _, hd = q.shape
+    nkv = kv_cache.shape[3]
+    words = kv_cache.view(torch.int32)
+    kw, vw = words[0], words[1]
+    common = (block_tables, seq_lens, out, part, lse,
+              q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+              kw.stride(0), kw.stride(1), kw.stride(2),
+              part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), scale_log2)
+    meta = dict(G=group, GP=group_pad, HD=hd, BS=kv_cache.shape[2], BLOCK_N=tile.block_n, NUM_SPLITS=S, PREC=prec,
+                FMT=fmt.code, num_warps=tile.num_warps, num_stages=tile.num_stages)
+    if tile.variant == "words":
+        decode_quant_kernel[(B, nkv, S)](q, kw, vw, *common, **meta)
+        return tile
+    if tile.variant == "win" and not _windows_aligned(kv_cache):
+        tile = QuantTile("bytes", tile.block_n, tile.num_warps, tile.num_stages)
+    kernel = _KERNELS[tile.variant]
+    if tile.variant == "asm":
+        k, v, kf, vf = kw, vw, kw, vw
+    else:
+        cb, cf = kv_cache.view(torch.uint8), kv_cache.view(torch.float32)
+        k, v, kf, vf = cb[0], cb[1], cf[0], cf[1]
+    if tile.variant == "bytes_t":
+        meta["TRANS"] = True
+    kernel[(B, nkv, S)](q, k, v, kf, vf, *common, F16=q.dtype != torch.float32, VM=VMUL[fmt.code],
+                        ASM=tile.variant == "asm" and _asm_ok(kernel, q.device, fmt.code), **meta)
+    return tile
