@@ -19,6 +19,14 @@ bytes then a float32 scale, kv_quant.py; rows only 4-byte aligned):
   (scores [BLOCK_N, group] = K q^T, output^T = V^T P^T). With the query group (16 rows)
   as M, Hopper's wgmma (M >= 64 per warp group) is out of reach and the dots run as
   mma.sync; with 64-128 keys as M the widened K tile can feed wgmma from registers.
+- "win": "bytes" over 16-byte-aligned windows. With 4-byte-aligned rows every load is at
+  most 4 bytes wide, and its address, predicate and cp.async cost more instructions than
+  the conversion (the SASS of "words" and "bytes" at sm_90: ~60 4-byte copies a thread per
+  64-key tile). When block and token strides are multiples of 16 bytes (KV heads a multiple
+  of 4, as in Llama-3's 8), every row of one KV head starts the same `sh` bytes past a
+  16-byte boundary, so the kernel reads each row's aligned window (head_dim + 16 bytes) as
+  two tiles in 16-byte vectors and shifts q by `sh` instead: no byte moves. Other layouts
+  fall back to "bytes".
 
 In the three new variants the dots run in float16 when q is 16-bit: int8 and E4M3 codes
 are exact in fp16, so are q's values (|q| < 65504), and the fp8 -> fp16 conversion is the
@@ -116,12 +124,11 @@ mov.b32 {$2, $3}, b;
 
 @triton.jit
 def _widen4_asm(w, FMT: tl.constexpr):
-    f16: tl.constexpr = tl.float16
     if FMT == 1:
-        return tl.inline_asm_elementwise(_S8X4, "=h,=h,=h,=h,r", [w], dtype=(f16, f16, f16, f16),
-                                         is_pure=True, pack=1)
-    return tl.inline_asm_elementwise(_E4M3X4, "=h,=h,=h,=h,r", [w], dtype=(f16, f16, f16, f16),
-                                     is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(_S8X4, "=h,=h,=h,=h,r", [w], is_pure=True, pack=1,
+                                         dtype=(tl.float16, tl.float16, tl.float16, tl.float16))
+    return tl.inline_asm_elementwise(_E4M3X4, "=h,=h,=h,=h,r", [w], is_pure=True, pack=1,
+                                     dtype=(tl.float16, tl.float16, tl.float16, tl.float16))
 
 
 @triton.jit
