@@ -2,34 +2,35 @@
 
 On Hopper the word kernel (triton_decode_quant.py, variant "words") is ALU-bound, not
 memory-bound: each code byte costs a shift, a mask, a narrowing cast, a bitcast and an
-fp8 -> bf16 convert (~8-10 instructions) where an H200 has ~7 ALU operations per byte at
-full HBM rate. The variants here cut that cost and keep the row layout (head_dim code
-bytes then a float32 scale, kv_quant.py; rows only 4-byte aligned):
+fp8 -> bf16 convert, and since rows are only 4-byte aligned every load is 4 bytes wide with
+its own address arithmetic, predicate and cp.async. Its sm_90 loop issues ~0.35 warp
+instructions per byte read, the bf16 kernel's ~0.06, where an H200 issues ~0.22 per byte at
+full HBM rate (static counts from the SASS; the tuning run measures). The variants here cut
+that cost and keep the row layout (head_dim code bytes then a float32 scale, kv_quant.py):
 
-- "asm": rows as int32 words, as "words", but one PTX block widens a word into its 4
-  codes as float16: fp8 by two `cvt.rn.f16x2.e4m3x2` (one per 16-bit half), int8 by the
-  magic-number trick (byte ^ 0x80 placed under fp16 exponent 0x6400 is 1024 + code + 128;
-  one `sub.f16x2` removes 1152), ~1.25 instructions per byte. Under TRITON_INTERPRET
-  (which runs no assembly) the same kernel widens with plain Triton ops (ASM=False).
+- "asm": rows as int32 words, as "words", but one PTX block widens two words into the 4
+  codes of each as float16 pairs: fp8 by `cvt.rn.f16x2.e4m3x2`, int8 by the magic-number
+  trick (byte ^ 0x80 placed under fp16 exponent 0x6400 is 1024 + code + 128; one
+  `sub.f16x2` removes 1152), ~1-1.5 instructions per byte, each output already a packed
+  pair. Under TRITON_INTERPRET (which runs no assembly) the same kernel widens with plain
+  Triton ops (ASM=False).
 - "bytes": the codes as one [BLOCK_N, head_dim] uint8 tile (4-byte alignment hinted, so
   the loads vectorise to 32 bits), one native widening of the whole tile (fp8 -> fp16 is
-  `cvt.rn.f16x2.e4m3x2` on sm_89+) and ONE dot per K and V tile as in the bf16 kernel:
-  no slices, so Triton may keep the loads in flight through its software pipeline.
+  `cvt.rn.f16x2.e4m3x2` on sm_89+) and ONE dot per K and V tile as in the bf16 kernel.
 - "bytes_t": "bytes" with the roles of the dots swapped, keys as the M dimension
   (scores [BLOCK_N, group] = K q^T, output^T = V^T P^T). With the query group (16 rows)
   as M, Hopper's wgmma (M >= 64 per warp group) is out of reach and the dots run as
-  mma.sync; with 64-128 keys as M the widened K tile can feed wgmma from registers.
-- "win": "bytes" over 16-byte-aligned windows. With 4-byte-aligned rows every load is at
-  most 4 bytes wide, and its address, predicate and cp.async cost more instructions than
-  the conversion (the SASS of "words" and "bytes" at sm_90: ~60 4-byte copies a thread per
-  64-key tile). When block and token strides are multiples of 16 bytes (KV heads a multiple
-  of 4, as in Llama-3's 8), every row of one KV head starts the same `sh` bytes past a
-  16-byte boundary, so the kernel reads each row's aligned window (head_dim + 16 bytes) as
-  two tiles in 16-byte vectors and shifts q by `sh` instead: no byte moves. Other layouts
-  fall back to "bytes".
+  mma.sync; with 64-128 keys as M the widened K tile can feed wgmma.
+- "win": "asm" over 16-byte-aligned windows, so the loads are 16 bytes wide. When block and
+  token strides are multiples of 16 bytes (KV heads a multiple of 4, as in Llama-3's 8),
+  every row of one KV head starts the same ph words past a 16-byte boundary; the kernel
+  reads each row's aligned window (head_dim + 16 bytes) as head_dim / 4 words through the
+  4 slices of "asm", with q's slices shifted by ph words, and the 4 words after in memory
+  order against q's tail: no byte moves, only q and the output shift. Other layouts fall
+  back to "bytes". At sm_90 its loop is ~0.15-0.2 warp instructions per byte.
 
-In the three new variants the dots run in float16 when q is 16-bit: int8 and E4M3 codes
-are exact in fp16, so are q's values (|q| < 65504), and the fp8 -> fp16 conversion is the
+In the new variants the dots run in float16 when q is 16-bit: int8 and E4M3 codes are
+exact in fp16, so are q's values (|q| < 65504), and the fp8 -> fp16 conversion is the
 device's cheapest. The V scale folds into p (p * scale, in [0, amax]) times a power of
 two (VMUL: 512 for fp8, 128 for int8) so that small V rows stay clear of fp16's subnormals;
 the output divides it out again (exact). A float32 q keeps float32 dots.
@@ -100,34 +101,44 @@ def choose_tile(fmt: str, config: TileConfig, table: dict[str, dict[str, QuantTi
                      config.quant_num_stages or entry.num_stages or config.num_stages)
 
 
+# One asm instance widens 2 int32 words ($4, $5; pack=2) into 4 outputs, output i holding byte i
+# of both words as one f16x2 register (low half: $4's), the layout the dots read, so no repacking.
 _E4M3X4 = tl.constexpr("""{
-.reg .b16 lo, hi;
-.reg .b32 a, b;
-mov.b32 {lo, hi}, $4;
-cvt.rn.f16x2.e4m3x2 a, lo;   // bytes 0, 1 -> two halves of a
-cvt.rn.f16x2.e4m3x2 b, hi;
-mov.b32 {$0, $1}, a;
-mov.b32 {$2, $3}, b;
+.reg .b32 lo, hi;
+.reg .b16 l0, l1, h0, h1;
+prmt.b32 lo, $4, $5, 0x5140;   // [w0.b0, w1.b0, w0.b1, w1.b1]
+prmt.b32 hi, $4, $5, 0x7362;   // [w0.b2, w1.b2, w0.b3, w1.b3]
+mov.b32 {l0, l1}, lo;
+mov.b32 {h0, h1}, hi;
+cvt.rn.f16x2.e4m3x2 $0, l0;
+cvt.rn.f16x2.e4m3x2 $1, l1;
+cvt.rn.f16x2.e4m3x2 $2, h0;
+cvt.rn.f16x2.e4m3x2 $3, h1;
 }""")
 _S8X4 = tl.constexpr("""{
-.reg .b32 x, a, b, m;
-xor.b32 x, $4, 0x80808080;            // each signed byte -> code + 128, unsigned
-prmt.b32 a, x, 0x64646464, 0x4140;    // [byte 0, 0x64, byte 1, 0x64]: fp16 1024 + byte
-prmt.b32 b, x, 0x64646464, 0x4342;
-mov.b32 m, 0x64806480;                // fp16 1152 = 1024 + 128, twice
-sub.f16x2 a, a, m;
-sub.f16x2 b, b, m;
-mov.b32 {$0, $1}, a;
-mov.b32 {$2, $3}, b;
+.reg .b32 lo, hi, m;
+prmt.b32 lo, $4, $5, 0x5140;
+prmt.b32 hi, $4, $5, 0x7362;
+xor.b32 lo, lo, 0x80808080;          // each signed byte -> code + 128, unsigned
+xor.b32 hi, hi, 0x80808080;
+prmt.b32 $0, lo, 0x64646464, 0x4140; // [byte, 0x64, byte, 0x64]: fp16 1024 + byte, twice
+prmt.b32 $1, lo, 0x64646464, 0x4342;
+prmt.b32 $2, hi, 0x64646464, 0x4140;
+prmt.b32 $3, hi, 0x64646464, 0x4342;
+mov.b32 m, 0x64806480;               // fp16 1152 = 1024 + 128, twice
+sub.f16x2 $0, $0, m;
+sub.f16x2 $1, $1, m;
+sub.f16x2 $2, $2, m;
+sub.f16x2 $3, $3, m;
 }""")
 
 
 @triton.jit
 def _widen4_asm(w, FMT: tl.constexpr):
     if FMT == 1:
-        return tl.inline_asm_elementwise(_S8X4, "=h,=h,=h,=h,r", [w], is_pure=True, pack=1,
+        return tl.inline_asm_elementwise(_S8X4, "=r,=r,=r,=r,r,r", [w], is_pure=True, pack=2,
                                          dtype=(tl.float16, tl.float16, tl.float16, tl.float16))
-    return tl.inline_asm_elementwise(_E4M3X4, "=h,=h,=h,=h,r", [w], is_pure=True, pack=1,
+    return tl.inline_asm_elementwise(_E4M3X4, "=r,=r,=r,=r,r,r", [w], is_pure=True, pack=2,
                                      dtype=(tl.float16, tl.float16, tl.float16, tl.float16))
 
 
@@ -305,20 +316,27 @@ def decode_bytes_kernel(
 
 
 @triton.jit
-def _win_tiles(c_ptr, win, valid, sh, HD: tl.constexpr, FMT: tl.constexpr, MASK: tl.constexpr, dt: tl.constexpr):
-    """A row's 16-byte-aligned window (it starts `sh` bytes before the row): its first HD bytes
-    and the 16 after, widened to dt; with MASK the bytes outside the row's codes are zeroed
-    (an fp8 view of a scale's bytes may be NaN, and 0 * NaN is NaN in the dot)."""
-    d = tl.max_contiguous(tl.arange(0, HD), HD)
-    e = tl.arange(0, 16)
-    a = tl.load(c_ptr + win[:, None] + d[None, :], mask=valid[:, None], other=0)
-    b = tl.load(c_ptr + win[:, None] + HD + e[None, :], mask=valid[:, None], other=0)
+def _natural(w, FMT: tl.constexpr, ASM: tl.constexpr):
+    """int32 words [R, C] -> their 4C codes as float16 [R, 4C] in memory order."""
+    c0, c1, c2, c3 = _widen4(w, FMT, ASM)
+    x = tl.join(tl.join(c0, c2), tl.join(c1, c3))   # [R, C, 2, 2]: [.., k, m] is byte 2k + m
+    return tl.reshape(x, [w.shape[0], 4 * w.shape[1]])
+
+
+@triton.jit
+def _window(w_ptr, wrow, valid, ph, W: tl.constexpr, MASK: tl.constexpr):
+    """A row's 16-byte-aligned window as int32 words: the first W [rows, W] and the 4 after (as
+    8 columns, the last 4 zero: a [group, 16] accumulator would make Triton split every chained
+    dot's warps over the 16 query rows). The row starts `ph` words in. MASK zeroes the words
+    that are not the row's codes (an fp8 view of a scale may be NaN, and 0 * NaN is NaN)."""
+    c = tl.arange(0, W)
+    e = tl.arange(0, 8)
+    a = tl.load(w_ptr + wrow[:, None] + c[None, :], mask=valid[:, None], other=0)
+    b = tl.load(w_ptr + wrow[:, None] + W + e[None, :], mask=valid[:, None] & (e < 4)[None, :], other=0)
     if MASK:
-        a = tl.where((d >= sh)[None, :], a, 0)
-        b = tl.where((e < sh)[None, :], b, 0)
-    if FMT == 1:
-        return a.to(tl.int8, bitcast=True).to(dt), b.to(tl.int8, bitcast=True).to(dt)
-    return a.to(tl.float8e4nv, bitcast=True).to(dt), b.to(tl.float8e4nv, bitcast=True).to(dt)
+        a = tl.where((c >= ph)[None, :], a, 0)
+        b = tl.where((e < ph)[None, :], b, 0)
+    return a, b
 
 
 @triton.jit
@@ -331,47 +349,65 @@ def decode_win_kernel(
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr, FMT: tl.constexpr,
     F16: tl.constexpr, VM: tl.constexpr, ASM: tl.constexpr,
 ):
-    """decode_bytes_kernel over 16-byte-aligned windows (needs block and token strides of a
-    multiple of 16 bytes: then every row of this KV head starts `sh` bytes past a 16-byte
-    boundary). q is shifted by `sh` to match, split into the window's two tiles."""
+    """k/v: the caches as int32 words (kf/vf unused). Needs block and token strides of a multiple
+    of 16 bytes: then every row of this KV head starts ph words past a 16-byte boundary. The
+    window's first HD bytes go through "asm"'s 4 slices with q's slices shifted by ph words; its
+    16-byte tail (the row's last ph words, then its scale) in memory order against q's tail."""
+    W: tl.constexpr = HD // 4
     b, kh, s, start, end, g, heads, gmask = program_range(lens_ptr, G, GP, BLOCK_N, NUM_SPLITS)
     ph = (kh * stride_wh) % 4
-    sh = 4 * ph
-    d = tl.arange(0, HD)
-    e = tl.arange(0, 16)
+    c = tl.arange(0, W)
+    e = tl.arange(0, 32)
     qrow = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-    qa = _dot_dtype(tl.load(qrow + (d - sh)[None, :], mask=gmask & (d >= sh)[None, :], other=0.0), F16)
-    qb = _dot_dtype(tl.load(qrow + (HD + e - sh)[None, :], mask=gmask & (e < sh)[None, :], other=0.0), F16)
-    dt = qa.dtype
+    qs = qrow + 4 * (c - ph)[None, :]
+    qm = gmask & (c >= ph)[None, :]
+    q0 = _dot_dtype(tl.load(qs, mask=qm, other=0.0), F16)
+    q1 = _dot_dtype(tl.load(qs + 1, mask=qm, other=0.0), F16)
+    q2 = _dot_dtype(tl.load(qs + 2, mask=qm, other=0.0), F16)
+    q3 = _dot_dtype(tl.load(qs + 3, mask=qm, other=0.0), F16)
+    qt = _dot_dtype(tl.load(qrow + (HD + e - 4 * ph)[None, :], mask=gmask & (e < 4 * ph)[None, :], other=0.0), F16)
+    dt = q0.dtype
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
-    acc_a = tl.zeros([GP, HD], tl.float32)
-    acc_b = tl.zeros([GP, 16], tl.float32)
+    a0 = tl.zeros([GP, W], tl.float32)
+    a1 = tl.zeros([GP, W], tl.float32)
+    a2 = tl.zeros([GP, W], tl.float32)
+    a3 = tl.zeros([GP, W], tl.float32)
+    at = tl.zeros([GP, 32], tl.float32)
     bt_row = bt_ptr + b * stride_bt
     for n0 in range(start, end, BLOCK_N):
         valid, row = _rows(bt_row, n0, end, kh, BS, BLOCK_N, stride_wb, stride_wt, stride_wh)
-        win = tl.multiple_of(4 * (row - ph), 16)
-        ka, kb = _win_tiles(k_ptr, win, valid, sh, HD, FMT, FMT == 2, dt)
-        ks = tl.load(kf_ptr + row + HD // 4, mask=valid, other=0.0)
-        qk = tl.dot(qa, tl.trans(ka), input_precision=PREC)
-        qk = tl.dot(qb, tl.trans(kb), qk, input_precision=PREC)
+        wrow = tl.multiple_of(row - ph, 4)
+        kw, ktw = _window(k_ptr, wrow, valid, ph, W, FMT == 2)
+        k0, k1, k2, k3 = _widen4(kw, FMT, ASM)
+        ks = tl.load(k_ptr + row + W, mask=valid, other=0).to(tl.float32, bitcast=True)
+        qk = tl.dot(q0, tl.trans(k0.to(dt)), input_precision=PREC)
+        qk += tl.dot(q1, tl.trans(k1.to(dt)), input_precision=PREC)
+        qk += tl.dot(q2, tl.trans(k2.to(dt)), input_precision=PREC)
+        qk += tl.dot(q3, tl.trans(k3.to(dt)), input_precision=PREC)
+        qk += tl.dot(qt, tl.trans(_natural(ktw, FMT, ASM).to(dt)), input_precision=PREC)
         p, alpha, m_i, l_i = _online(qk * (ks * scale_log2)[None, :], valid, m_i, l_i)
-        # V needs no mask: the window's other columns land in acc columns that are never stored
-        va, vb = _win_tiles(v_ptr, win, valid, sh, HD, FMT, False, dt)
-        vs = tl.load(vf_ptr + row + HD // 4, mask=valid, other=0.0)
+        # V needs no mask: the window's other words land in output columns that are never stored
+        vw, vtw = _window(v_ptr, wrow, valid, ph, W, False)
+        v0, v1, v2, v3 = _widen4(vw, FMT, ASM)
+        vs = tl.load(v_ptr + row + W, mask=valid, other=0).to(tl.float32, bitcast=True)
         pv = (p * (vs * VM)[None, :]).to(dt)
-        acc_a = acc_a * alpha[:, None] + tl.dot(pv, va, input_precision=PREC)
-        acc_b = acc_b * alpha[:, None] + tl.dot(pv, vb, input_precision=PREC)
+        a0 = a0 * alpha[:, None] + tl.dot(pv, v0.to(dt), input_precision=PREC)
+        a1 = a1 * alpha[:, None] + tl.dot(pv, v1.to(dt), input_precision=PREC)
+        a2 = a2 * alpha[:, None] + tl.dot(pv, v2.to(dt), input_precision=PREC)
+        a3 = a3 * alpha[:, None] + tl.dot(pv, v3.to(dt), input_precision=PREC)
+        at = at * alpha[:, None] + tl.dot(pv, _natural(vtw, FMT, ASM).to(dt), input_precision=PREC)
     den = (tl.where(l_i > 0, l_i, 1.0) * VM)[:, None]
+    tm = gmask & (e < 4 * ph)[None, :]
     if NUM_SPLITS == 1:
         t = o_ptr.dtype.element_ty
         orow = o_ptr + b * stride_ob + heads[:, None] * stride_oh
-        tl.store(orow + (d - sh)[None, :], (acc_a / den).to(t), mask=gmask & (d >= sh)[None, :])
-        tl.store(orow + (HD + e - sh)[None, :], (acc_b / den).to(t), mask=gmask & (e < sh)[None, :])
+        _store_slices(orow - 4 * ph, (a0 / den).to(t), (a1 / den).to(t), (a2 / den).to(t), (a3 / den).to(t), c, qm)
+        tl.store(orow + (HD + e - 4 * ph)[None, :], (at / den).to(t), mask=tm)
     else:
         prow = part_ptr + b * stride_pb + heads[:, None] * stride_ph + s * HD
-        tl.store(prow + (d - sh)[None, :], acc_a / den, mask=gmask & (d >= sh)[None, :])
-        tl.store(prow + (HD + e - sh)[None, :], acc_b / den, mask=gmask & (e < sh)[None, :])
+        _store_slices(prow - 4 * ph, a0 / den, a1 / den, a2 / den, a3 / den, c, qm)
+        tl.store(prow + (HD + e - 4 * ph)[None, :], at / den, mask=tm)
         _store_lse(lse_ptr, b, s, g, heads, m_i, l_i, stride_lb, stride_lh, G)
 
 
@@ -418,7 +454,7 @@ def decode_quantized(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     if tile.variant == "win" and not _windows_aligned(kv_cache):
         tile = QuantTile("bytes", tile.block_n, tile.num_warps, tile.num_stages)
     kernel = _KERNELS[tile.variant]
-    if tile.variant == "asm":
+    if tile.variant in ("asm", "win"):
         k, v, kf, vf = kw, vw, kw, vw
     else:
         cb, cf = kv_cache.view(torch.uint8), kv_cache.view(torch.float32)
@@ -426,5 +462,5 @@ def decode_quantized(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     if tile.variant == "bytes_t":
         meta["TRANS"] = True
     kernel[(B, nkv, S)](q, k, v, kf, vf, *common, F16=q.dtype != torch.float32, VM=VMUL[fmt.code],
-                        ASM=tile.variant == "asm" and _asm_ok(kernel, q.device, fmt.code), **meta)
+                        ASM=tile.variant in ("asm", "win") and _asm_ok(kernel, q.device, fmt.code), **meta)
     return tile
