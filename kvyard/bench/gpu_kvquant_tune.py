@@ -35,6 +35,7 @@ FORMATS = ["fp8", "int8"]
 VARIANTS = ["words", "asm", "bytes", "bytes_t", "win"]   # words first: the error baseline
 BLOCK_NS, WARPS, STAGES = (64, 128, 32), (4, 8, 2), (3, 2, 1)   # each in order of prior
 ERR_FALLBACK = {"fp8": 0.08, "int8": 0.02}   # 2x the words kernel's error on an H200, if words fails
+BF16_ERR = 0.01   # a bf16 tile against the bf16 default tile: rounding only
 
 
 @dataclass(slots=True, frozen=True)
@@ -96,7 +97,7 @@ def select(results: list[dict[str, Any]], shapes: list[str], fmts: list[str], nb
     report: dict[str, Any] = {"shapes": {}, "bf16_best": {}, "rejected": 0}
     accepted: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for sh in shapes:
-        bf = _best([r for r in ok if r["shape"] == sh and r["fmt"] == "bf16"])
+        bf = _best([r for r in ok if r["shape"] == sh and r["fmt"] == "bf16" and (r["rel_err"] or 0) < BF16_ERR])
         report["bf16_best"][sh] = bf and {**_tile_of(bf), "ms": bf["ms"],
                                           "gbps": round(nbytes[sh]["bf16"] / bf["ms"] / 1e6, 1)}
         report["shapes"][sh] = {"splits": splits[sh]}

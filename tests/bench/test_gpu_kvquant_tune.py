@@ -27,8 +27,9 @@ def _r(shape: str, fmt: str, variant: str, tile: tuple[int, int, int], ms: float
 def _fake() -> list[dict]:
     a, b = "1x32768", "64x1024"
     return [
-        _r(a, "bf16", "bf16", (128, 4, 3), 0.040), _r(a, "bf16", "bf16", (64, 4, 3), 0.050),
-        _r(b, "bf16", "bf16", (64, 4, 3), 0.100),
+        _r(a, "bf16", "bf16", (128, 4, 3), 0.040, 0.001), _r(a, "bf16", "bf16", (64, 4, 3), 0.050, 0.0),
+        _r(a, "bf16", "bf16", (32, 4, 3), 0.010, err=0.3),             # a broken bf16 tile
+        _r(b, "bf16", "bf16", (64, 4, 3), 0.100, 0.0),
         _r(a, "fp8", "words", (128, 4, 3), 0.060), _r(a, "fp8", "asm", (128, 4, 3), 0.030),
         _r(a, "fp8", "asm", (64, 8, 2), 0.028), _r(a, "fp8", "bytes", (128, 4, 3), 0.029),
         _r(a, "fp8", "win", (128, 4, 3), 0.010, err=0.5),            # fast but wrong: rejected
