@@ -210,6 +210,36 @@ def _record(trial: Trial, **kw: Any) -> dict[str, Any]:
             "ms": None, "rel_err": None, "error": None, **kw}
 
 
+def _precompile(torch, trials: list[Trial], calls: dict[Trial, Callable[[], Any]], splits: dict[str, int],
+                threads: int, budget_s: float, dev: str) -> float:
+    """Run one trial per kernel (shapes with the same splits share every specialisation) on a
+    thread pool, so that Triton compiles them in parallel; each variant's first serially (one-time
+    set-up off the pool). Failures are only counted: the timed loop retries and records them."""
+    t0 = time.monotonic()
+    unique = list({(tr.variant, tr.fmt, tr.tile, splits[tr.shape]): tr for tr in reversed(trials)}.values())[::-1]
+    failures = []
+
+    def first(tr: Trial) -> None:
+        try:
+            calls[tr]()
+        except Exception as e:
+            failures.append(f"{tr.variant}/{tr.fmt}: {type(e).__name__}")
+    heads = list({tr.variant: tr for tr in reversed(unique)}.values())
+    for tr in heads:
+        first(tr)
+    with ThreadPoolExecutor(threads) as pool:
+        futs = [pool.submit(first, tr) for tr in unique if tr not in heads]
+        done, pending = wait(futs, timeout=max(1.0, budget_s - (time.monotonic() - t0)))
+        for f in pending:
+            f.cancel()
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    took = time.monotonic() - t0
+    print(f"compiled {len(done) + len(heads)}/{len(unique)} kernels in {took:.0f} s; failed: {failures[:5]}",
+          flush=True)
+    return took
+
+
 def run(torch, shapes: list[tuple[int, int]], fmts: list[str], variants: list[str], grid: list[Tile],
         budget_s: float, timer: Callable[[Callable[[], Any]], float], dev: str = "cuda", dtype: Any = None,
         threads: int = 0, sms: int = 132) -> dict[str, Any]:
@@ -220,27 +250,14 @@ def run(torch, shapes: list[tuple[int, int]], fmts: list[str], variants: list[st
     keys = [shape_key(*s) for s in shapes]
     trials = plan(keys, fmts, variants, grid)
     calls = {tr: _call(torch, cases[tr.shape], tr) for tr in trials}
-    failed: dict[Trial, str] = {}
     compile_s = 0.0
     if threads:
-        def first(tr: Trial) -> None:
-            try:
-                calls[tr]()
-            except Exception as e:   # a tile that cannot compile: recorded, the rest go on
-                failed[tr] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''}"
-        with ThreadPoolExecutor(threads) as pool:
-            futs = [pool.submit(first, tr) for tr in trials]
-            done, pending = wait(futs, timeout=max(1.0, budget_s / 2 - (time.monotonic() - t0)))
-            for f in pending:
-                f.cancel()
-        torch.cuda.synchronize()
-        compile_s = time.monotonic() - t0
-        print(f"compiled {len(done)}/{len(trials)} trials in {compile_s:.0f} s ({len(failed)} failed)", flush=True)
+        compile_s = _precompile(torch, trials, calls, {k: c.splits for k, c in cases.items()}, threads,
+                                budget_s / 2 - (time.monotonic() - t0), dev)
     results, skipped = [], 0
-    for tr in trials:
-        if tr in failed:
-            results.append(_record(tr, error=failed[tr]))
-            continue
+    for i, tr in enumerate(trials):
+        if i and i % 200 == 0:
+            print(f"{i}/{len(trials)} trials, {time.monotonic() - t0:.0f} s", flush=True)
         if time.monotonic() - t0 > budget_s:
             skipped += 1
             continue
