@@ -123,3 +123,24 @@ def test_win_falls_back_to_bytes_on_unaligned_rows() -> None:
                             DecodeConfig(1, BLOCK_N, quant_variant="win"), group=2, group_pad=16, prec="tf32")
     assert tile.variant == "bytes"
     assert _rel(out, batch.reference(0.125)) < 2 * TOL[dtype]
+
+
+@pytest.mark.skipif(CUDA, reason="float32 and float16 q: the interpreter's dtypes")
+def test_defaults_table_applies_to_16_bit_q_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DEFAULTS (set from a bf16 tuning run) picks the kernel for a 16-bit q; float32 keeps words."""
+    from kvyard.workers.attention import triton_decode_quant_fast as fast
+
+    monkeypatch.setitem(fast.DEFAULTS, "fp8", {"split": QuantTile("bytes_t", 16, 2, 1),
+                                               "unsplit": QuantTile("bytes_t", 16, 2, 1)})
+    fmt = kv_quant.FP8
+    for dtype, want in [(torch.float16, QuantTile("bytes_t", 16, 2, 1)), (torch.float32, QuantTile("words", 32, 4, 3))]:
+        batch = _Batch([(20, 1)], 16, 1, 2, 64, dtype, seed=6)
+        _dequantized_context(batch, fmt)
+        cache = _quantized(batch, fmt)
+        write_kv(*batch.new_kv(), cache, batch.slots())
+        out = _poisoned(batch.q)
+        tile = decode_quantized(batch.q, cache, batch.tables(), batch.lens(), out, out, out, 0.125 * LOG2E,
+                                DecodeConfig(1, 32, 4, 3), group=2, group_pad=16,
+                                prec="ieee" if dtype == torch.float32 else "tf32")
+        assert tile == want
+        assert _rel(out, batch.reference(0.125)) < 2 * TOL[dtype]

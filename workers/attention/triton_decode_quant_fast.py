@@ -32,8 +32,8 @@ the output divides it out again (exact). A float32 q keeps float32 dots.
 
 `DEFAULTS` is the one table to edit after a tuning run (`python3 -m
 kvyard.bench.gpu_kvquant_tune`, docs/gpu-notes.md): per format, the variant and tile for
-split and unsplit launches; its JSON's `suggested_defaults` has this table's shape. A
-DecodeConfig's `quant_*` fields override it per call.
+split and unsplit launches of a 16-bit q; its JSON's `suggested_defaults` has this table's
+shape. A DecodeConfig's `quant_*` fields override it per call.
 """
 from __future__ import annotations
 
@@ -65,6 +65,8 @@ DEFAULTS: dict[str, dict[str, QuantTile]] = {
     "fp8": {"split": QuantTile("words"), "unsplit": QuantTile("words")},
     "int8": {"split": QuantTile("words"), "unsplit": QuantTile("words")},
 }
+# A float32 q (the demo model on CUDA) keeps "words": the tuning run measures bf16 only.
+FLOAT32_DEFAULTS = {f: {"split": QuantTile("words"), "unsplit": QuantTile("words")} for f in DEFAULTS}
 VARIANTS = ("words", "asm", "bytes", "bytes_t", "win")
 VMUL = {1: 128.0, 2: 512.0}   # by format code: V scale multiplier (a power of two; see above)
 
@@ -323,7 +325,7 @@ def decode_quantized(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     """Launch the chosen variant over a quantized cache with head_dim >= 64 (triton_decode.paged_decode
     checks the shapes, allocates the split workspace and merges); returns the tile it ran."""
     fmt = format_of(kv_cache)
-    tile = choose_tile(fmt.name, config)
+    tile = choose_tile(fmt.name, config, FLOAT32_DEFAULTS if q.dtype == torch.float32 else DEFAULTS)
     S = config.num_splits
     B, _, hd = q.shape
     nkv = kv_cache.shape[3]
