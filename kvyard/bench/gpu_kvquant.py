@@ -30,40 +30,58 @@ def _geomean(xs: list[float]) -> float:
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else math.nan
 
 
+def build(torch, B: int, ctx: int, dev: str = "cuda", dtype: Any = None) -> tuple[Any, Any, Any, Any]:
+    """A bf16 cache of random K/V whose blocks are a random permutation, its tables, lengths and q."""
+    nb = -(-ctx // BS)
+    dtype = dtype or torch.bfloat16
+    cache = torch.randn(2, B * nb + 1, BS, NKV, HD, dtype=dtype, device=dev)
+    tables = torch.randperm(B * nb, device=dev).view(B, nb).to(torch.int32)
+    lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+    q = torch.randn(B, NH, HD, dtype=dtype, device=dev)
+    return cache, tables, lens, q
+
+
+def quantized(torch, cache: Any, name: str) -> Any:
+    """`cache` in format `name` (kv_quant.py's rows)."""
+    from kvyard.workers.attention import kv_quant
+
+    fmt = kv_quant.resolve_kv_format(name)
+    c = torch.empty(kv_quant.cache_shape(tuple(cache.shape), fmt), dtype=fmt.dtype, device=cache.device)
+    c.view(torch.uint8).copy_(kv_quant.quantize(cache, fmt))
+    return c
+
+
+def kv_bytes(B: int, ctx: int, q_numel: int, name: str) -> int:
+    """Bytes a decode step must read and write: K and V rows of every context token, q and out."""
+    from kvyard.workers.attention import kv_quant
+
+    per_tok = 2 * NKV * (HD * 2 if name == "bf16" else HD + kv_quant.SCALE_BYTES)
+    return B * ctx * per_tok + 2 * q_numel * 2
+
+
 def measure(torch, B: int, ctx: int, fmts: list[str], rounds: int) -> dict[str, Any]:
     from kvyard.bench.gpu_kernels import _time_ms
-    from kvyard.workers.attention import kv_quant
     from kvyard.workers.attention.triton_decode import DecodeWorkspace, decode_config, paged_decode
 
     dev = "cuda"
-    nb = -(-ctx // BS)
-    blocks = B * nb + 1
-    cache = torch.randn(2, blocks, BS, NKV, HD, dtype=torch.bfloat16, device=dev)
-    tables = torch.randperm(B * nb, device=dev).view(B, nb).to(torch.int32)
-    lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
-    q = torch.randn(B, NH, HD, dtype=torch.bfloat16, device=dev)
+    cache, tables, lens, q = build(torch, B, ctx, dev)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cfg = decode_config(B, NKV, nb * BS, sms)
+    cfg = decode_config(B, NKV, tables.shape[1] * BS, sms)
     out = torch.empty_like(q)
     ws = DecodeWorkspace.allocate(B, NH, HD, cfg.num_splits, dev) if cfg.num_splits > 1 else None
     scale = HD ** -0.5
     row = {"batch": B, "context": ctx, "splits": cfg.num_splits}
     ref = None
     for name in ["bf16", *fmts]:
-        if name == "bf16":
-            c = cache
-        else:
-            fmt = kv_quant.resolve_kv_format(name)
-            c = torch.empty(kv_quant.cache_shape(tuple(cache.shape), fmt), dtype=fmt.dtype, device=dev)
-            c.view(torch.uint8).copy_(kv_quant.quantize(cache, fmt))
+        c = cache if name == "bf16" else quantized(torch, cache, name)
+
         def call(c=c):
             return paged_decode(q, c, tables, lens, scale, out=out, config=cfg, workspace=ws)
         ms = _time_ms(torch, call, 20, rounds, graph=True)
         got = call().float()
         if ref is None:
             ref = got
-        per_tok = 2 * NKV * (HD * 2 if name == "bf16" else HD + kv_quant.SCALE_BYTES)
-        nbytes = B * ctx * per_tok + 2 * q.numel() * 2
+        nbytes = kv_bytes(B, ctx, q.numel(), name)
         row[name] = {"ms": round(ms, 4), "bytes": nbytes, "gbps": round(nbytes / (ms * 1e-3) / 1e9, 1),
                      "rel_err_vs_bf16": round(float((got - ref).norm() / ref.norm()), 5)}
         del c

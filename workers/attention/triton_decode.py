@@ -16,8 +16,8 @@
 - Quantized caches (kv_quant.py): codes are widened to q's dtype for the dots (exact:
   int8 and E4M3 values fit bf16/fp16), the K scale multiplies each key's score and
   the V scale folds into its probability before the PV product. With head_dim >= 64
-  triton_decode_quant.py's kernel reads the rows as 32-bit words; smaller heads take
-  the byte loads of `_decode_kernel` below.
+  a kernel of triton_decode_quant_fast.py runs (the variant per format in its DEFAULTS,
+  or the config's quant_* fields); smaller heads take the byte loads of `_decode_kernel` below.
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from .kv_quant import format_of, head_dim_of
-from .triton_decode_quant import decode_quant_kernel, program_range
+from .triton_decode_quant import program_range
+from .triton_decode_quant_fast import decode_quantized
 from .triton_kv_quant import decode_codes, quant_views
 
 LOG2E = 1.4426950408889634
@@ -40,6 +41,12 @@ class DecodeConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3   # the best single setting over the shapes timed on an H200 (docs/gpu-notes.md)
+    # quantized caches (head_dim >= 64): the kernel variant and its tile, None for
+    # triton_decode_quant_fast.DEFAULTS (then block_n/num_warps/num_stages above)
+    quant_variant: str | None = None
+    quant_block_n: int | None = None
+    quant_num_warps: int | None = None
+    quant_num_stages: int | None = None
 
 
 def decode_config(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> DecodeConfig:
@@ -178,15 +185,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     gp = max(16, triton.next_power_of_2(g))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     if code and hd >= 64:
-        words = kv_cache.view(torch.int32)
-        kw, vw = words[0], words[1]
-        decode_quant_kernel[(B, nkv, S)](
-            q, kw, vw, block_tables, seq_lens, out, part, lse,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-            kw.stride(0), kw.stride(1), kw.stride(2),
-            part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E,
-            G=g, GP=gp, HD=hd, BS=bs, BLOCK_N=config.block_n, NUM_SPLITS=S, PREC=prec, FMT=code,
-            num_warps=config.num_warps, num_stages=config.num_stages)
+        decode_quantized(q, kv_cache, block_tables, seq_lens, out, part, lse, scale * LOG2E, config,
+                         group=g, group_pad=gp, prec=prec)
     else:
         _decode_kernel[(B, nkv, S)](
             q, kc, vc, block_tables, seq_lens, out, part, lse,

@@ -1,0 +1,146 @@
+"""Each quantized decode variant (triton_decode_quant_fast.py) against the dequantized reference.
+
+Without a GPU they run under TRITON_INTERPRET=1, so "asm" takes its plain-Triton widening
+(the interpreter runs no PTX); on CUDA the same cases run its inline assembly. The context
+is quantized then dequantized before the float64 reference, so the tolerances bound the
+kernels' arithmetic (fp16 dots included), not the quantization error.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .test_kv_dtype_triton import FORMATS, _dequantized_context, _quantized
+from .test_triton_attention import CUDA, DEV, DTYPES, TOL, _Batch, _poisoned, _rel  # sets TRITON_INTERPRET first
+
+from kvyard.workers.attention import kv_quant  # noqa: E402
+from kvyard.workers.attention.triton_decode import LOG2E, DecodeConfig, paged_decode  # noqa: E402
+from kvyard.workers.attention.triton_decode_quant_fast import (  # noqa: E402
+    VARIANTS, QuantTile, choose_tile, decode_quantized,
+)
+from kvyard.workers.attention.triton_kv_write import write_kv  # noqa: E402
+
+BLOCK_N = 64 if CUDA else 16
+
+
+def _config(variant: str, splits: int) -> DecodeConfig:
+    return DecodeConfig(num_splits=splits, block_n=BLOCK_N, quant_variant=variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("dtype,splits,gqa,hd", [(DTYPES[-1], 1, 4, 64), (DTYPES[-1], 3, 8, 64),
+                                                 (DTYPES[0], 2, 2, 128)])
+def test_variant_matches_reference(variant: str, fmt: kv_quant.KVFormat, dtype: torch.dtype, splits: int,
+                                   gqa: int, hd: int) -> None:
+    """Unsplit and split, GQA groups of 2-8, scattered blocks (the batch's random permutation),
+    lengths that end mid-tile and mid-block; 4 KV heads, so "win" sees all four row offsets
+    from a 16-byte boundary."""
+    bs, nkv = 16, 4
+    lens = [1, 17, 2 * bs, 75]
+    batch = _Batch([(n - 1, 1) for n in lens], bs, nkv, nkv * gqa, hd, dtype, seed=splits * 7 + gqa + hd)
+    _dequantized_context(batch, fmt)
+    cache = _quantized(batch, fmt)
+    k, v = batch.new_kv()
+    write_kv(k, v, cache, batch.slots())
+    out = paged_decode(batch.q, cache, batch.tables(), batch.lens(), hd ** -0.5, out=_poisoned(batch.q),
+                       config=_config(variant, splits))
+    assert torch.isfinite(out).all(), "every output element is written"
+    assert _rel(out, batch.reference(hd ** -0.5)) < 2 * TOL[dtype]
+
+
+@pytest.mark.parametrize("variant", VARIANTS[1:])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_padding_rows_give_zeros(variant: str, splits: int) -> None:
+    """Length-0 rows (a captured batch's padding) come out as zeros, never NaN; the rest is right."""
+    dtype, fmt = DTYPES[-1], kv_quant.FP8 if splits == 1 else kv_quant.INT8
+    batch = _Batch([(9, 1), (0, 0), (30, 1), (0, 0)], 16, 2, 8, 64, dtype, seed=splits + 3)
+    _dequantized_context(batch, fmt)
+    cache = _quantized(batch, fmt)
+    k, v = batch.new_kv()
+    write_kv(k, v, cache, batch.slots())
+    q = torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEV)
+    out = paged_decode(q, cache, batch.tables(), batch.lens(), 0.125, out=_poisoned(q),
+                       config=_config(variant, splits))
+    assert torch.equal(out[[1, 3]], torch.zeros_like(out[[1, 3]]))
+    batch.q = q[[0, 2]]
+    assert _rel(out[[0, 2]], batch.reference(0.125)) < 2 * TOL[dtype]
+
+
+def test_small_v_rows_keep_fp16_precision() -> None:
+    """V rows of magnitude ~1e-4 (scales ~2e-7): p * scale alone would be an fp16 subnormal;
+    the power-of-two multiplier keeps the fp16 dots' precision."""
+    dtype, fmt = DTYPES[-1], kv_quant.FP8
+    batch = _Batch([(40, 1), (70, 1)], 16, 2, 8, 64, dtype, seed=4)
+    for kv in batch.ctx:
+        kv[1] *= 1e-4
+    _dequantized_context(batch, fmt)
+    cache = _quantized(batch, fmt)
+    k, v = batch.new_kv()
+    write_kv(k, v, cache, batch.slots())
+    for variant in VARIANTS[1:]:
+        out = paged_decode(batch.q, cache, batch.tables(), batch.lens(), 0.125, out=_poisoned(batch.q),
+                           config=_config(variant, 2))
+        assert _rel(out, batch.reference(0.125)) < 2 * TOL[dtype], variant
+
+
+def test_choose_tile_precedence() -> None:
+    """The config's quant_* fields, then the table's entry for its variant, then the config's tile."""
+    table = {"fp8": {"split": QuantTile("bytes", 128, 8, 2), "unsplit": QuantTile("asm", None, 2, None)}}
+    split = DecodeConfig(num_splits=4, block_n=32, num_warps=4, num_stages=3)
+    assert choose_tile("fp8", split, table) == QuantTile("bytes", 128, 8, 2)
+    assert choose_tile("fp8", DecodeConfig(1, 64, 4, 3), table) == QuantTile("asm", 64, 2, 3)
+    other = DecodeConfig(4, 32, 4, 3, quant_variant="bytes_t", quant_num_stages=1)
+    assert choose_tile("fp8", other, table) == QuantTile("bytes_t", 32, 4, 1)
+    assert choose_tile("int8", DecodeConfig(1, 64, 4, 3)) == QuantTile("words", 64, 4, 3)
+    with pytest.raises(ValueError, match="unknown quantized decode variant"):
+        choose_tile("fp8", DecodeConfig(1, quant_variant="nibbles"), table)
+
+
+def test_launch_reports_the_tile_it_ran() -> None:
+    dtype, fmt = DTYPES[-1], kv_quant.INT8
+    batch = _Batch([(20, 1)], 16, 1, 2, 64, dtype, seed=2)
+    _dequantized_context(batch, fmt)
+    cache = _quantized(batch, fmt)
+    write_kv(*batch.new_kv(), cache, batch.slots())
+    out = _poisoned(batch.q)
+    cfg = DecodeConfig(1, BLOCK_N, 2, 1, quant_variant="bytes")
+    tile = decode_quantized(batch.q, cache, batch.tables(), batch.lens(), out, out, out, 0.125 * LOG2E, cfg,
+                            group=2, group_pad=16, prec="ieee" if dtype == torch.float32 else "tf32")
+    assert tile == QuantTile("bytes", BLOCK_N, 2, 1)
+    assert _rel(out, batch.reference(0.125)) < 2 * TOL[dtype]
+
+
+def test_win_falls_back_to_bytes_on_unaligned_rows() -> None:
+    """With 2 KV heads a token's rows are 2 x 68 bytes apart: not a multiple of 16."""
+    dtype, fmt = DTYPES[-1], kv_quant.FP8
+    batch = _Batch([(30, 1), (5, 1)], 16, 2, 4, 64, dtype, seed=8)
+    _dequantized_context(batch, fmt)
+    cache = _quantized(batch, fmt)
+    write_kv(*batch.new_kv(), cache, batch.slots())
+    out = _poisoned(batch.q)
+    tile = decode_quantized(batch.q, cache, batch.tables(), batch.lens(), out, out, out, 0.125 * LOG2E,
+                            DecodeConfig(1, BLOCK_N, quant_variant="win"), group=2, group_pad=16, prec="tf32")
+    assert tile.variant == "bytes"
+    assert _rel(out, batch.reference(0.125)) < 2 * TOL[dtype]
+
+
+@pytest.mark.skipif(CUDA, reason="float32 and float16 q: the interpreter's dtypes")
+def test_defaults_table_applies_to_16_bit_q_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DEFAULTS (set from a bf16 tuning run) picks the kernel for a 16-bit q; float32 keeps words."""
+    from kvyard.workers.attention import triton_decode_quant_fast as fast
+
+    monkeypatch.setitem(fast.DEFAULTS, "fp8", {"split": QuantTile("bytes_t", 16, 2, 1),
+                                               "unsplit": QuantTile("bytes_t", 16, 2, 1)})
+    fmt = kv_quant.FP8
+    for dtype, want in [(torch.float16, QuantTile("bytes_t", 16, 2, 1)), (torch.float32, QuantTile("words", 32, 4, 3))]:
+        batch = _Batch([(20, 1)], 16, 1, 2, 64, dtype, seed=6)
+        _dequantized_context(batch, fmt)
+        cache = _quantized(batch, fmt)
+        write_kv(*batch.new_kv(), cache, batch.slots())
+        out = _poisoned(batch.q)
+        tile = decode_quantized(batch.q, cache, batch.tables(), batch.lens(), out, out, out, 0.125 * LOG2E,
+                                DecodeConfig(1, 32, 4, 3), group=2, group_pad=16,
+                                prec="ieee" if dtype == torch.float32 else "tf32")
+        assert tile == want
+        assert _rel(out, batch.reference(0.125)) < 2 * TOL[dtype]
