@@ -98,8 +98,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="JSON results file")
     p.add_argument("--quick", action="store_true", help="two shapes, fewer rounds (a functional check)")
     p.add_argument("--formats", nargs="+", default=["fp8", "int8"])
+    p.add_argument("--defaults-from", default=None,
+                   help="a gpu_kvquant_tune JSON: time the quantized kernels with its suggested_defaults "
+                        "in place of triton_decode_quant_fast.DEFAULTS (what pasting them there gives)")
     args = p.parse_args(argv)
     import torch
+
+    if args.defaults_from:
+        from kvyard.workers.attention.triton_decode_quant_fast import DEFAULTS, QuantTile
+
+        with open(args.defaults_from) as f:
+            for fmt, kinds in json.load(f)["suggested_defaults"].items():
+                for kind, t in kinds.items():
+                    DEFAULTS[fmt][kind] = QuantTile(t["variant"], t["block_n"], t["num_warps"], t["num_stages"])
+        print("quantized kernels:", DEFAULTS, flush=True)
 
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
