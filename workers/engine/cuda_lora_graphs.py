@@ -8,9 +8,12 @@ per batch size. So a graph per padded batch size captures the step with every
 projection's delta (a slot holds zeros for the projections its adapter leaves alone,
 so applying all of them is exact), and each replay only rewrites the tile table.
 
-Graphs are captured lazily, one batch size at its first LoRA decode step, so a worker
-that never sees an adapter request spends nothing on them; a wake from sleep drops
-them with the other graphs (model_runner.rebuild_device_state).
+A worker started with `--enable-lora` captures every batch size's graph at start, beside
+the plain decode graphs (model_runner.capture_lora_graphs), as vLLM does: captured at the
+first step of each new batch size instead, a capture stalls every running request (on an
+H200, serving 32 streams over 4 adapters, TTFT p99 1.26 s against 0.14 s without LoRA).
+A wake from sleep recaptures them with the other graphs (model_runner.rebuild_device_state).
+A size missing from the table (none, after a full capture) is still captured at first use.
 """
 from __future__ import annotations
 
@@ -44,8 +47,15 @@ class LoRADecodeGraphs(DecodeGraphs):
     def _tiles_for(self, b: int) -> int:
         return -(-b // BLOCK_M) + self.num_slots
 
+    @torch.inference_mode()
     def _capture(self) -> None:
-        self._pool = torch.cuda.graph_pool_handle()   # sizes are captured on first use
+        self._pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        for b in reversed(self.sizes):   # largest first, as the plain graphs: one shared pool
+            fn = self._step_fn(b)
+            graph, out = capture_graph(fn, self._pool, side)
+            self.graphs[b] = (graph, out, fn)
+        torch.cuda.synchronize()
 
     def _model_kwargs(self, b: int) -> dict[str, Any]:
         t = self.tile_dev

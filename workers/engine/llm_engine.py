@@ -67,6 +67,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.lora = build_manager(config.lora, model_config, device, self.dtype)
         self.runner.lora = self.lora
+        self.runner.capture_lora_graphs()
         self.runner.lora_in_use = self._loras_in_use
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.connector, self.kv_loader,

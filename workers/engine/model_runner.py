@@ -182,7 +182,7 @@ class ModelRunner:
         self.lora = None  # workers.lora.manager.LoRAManager with --enable-lora (set by the engine)
         self.lora_in_use = set  # the adapters requests in the engine name (kept in host memory)
         self.graphs = None
-        self.lora_graphs = None  # cuda_lora_graphs.LoRADecodeGraphs, made at the first LoRA decode step
+        self.lora_graphs = None  # cuda_lora_graphs.LoRADecodeGraphs (capture_lora_graphs)
         self.prefill_graphs = None
         self.verify_graphs = None  # speculative verify steps (1 + spec_tokens per row) as graphs
         self.spec_tokens = spec_tokens
@@ -223,8 +223,18 @@ class ModelRunner:
             if self.spec_tokens:
                 self.verify_graphs = DecodeGraphs(self.model, self.kv_caches, *self._graph_shape,
                                                   q=1 + self.spec_tokens)
+            self.capture_lora_graphs()
         if self.device.type == "cuda":
             self._warm_up()
+
+    def capture_lora_graphs(self) -> None:
+        """With --enable-lora and decode graphs: every batch size's LoRA decode graph, now
+        (the engine calls this once it has set `lora`; a wake calls it again)."""
+        if self.lora is not None and self._graph_shape is not None:
+            from .cuda_lora_graphs import LoRADecodeGraphs
+
+            self.lora_graphs = None
+            self.lora_graphs = LoRADecodeGraphs(self.model, self.kv_caches, *self._graph_shape, self.lora)
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
