@@ -92,7 +92,8 @@ def test_choose_tile_precedence() -> None:
     assert choose_tile("fp8", DecodeConfig(1, 64, 4, 3), table) == QuantTile("asm", 64, 2, 3)
     other = DecodeConfig(4, 32, 4, 3, quant_variant="bytes_t", quant_num_stages=1)
     assert choose_tile("fp8", other, table) == QuantTile("bytes_t", 32, 4, 1)
-    assert choose_tile("int8", DecodeConfig(1, 64, 4, 3)) == QuantTile("words", 64, 4, 3)
+    # no table given: the shipped DEFAULTS, their tile over the config's
+    assert choose_tile("int8", DecodeConfig(1, 64, 4, 3)) == QuantTile("asm", 128, 4, 2)
     with pytest.raises(ValueError, match="unknown quantized decode variant"):
         choose_tile("fp8", DecodeConfig(1, quant_variant="nibbles"), table)
 
