@@ -17,6 +17,13 @@ their `model` (default: the primary) through vLLM's flags (`--enable-lora
 --lora-modules NAME=PATH --max-loras N --max-lora-rank R`), each adapter from a path
 already in the container, a PersistentVolumeClaim or an image volume mounted at
 `/adapters/<name>`.
+
+Tokenizers: the EPP keys precise prefix matches the way each pool's workers tokenize
+(its models file's `tokenizer:` per model). An extra model whose weights the EPP pod can
+read (the demo, a PersistentVolumeClaim, an image volume) gets its tokenizer written
+there, its volume mounted read-only in the EPP pod at `/models-<name>`; precise routing
+is on only where every model's tokenizer is readable (render_epp.precise_routing), so no
+pool is ever keyed with another model's tokenizer.
 """
 from __future__ import annotations
 
@@ -26,9 +33,11 @@ from typing import Any
 
 from kvyard.common import wire
 
-from .spec import PRIMARY_POOL, Adapter, Pool, ServiceSpec, primary_name
+from . import render_common as rc
+from .spec import PRIMARY_POOL, Adapter, ExtraModel, Pool, ServiceSpec, primary_name
 
 ADAPTER_MOUNT = "/adapters"
+EPP_READABLE = ("demo", "pvc", "image")   # model sources whose tokenizer the EPP pod can load
 # vLLM's accepted --max-lora-rank values (vllm/config/lora.py)
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -76,16 +85,33 @@ def adapter_volumes(s: ServiceSpec) -> tuple[list[dict], list[dict]]:
     return vols, mounts
 
 
-def models_table(s: ServiceSpec) -> dict[str, Any] | None:
-    """The EPP's --models-file (kvyard.epp.models); None: one model, no adapters."""
+def extra_model_volume(s: ServiceSpec, m: ExtraModel) -> tuple[list[dict], list[dict], str]:
+    """(volumes, mounts, tokenizer source) for an extra model's tokenizer in the EPP pod:
+    its model volume, renamed and mounted read-only at /models-<name>."""
+    vols, mounts, arg = rc.model_volume(replace(s, model=m.model))
+    if not vols:
+        return [], [], arg
+    where = f"{rc.MODEL_MOUNT}-{m.name}"
+    vols = [{**vols[0], "name": f"model-{m.name}"}]
+    mounts = [{**mounts[0], "name": f"model-{m.name}", "mountPath": where}]
+    return vols, mounts, where + arg[len(rc.MODEL_MOUNT):]
+
+
+def models_table(s: ServiceSpec, tokenizers: bool = False) -> dict[str, Any] | None:
+    """The EPP's --models-file (kvyard.epp.models); None: one model, no adapters.
+    `tokenizers`: each extra model's tokenizer source as the EPP pod reads it."""
     if not s.models and not s.adapters:
         return None
     primary = primary_name(s)
     rows = [{"name": primary, "pool": PRIMARY_POOL if s.models else "",
              "adapters": [a.name for a in pool_adapters(s)]}]
     rows[0] = {k: v for k, v in rows[0].items() if v != ""}
-    rows += [{"name": m.name, "pool": m.name,
-              "adapters": [a.name for a in s.adapters if a.model == m.name]} for m in s.models]
+    for m in s.models:
+        row = {"name": m.name, "pool": m.name,
+               "adapters": [a.name for a in s.adapters if a.model == m.name]}
+        if tokenizers and m.model.source in EPP_READABLE:
+            row["tokenizer"] = extra_model_volume(s, m)[2]
+        rows.append(row)
     return {"models": rows}
 
 

@@ -18,7 +18,7 @@ from kvyard.common import wire
 
 from . import render_common as rc
 from . import render_tls
-from .models import models_table
+from .models import EPP_READABLE, extra_model_volume, models_table
 from .render_scaling import pool_name
 from .render_workers import PD_KEY_DIR, PD_KEY_FILE, pd_secret_name
 from .spec import ServiceSpec
@@ -62,8 +62,9 @@ def epp_block_size(worker_block: int) -> int:
 def precise_routing(s: ServiceSpec) -> bool:
     """Whether the EPP routes by the workers' KV events (the workers always publish them,
     render_workers.kv_events_args): only where it has their tokenizer to key a request
-    as the engine does (epp_model_arg); else its approximate index alone."""
-    return epp_model_arg(s, "") != "none"
+    as the engine does (epp_model_arg), for every model's pool (models.EPP_READABLE);
+    else its approximate index alone."""
+    return epp_model_arg(s, "") != "none" and all(m.model.source in EPP_READABLE for m in s.models)
 
 
 def _scorers(s: ServiceSpec, kv_util: bool) -> list[dict[str, Any]]:
@@ -150,7 +151,7 @@ def render_epp(s: ServiceSpec) -> list[dict[str, Any]]:
     text = yaml.safe_dump(scheduler_config(s), sort_keys=False)
     cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": rc.metadata(s, name, "epp"),
           "data": {CONFIG_FILE: text}}
-    table = models_table(s)
+    table = models_table(s, tokenizers=precise_routing(s))
     if table is not None:
         cm["data"][MODELS_FILE] = yaml.safe_dump(table, sort_keys=False)
         text += cm["data"][MODELS_FILE]  # the config hash covers the models too
@@ -160,6 +161,11 @@ def render_epp(s: ServiceSpec) -> list[dict[str, Any]]:
         mvols, mmounts = [], []
     vols += mvols + [{"name": "config", "configMap": {"name": name}}]
     mounts += mmounts + [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
+    if precise_routing(s):   # the extra models' tokenizers (models.extra_model_volume)
+        for m in s.models:
+            xv, xm, _ = extra_model_volume(s, m)
+            vols += xv
+            mounts += xm
     if s.disaggregated:
         vols.append({"name": "pd-key", "secret": {"secretName": pd_secret_name(s),
                                                   "defaultMode": 0o440}})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -133,3 +134,39 @@ async def test_operator_reports_adapters_per_pool(kube, operator, wait_for) -> N
         await kube.patch(f"{CRS}/demo", {"spec": {"models": None, "adapters": None}})
         await wait_for(lambda: ("Deployment", "demo-beta-both") not in kube.children(),
                        what="beta's pool pruned")
+
+
+def test_epp_keys_each_pool_with_its_own_models_tokenizer() -> None:
+    """An extra model whose weights the EPP can read gets its tokenizer in the models file
+    (its volume mounted in the EPP pod); one the EPP cannot read turns precise routing off
+    for the whole service, so no pool is keyed with another model's tokenizer."""
+    cr = copy.deepcopy(CR)
+    cr["spec"]["models"] = [
+        {"name": "beta", "model": {"source": "demo"}},
+        {"name": "gamma", "model": {"source": "pvc", "pvc": {"claimName": "gamma-weights"},
+                                    "path": "gamma-8b"}}]
+    out = _by(render_all(parse(cr)))
+    cm = out[("ConfigMap", "demo-epp")]["data"]
+    rows = {r["name"]: r for r in yaml.safe_load(cm["models.yaml"])["models"]}
+    assert rows["beta"]["tokenizer"] == "demo"
+    assert rows["gamma"]["tokenizer"] == "/models-gamma/gamma-8b"
+    routes = ModelRoutes.parse(yaml.safe_load(cm["models.yaml"]))
+    assert routes.pool_tokenizers("demo") == {"gamma": "/models-gamma/gamma-8b"}
+    pod = out[("Deployment", "demo-epp")]["spec"]["template"]["spec"]
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["model-gamma"]["persistentVolumeClaim"] == {"claimName": "gamma-weights",
+                                                            "readOnly": True}
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts["model-gamma"] == {"name": "model-gamma", "mountPath": "/models-gamma",
+                                     "readOnly": True}
+    sched = yaml.safe_load(cm["scheduler.yaml"])
+    types = [x["type"] for x in sched["profiles"]["default"]["scorers"]]
+    assert "precise-prefix-cache" in types
+    hf = copy.deepcopy(cr)
+    hf["spec"]["models"][1]["model"] = {"source": "hf", "path": "org/gamma-8b"}
+    out = _by(render_all(parse(hf)))
+    cm = out[("ConfigMap", "demo-epp")]["data"]
+    assert all("tokenizer" not in r for r in yaml.safe_load(cm["models.yaml"])["models"])
+    types = [x["type"] for x in yaml.safe_load(cm["scheduler.yaml"])["profiles"]["default"]["scorers"]]
+    assert "precise-prefix-cache" not in types
+    kubernetes_validate.validate(_by(render_all(parse(cr)))[("Deployment", "demo-epp")], "1.33", strict=True)
