@@ -58,21 +58,27 @@ def main(argv: list[str] | None = None) -> int:
             for m in modes:  # every engine's first steps (kernel compiles, lazy captures) before timing
                 measure(engines[m], ps[:b], b, 16)
             rows[b] = paired(engines, modes, ps, b, a.max_tokens, a.rounds)
-            print(f"# {w} b{b}: " + ", ".join(f"{m} {rows[b][m]['speedup']:.2f}x" for m in modes), flush=True)
+            print(f"# {w} b{b}: " + ", ".join(f"{m} {rows[b][m]['speedup']:.2f}x (accept {rows[b][m]['acceptance']}, "
+                                             f"same tokens {rows[b][m]['same_tokens']})" for m in modes), flush=True)
         result["modes"][w] = {f"b{b}": r for b, r in rows.items()}
         main_mode = "ngram" if "ngram" in modes else modes[-1]
         result["spec"][w] = {"speedup_b1": rows[1][main_mode]["speedup"],
                              "speedup_b8": rows[8][main_mode]["speedup"],
                              "acceptance": rows[1][main_mode]["acceptance"],
                              "greedy_unchanged": all(r[m]["same_tokens"] for r in rows.values() for m in modes)}
+        _write(a.out, result, t0)   # after every workload: a call's time limit keeps what ran
     if a.profile:
         result["profile"] = profile_mode(engines[a.profile], load_prompts(tok, a.workloads.split(",")[0])[:1],
                                          a.max_tokens)
-    result["elapsed_s"] = round(time.time() - t0, 1)
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=2)
+    _write(a.out, result, t0)
     print(json.dumps(result["spec"], indent=2))
     return 0
+
+
+def _write(path: str, result: dict, t0: float) -> None:
+    result["elapsed_s"] = round(time.time() - t0, 1)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
 
 
 def profile_mode(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, str]:
