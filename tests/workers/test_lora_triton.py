@@ -17,7 +17,7 @@ if not CUDA:
 pytest.importorskip("triton")
 
 from kvyard.workers.lora.batch import NO_SLOT, LoRABatch, TileTable, apply_groups  # noqa: E402
-from kvyard.workers.lora.triton_lora import BLOCK_M, _splits, lora_delta  # noqa: E402
+from kvyard.workers.lora.triton_lora import BLOCK_M, LoRATile, _splits, lora_delta  # noqa: E402
 
 if not CUDA:
     import sys
@@ -77,3 +77,24 @@ def test_tile_table_pads_to_a_fixed_length():
     assert t.tile_len.shape[0] == -(-(BLOCK_M + 3) // BLOCK_M) + 4
     assert t.tile_len.tolist()[:3] == [BLOCK_M, 1, 1] and not any(t.tile_len.tolist()[3:])
     assert t.tile_slot.tolist()[:3] == [0, 0, 3]
+
+
+def test_every_launch_tile_gives_the_same_delta():
+    """gpu_lora_tune's tiles change how the work is cut, never the result."""
+    gen = torch.Generator().manual_seed(5)
+    slots, r, k_in, n_out, n_rows = 3, 16, 1100, 80, 20
+    x = torch.randn(n_rows, k_in, generator=gen)
+    a = torch.randn(slots, r, k_in, generator=gen) * 0.1
+    b = torch.randn(slots, n_out, r, generator=gen) * 0.1
+    row_slots = [i % slots for i in range(n_rows)]
+    batch = LoRABatch.build(row_slots, [], frozenset(), slots, torch.device("cpu"))
+    t = TileTable.build(batch.groups, n_rows, slots, DEV, BLOCK_M)
+    outs = []
+    for tile in (LoRATile(), LoRATile(256, 16, 2, 8), LoRATile(1024, 128, 8, 2)):
+        y = torch.zeros(n_rows, n_out, device=DEV)
+        lora_delta(x.to(DEV), a.to(DEV), b.to(DEV), y, t.rows, t.tile_slot, t.tile_start, t.tile_len, tile)
+        outs.append(y.double().cpu())
+    ref = outs[0]
+    assert ref.abs().max() > 0.01
+    for o in outs[1:]:
+        assert (o - ref).norm() / ref.norm() < 1e-5

@@ -14,14 +14,33 @@ tiles of BLOCK_M rows (batch.TileTable); a program takes one tile.
 The tile table is padded to a fixed length (empty tiles return at once) and SPLIT
 depends on K only, so a launch depends on shapes only (CUDA-graph capturable).
 Tests run it under TRITON_INTERPRET=1 on the CPU.
+
+`LoRATile` holds the launch shape (inputs per shrink program, output columns per expand
+program, warps); `TILE` is the one every call uses unless given another.
+`python3 -m kvyard.bench.gpu_lora_tune` times a grid of them on a GPU at the 8B shapes
+and suggests a replacement (Triton's autotuner cannot choose here: a warm-up step's tile
+table is empty, so every configuration would time the same).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 BLOCK_M = 16
+
+
+@dataclass(slots=True, frozen=True)
+class LoRATile:
+    k_per_program: int = 512     # shrink: about this many inputs a program (at most 16 splits)
+    max_block_n: int = 64        # expand: output columns a program (power of two, at most)
+    shrink_warps: int = 4
+    expand_warps: int = 4
+
+
+TILE = LoRATile()
 
 
 @triton.jit
@@ -96,30 +115,33 @@ def _expand_kernel(part_ptr, b_ptr, y_ptr, rows_ptr, tile_slot_ptr, tile_start_p
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ymask)
 
 
-def _splits(k: int) -> tuple[int, int, int]:
-    """(SPLIT, per-split K, BLOCK_K): ~512 inputs a program, at most 16 programs a tile."""
+def _splits(k: int, k_per_program: int = 512) -> tuple[int, int, int]:
+    """(SPLIT, per-split K, BLOCK_K): ~k_per_program inputs a program, at most 16 programs a tile."""
     block_k = max(16, min(128, triton.next_power_of_2(k)))
-    split = max(1, min(16, k // 512))
+    split = max(1, min(16, k // k_per_program))
     per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     return triton.cdiv(k, per), per, block_k
 
 
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
-               tile_slot: torch.Tensor, tile_start: torch.Tensor, tile_len: torch.Tensor) -> None:
+               tile_slot: torch.Tensor, tile_start: torch.Tensor, tile_len: torch.Tensor,
+               tile: LoRATile = TILE) -> None:
     """y[rows of each tile] += (x[those rows] @ a[slot]^T) @ b[slot]^T. x [T, K], y [T, N] with
     unit column stride (y may be a column slice); a [slots, R, K] and b [slots, N, R] contiguous."""
     assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
     r, k, n = a.shape[1], a.shape[2], b.shape[1]
-    split, per, block_k = _splits(k)
+    split, per, block_k = _splits(k, tile.k_per_program)
     block_r = max(16, triton.next_power_of_2(r))
     part = torch.empty(split, x.shape[0], r, dtype=torch.float32, device=x.device)
     ieee = x.dtype == torch.float32
     tiles = tile_len.shape[0]
     _shrink_kernel[(tiles, split)](x, a, part, rows, tile_slot, tile_start, tile_len, r, k, per,
                                    x.stride(0), a.stride(0), a.stride(1), part.stride(0), part.stride(1),
-                                   IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k)
-    block_n = max(16, min(64, triton.next_power_of_2(n)))
+                                   IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k,
+                                   num_warps=tile.shrink_warps)
+    block_n = max(16, min(tile.max_block_n, triton.next_power_of_2(n)))
     _expand_kernel[(tiles, triton.cdiv(n, block_n))](part, b, y, rows, tile_slot, tile_start, tile_len, n, r,
                                                      part.stride(0), part.stride(1), b.stride(0), b.stride(1),
                                                      y.stride(0), SPLIT=split, IEEE=ieee, BLOCK_M=BLOCK_M,
-                                                     BLOCK_N=block_n, BLOCK_R=block_r)
+                                                     BLOCK_N=block_n, BLOCK_R=block_r,
+                                                     num_warps=tile.expand_warps)
