@@ -12,8 +12,8 @@ A worker started with `--enable-lora` captures every batch size's graph at start
 the plain decode graphs (model_runner.capture_lora_graphs), as vLLM does: captured at the
 first step of each new batch size instead, a capture stalls every running request (on an
 H200, serving 32 streams over 4 adapters, TTFT p99 1.26 s against 0.14 s without LoRA).
-A wake from sleep recaptures them with the other graphs (model_runner.rebuild_device_state).
-A size missing from the table (none, after a full capture) is still captured at first use.
+They are captured as the plain graphs are (DecodeGraphs._capture, largest first, one pool);
+a wake from sleep recaptures them with the other graphs (model_runner.rebuild_device_state).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 from kvyard.workers.lora.batch import NO_SLOT, LoRABatch, TileTable, _groups
 from kvyard.workers.lora.triton_lora import BLOCK_M
 
-from .cuda_runner import DecodeGraphs, capture_graph, graph_batch_sizes
+from .cuda_runner import DecodeGraphs, graph_batch_sizes
 
 
 class LoRADecodeGraphs(DecodeGraphs):
@@ -40,22 +40,11 @@ class LoRADecodeGraphs(DecodeGraphs):
         dev = model.device
         self.tile_dev = TileTable(*(torch.zeros(n, dtype=torch.int32, device=dev) for n in (top, tiles, tiles, tiles)))
         self.tile_host = [torch.zeros(n, dtype=torch.int32).pin_memory() for n in (top, tiles, tiles, tiles)]
-        self._pool = None
         self._row_slots: list[int] = []
         super().__init__(model, kv_caches, max_batch, max_blocks)
 
     def _tiles_for(self, b: int) -> int:
         return -(-b // BLOCK_M) + self.num_slots
-
-    @torch.inference_mode()
-    def _capture(self) -> None:
-        self._pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream()
-        for b in reversed(self.sizes):   # largest first, as the plain graphs: one shared pool
-            fn = self._step_fn(b)
-            graph, out = capture_graph(fn, self._pool, side)
-            self.graphs[b] = (graph, out, fn)
-        torch.cuda.synchronize()
 
     def _model_kwargs(self, b: int) -> dict[str, Any]:
         t = self.tile_dev
@@ -64,14 +53,6 @@ class LoRADecodeGraphs(DecodeGraphs):
         batch = LoRABatch([NO_SLOT] * b, self.manager.stacks, self.projs, self.num_slots, tiles=tiles,
                           captured=True)
         return {"lora": batch}
-
-    @torch.inference_mode()
-    def _graph(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, Any]:
-        if b not in self.graphs:
-            fn = self._step_fn(b)
-            graph, out = capture_graph(fn, self._pool)
-            self.graphs[b] = (graph, out, fn)
-        return self.graphs[b]
 
     def _fill_extra(self, b: int, rows: int) -> None:
         slots = self._row_slots + [NO_SLOT] * (b - rows)

@@ -147,15 +147,12 @@ class DecodeGraphs:
         for src, dst, k in ((h.ids, d.ids, m), (h.pos, d.pos, m), (h.slots, d.slots, m), (h.lens, d.lens, b)):
             dst[:k].copy_(src[:k], non_blocking=True)
         d.tables[:rows].copy_(h.tables[:rows], non_blocking=True)  # whole rows: one contiguous copy
-        graph, out, _ = self._graph(b)
+        graph, out, _ = self.graphs[b]
         graph.replay()
         return out[:n]
 
     def _fill_extra(self, b: int, rows: int) -> None:
         """Copy a subclass's own step inputs to the device before the replay."""
-
-    def _graph(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, Any]:
-        return self.graphs[b]
 
     def run_verify(self, seqs: list[Any], block_size: int) -> tuple[torch.Tensor, list[int]]:
         """A verify step of decodes and drafted rows (`seq.spec_token_ids`, at most q - 1

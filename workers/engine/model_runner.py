@@ -310,9 +310,7 @@ class ModelRunner:
                 logits = self.graphs.run(ids, pos, slots, seq_lens, tables)
             else:
                 if self.lora_graphs is None:
-                    from .cuda_lora_graphs import LoRADecodeGraphs
-
-                    self.lora_graphs = LoRADecodeGraphs(self.model, self.kv_caches, *self._graph_shape, self.lora)
+                    self.capture_lora_graphs()
                 logits = self.lora_graphs.run_lora(ids, pos, slots, seq_lens, tables, lora.row_slots)
             return self._gpu_sample(logits, samplers)
         vg = self.verify_graphs
