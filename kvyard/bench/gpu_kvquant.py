@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from typing import Any
+
+from kvyard.bench.gpu_kernels import _geomean
 
 NH, NKV, HD, BS = 32, 8, 128, 16   # Llama-3-8B's attention
 SHAPES = [(1, 32768), (8, 8192), (32, 4096), (64, 2048), (128, 1024), (256, 512)]
 QUICK_SHAPES = [(8, 4096), (64, 1024)]
-
-
-def _geomean(xs: list[float]) -> float:
-    xs = [x for x in xs if x > 0 and math.isfinite(x)]
-    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else math.nan
 
 
 def build(torch, B: int, ctx: int, dev: str = "cuda", dtype: Any = None) -> tuple[Any, Any, Any, Any]:

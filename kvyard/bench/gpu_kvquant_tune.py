@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
+from kvyard.bench.gpu_kernels import _geomean
 from kvyard.bench.gpu_kvquant import BS, HD, NH, NKV, build, kv_bytes, quantized
 
 SHAPES = [(1, 32768), (8, 4096), (64, 1024), (128, 1024)]
@@ -73,11 +74,6 @@ def plan(shapes: list[str], fmts: list[str], variants: list[str], grid: list[Til
             out.append(Trial(sh, "bf16", "bf16", t))
             out += [Trial(sh, f, v, t) for f in fmts for v in variants]
     return out
-
-
-def _geomean(xs: list[float]) -> float:
-    xs = [x for x in xs if x > 0 and math.isfinite(x)]
-    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else math.nan
 
 
 def _best(rows: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -17,11 +17,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import sys
 import time
 from dataclasses import asdict
 from typing import Any
+
+from kvyard.bench.gpu_kernels import _geomean
 
 PROJECTIONS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 BATCHES = ((64, 16), (64, 1), (8, 4))   # (rows, adapters)
@@ -43,8 +44,7 @@ def choose(times: dict[str, dict[tuple, float]], shipped: tuple) -> dict[str, An
     full = [k for k in set().union(*(times[c] for c in cases)) if all(k in times[c] for c in cases)]
     if not cases or not full:
         return {"tile": list(shipped), "geomean_speedup": 1.0}
-    score = {k: math.exp(sum(math.log(times[c][shipped] / times[c][k]) for c in cases) / len(cases))
-             for k in full}
+    score = {k: _geomean([times[c][shipped] / times[c][k] for c in cases]) for k in full}
     best = max(score, key=score.get)
     return {"tile": list(best), "geomean_speedup": round(score[best], 3)}
 
@@ -75,14 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 2
-    from kvyard.bench.gpu_kernels import _time_ms
+    from kvyard.bench.gpu_kernels import _time_ms, copy_bandwidth
     from kvyard.workers.lora.triton_lora import TILE, lora_delta
 
     t0 = time.time()
-    src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    copy_ms = _time_ms(torch, lambda: dst.copy_(src), 10, args.rounds, graph=True)
-    bandwidth = 2 * src.numel() / (copy_ms * 1e-3)
+    bandwidth = copy_bandwidth(torch, args.rounds)
     shipped = tuple(asdict(TILE).values())
     tiles = [TILE] + [g for g in grid() if g != TILE]
     times: dict[str, dict[tuple, float]] = {}
