@@ -89,6 +89,22 @@ def measure(torch, B: int, ctx: int, fmts: list[str], rounds: int) -> dict[str, 
     return row
 
 
+def profile_once(torch, B: int, ctx: int, fmts: list[str]) -> int:
+    """Each format's decode kernel launched twice (compile, then the one to profile), eagerly."""
+    from kvyard.workers.attention.triton_decode import DecodeWorkspace, decode_config, paged_decode
+
+    cache, tables, lens, q = build(torch, B, ctx)
+    cfg = decode_config(B, NKV, tables.shape[1] * BS, torch.cuda.get_device_properties(0).multi_processor_count)
+    ws = DecodeWorkspace.allocate(B, NH, HD, cfg.num_splits, "cuda") if cfg.num_splits > 1 else None
+    for name in ["bf16", *fmts]:
+        c = cache if name == "bf16" else quantized(torch, cache, name)
+        for _ in range(2):
+            paged_decode(q, c, tables, lens, HD ** -0.5, out=torch.empty_like(q), config=cfg, workspace=ws)
+        torch.cuda.synchronize()
+        print(name, "launched", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="JSON results file")
@@ -97,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--defaults-from", default=None,
                    help="a gpu_kvquant_tune JSON: time the quantized kernels with its suggested_defaults "
                         "in place of triton_decode_quant_fast.DEFAULTS (what pasting them there gives)")
+    p.add_argument("--variant", default=None, help="run the quantized formats with this variant (DEFAULTS' tiles)")
+    p.add_argument("--ncu", default=None, metavar="B,CTX",
+                   help="no timing: launch each kernel twice at one shape, eagerly, for Nsight Compute")
     args = p.parse_args(argv)
     import torch
 
@@ -109,9 +128,18 @@ def main(argv: list[str] | None = None) -> int:
                     DEFAULTS[fmt][kind] = QuantTile(t["variant"], t["block_n"], t["num_warps"], t["num_stages"])
         print("quantized kernels:", DEFAULTS, flush=True)
 
+    if args.variant:
+        from kvyard.workers.attention.triton_decode_quant_fast import DEFAULTS, QuantTile
+
+        for kinds in DEFAULTS.values():
+            for kind, t in kinds.items():
+                kinds[kind] = QuantTile(args.variant, t.block_n, t.num_warps, t.num_stages)
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 2
+    if args.ncu:
+        B, ctx = (int(x) for x in args.ncu.split(","))
+        return profile_once(torch, B, ctx, args.formats)
     rounds = 3 if args.quick else 7
     rows = []
     for B, ctx in (QUICK_SHAPES if args.quick else SHAPES):

@@ -93,6 +93,35 @@ def decode(layers: int, ctx: int, iters: int) -> dict[str, Any]:
     return out
 
 
+def profile(layers: int, ctx: int, bsz: int = 64, adapters: int = 16) -> dict[str, Any]:
+    """GPU time per kernel name over 3 eager steps, base and with `adapters` adapters (eager: the
+    per-kernel times are what a graph replays; launch gaps are not counted)."""
+    model = engine_model(layers, ctx + 16)
+    stacks = _stacks(model.config, adapters)
+    b = make_batch(bsz, ctx, layers, dense=False)
+    step = engine_step_fn(model, b)
+    tri, _ = _batches([i % adapters for i in range(bsz)], stacks, adapters)
+    out: dict[str, Any] = {}
+    for name, lb in (("base", None), (f"triton_{adapters}", tri)):
+        def fn(lb=lb) -> Any:
+            return model.compute_logits(model(b.ids, b.pos, b.paged, step.meta, lora=lb))
+        fn()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+        rows = []
+        for e in prof.key_averages():
+            us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            if us:
+                rows.append({"kernel": e.key[:90], "ms_per_step": round(us / 3e3, 4), "calls_per_step": e.count // 3})
+        rows.sort(key=lambda r: -r["ms_per_step"])
+        out[name] = {"total_ms": round(sum(r["ms_per_step"] for r in rows), 3), "kernels": rows[:25]}
+        print(name, json.dumps(out[name], indent=1), flush=True)
+    return out
+
+
 def _greedy(engine, prompts, names, max_tokens: int) -> list[list[int]]:
     from kvyard.workers.engine.api import SamplingParams
     from kvyard.workers.engine.llm import LLM
@@ -179,13 +208,24 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--parts", default="decode,parity", help="decode, parity or both")
+    ap.add_argument("--tile-from", default=None,
+                    help="a gpu_lora_tune JSON: run with its suggested_tile as triton_lora.TILE")
+    ap.add_argument("--profile", action="store_true",
+                    help="also list the GPU time per kernel of one step, base and 16 adapters at batch 64")
     args = ap.parse_args()
+    if args.tile_from:
+        from kvyard.workers.lora import triton_lora
+
+        triton_lora.TILE = triton_lora.LoRATile(*json.loads(Path(args.tile_from).read_text())["suggested_tile"]["tile"])
+        print("LoRA tile:", triton_lora.TILE, flush=True)
     parts = set(args.parts.split(","))
     t0 = time.time()
     doc: dict[str, Any] = {"card": torch.cuda.get_device_name(), "layers": args.layers, "ctx": args.ctx,
                            "rank": RANK, "dtype": "bfloat16"}
     if "decode" in parts:
         doc["decode"] = decode(args.layers, args.ctx, args.iters)
+    if args.profile:
+        doc["profile"] = profile(args.layers, args.ctx)
     if "parity" in parts:
         doc["parity_detail"] = parity()
     doc["lora"] = {}

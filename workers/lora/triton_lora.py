@@ -125,10 +125,11 @@ def _splits(k: int, k_per_program: int = 512) -> tuple[int, int, int]:
 
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
                tile_slot: torch.Tensor, tile_start: torch.Tensor, tile_len: torch.Tensor,
-               tile: LoRATile = TILE) -> None:
+               tile: LoRATile | None = None) -> None:
     """y[rows of each tile] += (x[those rows] @ a[slot]^T) @ b[slot]^T. x [T, K], y [T, N] with
     unit column stride (y may be a column slice); a [slots, R, K] and b [slots, N, R] contiguous."""
     assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
+    tile = tile or TILE   # read at call time, so a bench can set the module's TILE
     r, k, n = a.shape[1], a.shape[2], b.shape[1]
     split, per, block_k = _splits(k, tile.k_per_program)
     block_r = max(16, triton.next_power_of_2(r))
