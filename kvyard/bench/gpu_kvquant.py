@@ -89,6 +89,40 @@ def measure(torch, B: int, ctx: int, fmts: list[str], rounds: int) -> dict[str, 
     return row
 
 
+def split_sweep(torch, B: int, ctx: int, fmts: list[str], mults: list[int], rounds: int) -> dict[str, Any]:
+    """Each format's time with decode_config's splits times each of `mults` (at most ctx / 128
+    tokens a split, 64 splits): whether a kernel wants more programs than bf16's rule gives."""
+    from dataclasses import replace
+
+    from kvyard.bench.gpu_kernels import _time_ms
+    from kvyard.workers.attention.triton_decode import DecodeWorkspace, decode_config, paged_decode
+
+    cache, tables, lens, q = build(torch, B, ctx)
+    base = decode_config(B, NKV, tables.shape[1] * BS, torch.cuda.get_device_properties(0).multi_processor_count)
+    out = torch.empty_like(q)
+    res: dict[str, Any] = {"batch": B, "context": ctx, "base_splits": base.num_splits}
+    for name in ["bf16", *fmts]:
+        c = cache if name == "bf16" else quantized(torch, cache, name)
+        times = {}
+        for m in mults:
+            s = max(1, min(64, ctx // 128, base.num_splits * m))
+            if s in times:
+                continue
+            cfg = replace(base, num_splits=s, block_n=128 if s > 1 else 64)
+            ws = DecodeWorkspace.allocate(B, NH, HD, s, "cuda") if s > 1 else None
+            times[s] = round(_time_ms(torch, lambda: paged_decode(q, c, tables, lens, HD ** -0.5, out=out, config=cfg,
+                                                                  workspace=ws), 20, rounds, graph=True), 4)
+        best = min(times, key=times.get)
+        res[name] = {"ms_by_splits": times, "best_splits": best, "best_ms": times[best],
+                     "bytes": kv_bytes(B, ctx, q.numel(), name)}
+        del c
+    for name in fmts:
+        r, b = res[name], res["bf16"]
+        r["per_byte_best_vs_bf16_best"] = round((r["bytes"] / r["best_ms"]) / (b["bytes"] / b["best_ms"]), 3)
+        r["speedup_best_vs_bf16_best"] = round(b["best_ms"] / r["best_ms"], 3)
+    return res
+
+
 def profile_once(torch, B: int, ctx: int, fmts: list[str]) -> int:
     """Each format's decode kernel launched twice (compile, then the one to profile), eagerly."""
     from kvyard.workers.attention.triton_decode import DecodeWorkspace, decode_config, paged_decode
@@ -116,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant", default=None, help="run the quantized formats with this variant (DEFAULTS' tiles)")
     p.add_argument("--ncu", default=None, metavar="B,CTX",
                    help="no timing: launch each kernel twice at one shape, eagerly, for Nsight Compute")
+    p.add_argument("--split-mults", default=None, metavar="M,M,..",
+                   help="also time every shape with decode_config's splits times each M (`split_sweep` in the JSON)")
     args = p.parse_args(argv)
     import torch
 
@@ -147,6 +183,18 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows[-1]), flush=True)
     summary = {"device": torch.cuda.get_device_name(0), "shape": {"heads": NH, "kv_heads": NKV, "head_dim": HD,
                                                                    "block_size": BS}, "rows": rows}
+    if args.split_mults:
+        mults = [int(m) for m in args.split_mults.split(",")]
+        summary["split_sweep"] = []
+        for B, ctx in (QUICK_SHAPES if args.quick else SHAPES):
+            summary["split_sweep"].append(split_sweep(torch, B, ctx, args.formats, mults, rounds))
+            print(json.dumps(summary["split_sweep"][-1]), flush=True)
+        for name in args.formats:
+            summary[f"split_sweep_{name}"] = {
+                "per_byte_best_vs_bf16_best": round(_geomean([r[name]["per_byte_best_vs_bf16_best"]
+                                                              for r in summary["split_sweep"]]), 3),
+                "speedup_best_vs_bf16_best": round(_geomean([r[name]["speedup_best_vs_bf16_best"]
+                                                             for r in summary["split_sweep"]]), 3)}
     for name in args.formats:
         summary[f"kv_{name}"] = {
             "kv_bytes_ratio": rows[0][name]["kv_bytes_ratio"],
@@ -156,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)
-    print(json.dumps({k: v for k, v in summary.items() if k.startswith("kv_")}))
+    print(json.dumps({k: v for k, v in summary.items() if k.startswith(("kv_", "split_sweep_"))}))
     return 0
 
 

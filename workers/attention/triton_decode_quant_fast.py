@@ -48,7 +48,6 @@ from triton.runtime.interpreter import InterpretedFunction
 from .kv_quant import format_of
 from .triton_decode_quant import _store_slices, _widen, decode_quant_kernel, program_range
 from .triton_decode_quant_bytes import _dot_dtype, _online, _rows, _store_lse, decode_bytes_kernel
-from .triton_decode_quant_f8 import decode_f8_kernel
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,7 +69,7 @@ DEFAULTS: dict[str, dict[str, QuantTile]] = {
 }
 # A float32 q (the demo model on CUDA) keeps "words": the tuning run measures bf16 only.
 FLOAT32_DEFAULTS = {f: {"split": QuantTile("words"), "unsplit": QuantTile("words")} for f in DEFAULTS}
-VARIANTS = ("words", "asm", "bytes", "bytes_t", "win", "f8")
+VARIANTS = ("words", "asm", "bytes", "bytes_t", "win")
 VMUL = {1: 128.0, 2: 512.0}   # by format code: V scale multiplier (a power of two; see above)
 
 
@@ -304,7 +303,7 @@ def decode_win_kernel(
 
 
 _KERNELS = {"asm": decode_asm_kernel, "bytes": decode_bytes_kernel, "bytes_t": decode_bytes_kernel,
-            "win": decode_win_kernel, "f8": decode_f8_kernel}
+            "win": decode_win_kernel}
 
 
 def _asm_ok(kernel: Any, device: torch.device, code: int) -> bool:
@@ -345,8 +344,6 @@ def decode_quantized(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         return tile
     if tile.variant == "win" and not _windows_aligned(kv_cache):
         tile = QuantTile("bytes", tile.block_n, tile.num_warps, tile.num_stages)
-    if tile.variant == "f8" and (fmt.code != 2 or q.dtype == torch.float32):   # fp8 codes, 16-bit q only
-        tile = QuantTile("asm", tile.block_n, tile.num_warps, tile.num_stages)
     kernel = _KERNELS[tile.variant]
     if tile.variant in ("asm", "win"):
         k, v, kf, vf = kw, vw, kw, vw
@@ -356,5 +353,5 @@ def decode_quantized(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     if tile.variant == "bytes_t":
         meta["TRANS"] = True
     kernel[(B, nkv, S)](q, k, v, kf, vf, *common, F16=q.dtype != torch.float32, VM=VMUL[fmt.code],
-                        ASM=tile.variant in ("asm", "win", "f8") and _asm_ok(kernel, q.device, fmt.code), **meta)
+                        ASM=tile.variant in ("asm", "win") and _asm_ok(kernel, q.device, fmt.code), **meta)
     return tile
