@@ -2,14 +2,14 @@
 
 Strategies fuse the o projection with the residual add and the whole MLP into
 epilogues (linear_ops.py, cuda_ops.py), which leaves no place for a delta; in a step
-whose batch has adapters these run unfused through the strategy's own `linear` and
-`norm` on its own weight layout, in PEFT's order (base + delta, then the residual).
-Steps without adapters never come here.
+whose batch has adapters the projections run apart through the strategy's own `linear`
+on its own weight layout, in PEFT's order (base + delta, then the residual), and the
+elementwise rest through its `silu_mul` and `add_norm` (on CUDA one kernel each, as in
+the fused path). Steps without adapters never come here.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .batch import LoRABatch
 
@@ -24,8 +24,7 @@ def o_add_norm(ops, lora: LoRABatch, i: int, o: torch.Tensor, lw, x: torch.Tenso
         return ops.o_add_norm(o, lw, x)
     y = _linear(ops, o, lw.o, lw.o_bias)
     lora.apply(i, "o", o, y)
-    x = x + y
-    return x, ops.norm(x, lw.post_norm)
+    return ops.add_norm(y, x, lw.post_norm)
 
 
 def mlp_add_norm(ops, lora: LoRABatch, i: int, h: torch.Tensor, lw, x: torch.Tensor,
@@ -37,9 +36,7 @@ def mlp_add_norm(ops, lora: LoRABatch, i: int, h: torch.Tensor, lw, x: torch.Ten
     else:  # strategies that split gate/up for their epilogues
         gu = torch.cat([_linear(ops, h, lw.gate), _linear(ops, h, lw.up)], dim=1)
     lora.apply(i, "gate_up", h, gu)
-    inter = ops.inter
-    act = F.silu(gu[:, :inter]) * gu[:, inter:]
+    act = ops.silu_mul(gu)
     y = _linear(ops, act, lw.down)
     lora.apply(i, "down", act, y)
-    x = x + y
-    return x, None if next_norm is None else ops.norm(x, next_norm)
+    return ops.add_norm(y, x, next_norm)

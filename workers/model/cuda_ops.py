@@ -130,6 +130,16 @@ class CudaOps(TorchOps):
             x = x.contiguous()
         return x, add_rms_norm(y, x, lw.post_norm, self.eps)
 
+    def silu_mul(self, gu):
+        return silu_mul(gu)
+
+    def add_norm(self, y, x, w):
+        if w is None:
+            return x + y, None
+        if not x.is_contiguous():
+            x = x.contiguous()
+        return x, add_rms_norm(y, x, w, self.eps)   # x += y in place, as o_add_norm
+
     def mlp_add_norm(self, h, lw, x, next_norm):
         y = linear(silu_mul(linear(h, lw.gate_up)), lw.down)
         if next_norm is None:

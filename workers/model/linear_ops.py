@@ -120,6 +120,16 @@ class TorchOps:
         x = self.mlp_add(h, lw, x)
         return x, None if next_norm is None else self.norm(x, next_norm)
 
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of gu = [gate | up] rows (the LoRA layer's unfused MLP)."""
+        return F.silu(gu[:, :self.inter]) * gu[:, self.inter:]
+
+    def add_norm(self, y: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(x + y, its norm by w; None without w): the LoRA layer's residual seam."""
+        x = x + y
+        return x, None if w is None else self.norm(x, w)
+
     def head(self, h: torch.Tensor, w) -> torch.Tensor:
         return self.linear(h, w, None)
 
