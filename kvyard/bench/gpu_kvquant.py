@@ -3,11 +3,11 @@
 Runs on the GPU host without kvyard installed (tools/device_gpu.sh's shim tree on
 PYTHONPATH): `python3 -m kvyard.bench.gpu_kvquant --out FILE.json [--quick]`.
 For each (batch, context) the same Triton decode kernel reads a bf16 cache and a
-quantized one (codes + a float32 scale per token and KV head, kv_quant.py) holding
-the same random K/V; times are CUDA-event medians over captured graphs
+quantized one (codes + a float32 scale per token and KV head; fp8_e4m3: bare codes,
+kv_quant.py) holding the same random K/V; times are CUDA-event medians over captured graphs
 (gpu_kernels._time_ms). Bytes are those the kernel must read: K and V rows of every
 context token (+ q and out). Keys match issue 30's `kv_fp8`:
-- `kv_bytes_ratio`: quantized bytes per token / bf16's (132 / 256 at head_dim 128);
+- `kv_bytes_ratio`: quantized bytes per token / bf16's (132 / 256 at head_dim 128; fp8_e4m3 128 / 256);
 - `attn_throughput_per_byte_vs_bf16`: (bytes / time) quantized over bf16's, i.e. how
   well the kernel turns the smaller cache into speed (1.0: time halves with the bytes);
 - `speedup_vs_bf16`: bf16 time / quantized time.
@@ -51,7 +51,7 @@ def kv_bytes(B: int, ctx: int, q_numel: int, name: str) -> int:
     """Bytes a decode step must read and write: K and V rows of every context token, q and out."""
     from kvyard.workers.attention import kv_quant
 
-    per_tok = 2 * NKV * (HD * 2 if name == "bf16" else HD + kv_quant.SCALE_BYTES)
+    per_tok = 2 * NKV * (HD * 2 if name == "bf16" else HD + kv_quant.resolve_kv_format(name).scale_bytes)
     return B * ctx * per_tok + 2 * q_numel * 2
 
 
@@ -139,11 +139,57 @@ def profile_once(torch, B: int, ctx: int, fmts: list[str]) -> int:
     return 0
 
 
+BARE_GRID = [(v, bn, w, st) for v in ("words", "bytes") for bn, w, st in
+             ((128, 4, 3), (128, 4, 2), (128, 8, 2), (64, 4, 3), (64, 4, 2), (64, 2, 2))]
+
+
+def bare_tune(torch, shapes: list[tuple[int, int]], rounds: int) -> dict[str, Any]:
+    """fp8_e4m3's kernel (triton_decode_bare.py) per variant and tile at each shape, and the one
+    (variant, tile) per split/unsplit launch with the best geomean time: what to put in its TILES."""
+    from dataclasses import replace
+
+    from kvyard.bench.gpu_kernels import _time_ms
+    from kvyard.workers.attention.triton_decode import DecodeWorkspace, decode_config, paged_decode
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    times: dict[str, dict[str, dict[tuple, float]]] = {"split": {}, "unsplit": {}}
+    for B, ctx in shapes:
+        cache, tables, lens, q = build(torch, B, ctx)
+        c = quantized(torch, cache, "fp8_e4m3")
+        del cache
+        base = decode_config(B, NKV, tables.shape[1] * BS, sms)
+        ws = DecodeWorkspace.allocate(B, NH, HD, base.num_splits, "cuda") if base.num_splits > 1 else None
+        out = torch.empty_like(q)
+        row = times["split" if base.num_splits > 1 else "unsplit"].setdefault(f"{B}x{ctx}", {})
+        for v, bn, w, st in BARE_GRID:
+            cfg = replace(base, quant_variant=v, quant_block_n=bn, quant_num_warps=w, quant_num_stages=st)
+            try:
+                row[(v, bn, w, st)] = _time_ms(torch, lambda cfg=cfg: paged_decode(
+                    q, c, tables, lens, HD ** -0.5, out=out, config=cfg, workspace=ws), 20, rounds, graph=True)
+            except Exception as e:   # a tile over the shared-memory limit
+                print("bare", B, ctx, v, bn, w, st, "failed:", str(e)[:100], flush=True)
+        best = min(row, key=row.get)
+        print(f"bare {B}x{ctx}: best {best} {row[best]:.4f} ms; words/bytes best "
+              f"{min(t for k, t in row.items() if k[0] == 'words'):.4f}/"
+              f"{min(t for k, t in row.items() if k[0] == 'bytes'):.4f}", flush=True)
+        del c
+    pick = {}
+    for kind, per in times.items():
+        if not per:
+            continue
+        common = set.intersection(*(set(r) for r in per.values()))
+        score = {k: _geomean([r[k] / min(r.values()) for r in per.values()]) for k in common}
+        k = min(score, key=score.get)
+        pick[kind] = {"variant": k[0], "tile": list(k[1:]), "slowdown_vs_per_shape_best": round(score[k], 3)}
+    return {"suggested": pick, "ms": {kind: {sh: {"/".join(map(str, k)): round(t, 4) for k, t in r.items()}
+                                             for sh, r in per.items()} for kind, per in times.items()}}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="JSON results file")
     p.add_argument("--quick", action="store_true", help="two shapes, fewer rounds (a functional check)")
-    p.add_argument("--formats", nargs="+", default=["fp8", "int8"])
+    p.add_argument("--formats", nargs="+", default=["fp8", "fp8_e4m3", "int8"])
     p.add_argument("--defaults-from", default=None,
                    help="a gpu_kvquant_tune JSON: time the quantized kernels with its suggested_defaults "
                         "in place of triton_decode_quant_fast.DEFAULTS (what pasting them there gives)")
@@ -152,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="no timing: launch each kernel twice at one shape, eagerly, for Nsight Compute")
     p.add_argument("--split-mults", default=None, metavar="M,M,..",
                    help="also time every shape with decode_config's splits times each M (`split_sweep` in the JSON)")
+    p.add_argument("--bare-tune", action="store_true",
+                   help="first time fp8_e4m3's kernel per variant and tile (`bare_tune`) and run with its pick")
     args = p.parse_args(argv)
     import torch
 
@@ -177,12 +225,23 @@ def main(argv: list[str] | None = None) -> int:
         B, ctx = (int(x) for x in args.ncu.split(","))
         return profile_once(torch, B, ctx, args.formats)
     rounds = 3 if args.quick else 7
+    tune = None
+    if args.bare_tune:
+        from kvyard.workers.attention import triton_decode_bare
+
+        tune = bare_tune(torch, QUICK_SHAPES if args.quick else SHAPES, 5)
+        pick = tune["suggested"]
+        for kind, t in pick.items():
+            triton_decode_bare.TILES[kind] = (t["variant"], *t["tile"])
+        print("fp8_e4m3 kernel:", triton_decode_bare.TILES, flush=True)
     rows = []
     for B, ctx in (QUICK_SHAPES if args.quick else SHAPES):
         rows.append(measure(torch, B, ctx, args.formats, rounds))
         print(json.dumps(rows[-1]), flush=True)
     summary = {"device": torch.cuda.get_device_name(0), "shape": {"heads": NH, "kv_heads": NKV, "head_dim": HD,
                                                                    "block_size": BS}, "rows": rows}
+    if tune:
+        summary["bare_tune"] = tune
     if args.split_mults:
         mults = [int(m) for m in args.split_mults.split(",")]
         summary["split_sweep"] = []

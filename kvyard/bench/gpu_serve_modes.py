@@ -5,7 +5,7 @@ shapes by flag), and per mode a real `kvyard worker --device cuda` on it with th
   bf16        the weights as stored (the baseline)
   fp8         `--quantization fp8` (E4M3 weights, `_scaled_mm` on Hopper)
   int8 / int4 `--quantization int8|int4` (Triton dequant-GEMMs)
-  kv-fp8      `--kv-cache-dtype fp8` (kv-int8: int8)
+  kv-fp8      `--kv-cache-dtype fp8` (kv-fp8-e4m3: fp8_e4m3, kv-int8: int8)
   lora-4      `--enable-lora --max-loras 4`, four random rank-16 PEFT adapters of the model's
               shapes, requests spread over them round-robin (request `model` = adapter name)
   spec-ngram  `--speculative-config` n-gram (`--spec-config`); acceptance from the worker's
@@ -45,10 +45,11 @@ from typing import Any, Callable
 
 from kvyard.bench.gpu_serve_load import Load, Prompts, run_level
 
-MODES = ("bf16", "fp8", "kv-fp8", "lora-4", "int8", "spec-ngram", "int4", "kv-int8")
-DEFAULT_MODES = MODES[:-1]     # issue 30's list, most valuable first
+MODES = ("bf16", "fp8", "kv-fp8", "lora-4", "int8", "spec-ngram", "int4", "kv-int8", "kv-fp8-e4m3")
+DEFAULT_MODES = MODES[:7]      # issue 30's list, most valuable first
 STATIC_FLAGS = {"bf16": [], "fp8": ["--quantization", "fp8"], "int8": ["--quantization", "int8"],
                 "int4": ["--quantization", "int4"], "kv-fp8": ["--kv-cache-dtype", "fp8"],
+                "kv-fp8-e4m3": ["--kv-cache-dtype", "fp8_e4m3"],
                 "kv-int8": ["--kv-cache-dtype", "int8"]}
 LORA_ADAPTERS = 4
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'

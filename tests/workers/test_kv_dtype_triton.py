@@ -19,7 +19,7 @@ from kvyard.workers.attention.triton_decode import DecodeConfig, paged_decode  #
 from kvyard.workers.attention.triton_kv_write import rope_write_kv, write_kv  # noqa: E402
 from kvyard.workers.attention.triton_prefill import PrefillConfig, paged_prefill  # noqa: E402
 
-FORMATS = [kv_quant.INT8, kv_quant.FP8]
+FORMATS = [kv_quant.INT8, kv_quant.FP8, kv_quant.FP8_E4M3]
 
 
 def _quantized(batch: _Batch, fmt: kv_quant.KVFormat) -> torch.Tensor:

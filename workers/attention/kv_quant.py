@@ -1,4 +1,4 @@
-"""Quantized KV-cache formats (`--kv-cache-dtype int8|fp8`): what a cache row holds and
+"""Quantized KV-cache formats (`--kv-cache-dtype int8|fp8|fp8_e4m3`): what a cache row holds and
 the torch definition of writing and reading it.
 
 A quantized cache keeps the engine's one-tensor-per-layer layout, `[2, num_blocks,
@@ -16,6 +16,14 @@ CUDA graphs), at 4 bytes per row: 68 bytes per 64-dim row (0.53x bf16), 132 per 
 row (0.52x). The C kernels (cpu_ops/paged_attention_q8.h) and the Triton ones quantize and
 dequantize by this exact definition; these functions are the reference they are tested
 against and the CPU fallback when no compiler is available.
+
+`fp8_e4m3` is vLLM's fp8 cache instead: bare E4M3 codes, one per value, no scale (a
+per-tensor scale of 1, as vLLM without calibrated scales), `code = e4m3(clamp(x, +-448))`.
+Rows are exactly half of bf16's and 16-byte aligned, which is what lets the GPU's decode
+kernel read them at nearly its bf16 byte rate (docs/gpu-notes.md); E4M3's own exponent
+covers typical K/V ranges, so dropping the scale costs little precision. Its tensor dtype is
+torch.uint8 (the bytes), so the dtype still names the format. CUDA only: the CPU kernels
+read the scaled rows.
 """
 from __future__ import annotations
 
@@ -35,16 +43,18 @@ SCALE_BYTES = 4
 
 @dataclass(slots=True, frozen=True)
 class KVFormat:
-    name: str               # the flag's value: int8 | fp8
+    name: str               # the flag's value: int8 | fp8 | fp8_e4m3
     dtype: torch.dtype      # the cache tensor's dtype
     qmax: float             # largest code magnitude
-    code: int               # the C kernels' format id
+    code: int               # the kernels' format id
+    scale_bytes: int = SCALE_BYTES   # after each row's codes (0: no scale)
 
 
 INT8 = KVFormat("int8", torch.int8, 127.0, 1)
 FP8 = KVFormat("fp8", torch.float8_e4m3fn, 448.0, 2)
-_BY_NAME = {"int8": INT8, "fp8": FP8, "fp8_e4m3": FP8}
-_BY_DTYPE = {INT8.dtype: INT8, FP8.dtype: FP8}
+FP8_E4M3 = KVFormat("fp8_e4m3", torch.uint8, 448.0, 3, 0)
+_BY_NAME = {"int8": INT8, "fp8": FP8, "fp8_e4m3": FP8_E4M3}
+_BY_DTYPE = {INT8.dtype: INT8, FP8.dtype: FP8, FP8_E4M3.dtype: FP8_E4M3}
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 
 
@@ -65,19 +75,21 @@ def format_of(cache: torch.Tensor) -> KVFormat | None:
 
 def cache_shape(shape: tuple[int, ...], fmt: KVFormat | None) -> tuple[int, ...]:
     """A layer's cache shape for `fmt`: the scale's bytes widen each row."""
-    return shape if fmt is None else (*shape[:-1], shape[-1] + SCALE_BYTES)
+    return shape if fmt is None else (*shape[:-1], shape[-1] + fmt.scale_bytes)
 
 
 def head_dim_of(cache: torch.Tensor) -> int:
-    return cache.shape[-1] - (SCALE_BYTES if format_of(cache) else 0)
+    fmt = format_of(cache)
+    return cache.shape[-1] - (fmt.scale_bytes if fmt else 0)
 
 
 def block_layout(cache: torch.Tensor, num_layers: int) -> "KVLayout":
     """The kvstore layout of one block of `num_layers` caches shaped like `cache`."""
     from kvyard.kvstore.layout import KVLayout   # here: the GPU bench imports this module without xxhash
 
+    fmt = format_of(cache)
     return KVLayout(str(cache.dtype).removeprefix("torch."), int(cache.shape[2]), num_layers,
-                    int(cache.shape[3]), head_dim_of(cache), SCALE_BYTES if format_of(cache) else 0)
+                    int(cache.shape[3]), head_dim_of(cache), fmt.scale_bytes if fmt else 0)
 
 
 def copyable(cache: torch.Tensor) -> torch.Tensor:
@@ -88,12 +100,14 @@ def copyable(cache: torch.Tensor) -> torch.Tensor:
 
 def row_bytes(head_dim: int, fmt: KVFormat | None, elem_bytes: int) -> int:
     """Bytes one (token, kv head) row of K or V takes."""
-    return head_dim * elem_bytes if fmt is None else head_dim + SCALE_BYTES
+    return head_dim * elem_bytes if fmt is None else head_dim + fmt.scale_bytes
 
 
 def quantize(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
-    """x [..., head_dim] (any float dtype) -> rows [..., head_dim + 4] as uint8."""
+    """x [..., head_dim] (any float dtype) -> rows [..., head_dim + scale bytes] as uint8."""
     xf = x.float()
+    if fmt.scale_bytes == 0:
+        return xf.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
     scale = xf.abs().amax(-1, keepdim=True) / fmt.qmax
     y = xf / torch.where(scale > 0, scale, torch.ones_like(scale))
     if fmt is INT8:
@@ -104,12 +118,14 @@ def quantize(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
 
 
 def dequantize(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """rows [..., head_dim + 4] of a quantized cache (its dtype, or uint8 with `fmt` implied by
-    the cache) -> values [..., head_dim] in `dtype`."""
+    """rows [..., head_dim + scale bytes] of a quantized cache, in its dtype -> values
+    [..., head_dim] in `dtype`."""
     fmt = format_of(rows)
     if fmt is None:
         raise ValueError(f"not a quantized KV row tensor: {rows.dtype}")
     b = rows.view(torch.uint8)
+    if fmt.scale_bytes == 0:
+        return b.view(torch.float8_e4m3fn).to(dtype)
     hd = b.shape[-1] - SCALE_BYTES
     scale = b[..., hd:].contiguous().view(torch.float32)
     codes = b[..., :hd].contiguous().view(fmt.dtype).float()

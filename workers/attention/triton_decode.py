@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .kv_quant import format_of, head_dim_of
+from .triton_decode_bare import decode_bare
 from .triton_decode_quant import program_range
 from .triton_decode_quant_fast import decode_quantized
 from .triton_kv_quant import decode_codes, quant_views
@@ -184,7 +185,10 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     kc, vc, kf, vf = cache[0], cache[1], fcache[0], fcache[1]
     gp = max(16, triton.next_power_of_2(g))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    if code and hd >= 64:
+    if code == 3:
+        decode_bare(q, kv_cache, block_tables, seq_lens, out, part, lse, scale * LOG2E, config,
+                    group=g, group_pad=gp, prec=prec)
+    elif code and hd >= 64:
         decode_quantized(q, kv_cache, block_tables, seq_lens, out, part, lse, scale * LOG2E, config,
                          group=g, group_pad=gp, prec=prec)
     else:

@@ -4,7 +4,8 @@ Kernels see a quantized cache as bytes (`cache.view(torch.uint8)`) for the codes
 float32 (`cache.view(torch.float32)`) for the scales, which sit at float index HD / 4 of
 each row. Both conversions are integer bit arithmetic, so they run the same under
 TRITON_INTERPRET=1 and on any GPU, and they reproduce kv_quant.quantize bit for bit
-(IEEE division, round half to even). FMT: 1 int8, 2 fp8 E4M3 (kv_quant's format codes).
+(IEEE division, round half to even). FMT: 1 int8, 2 fp8 E4M3, 3 bare E4M3 (kv_quant's format
+codes; 3 reads and writes as 2 at scale 1, with no scale in the row).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_quant import SCALE_BYTES, format_of
+from .kv_quant import format_of
 
 RNE_MAGIC = tl.constexpr(12582912.0)   # 1.5 * 2^23: (y + M) - M rounds |y| < 2^22 to the nearest even integer
 
@@ -22,8 +23,10 @@ def quant_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     fmt = format_of(cache)
     if fmt is None:
         return cache, cache, 0
-    if cache.shape[-1] % 4 or (cache.shape[-1] - SCALE_BYTES) & (cache.shape[-1] - SCALE_BYTES - 1):
-        raise ValueError(f"quantized cache rows must be a power-of-two head_dim + 4, got {cache.shape[-1]}")
+    hd = cache.shape[-1] - fmt.scale_bytes
+    if cache.shape[-1] % 4 or hd & (hd - 1):
+        raise ValueError(f"quantized cache rows must be a power-of-two head_dim + {fmt.scale_bytes}, "
+                         f"got {cache.shape[-1]}")
     return cache.view(torch.uint8), cache.view(torch.float32), fmt.code
 
 

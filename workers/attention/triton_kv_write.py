@@ -33,9 +33,15 @@ def _rotate(x1, x2, cos, sin):
 @triton.jit
 def _store_q8(c_ptr, cf_ptr, dst, fdst, x1, x2, hmask, j, W: tl.constexpr, HD: tl.constexpr,
               QMAX: tl.constexpr, FMT: tl.constexpr):
-    """Codes of one row given as two halves of width W (x2 None-like when W == HD), then its scale."""
+    """Codes of one row given as two halves of width W (x2 None-like when W == HD), then its scale
+    (FMT 3, bare E4M3: the codes alone, at scale 1)."""
     # IEEE division (a GPU's `/` is approximate): the scale must be kv_quant.quantize's bit for bit
-    if W == HD:
+    if FMT == 3:
+        one = tl.full([x1.shape[0]], 1.0, tl.float32)
+        tl.store(c_ptr + dst + j, encode(x1, one, 2), mask=hmask)
+        if W != HD:
+            tl.store(c_ptr + dst + W + j, encode(x2, one, 2), mask=hmask)
+    elif W == HD:
         amax = tl.max(tl.abs(x1), 1)
         scale = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
         tl.store(c_ptr + dst + j, encode(x1, scale, FMT), mask=hmask)
@@ -44,7 +50,8 @@ def _store_q8(c_ptr, cf_ptr, dst, fdst, x1, x2, hmask, j, W: tl.constexpr, HD: t
         scale = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
         tl.store(c_ptr + dst + j, encode(x1, scale, FMT), mask=hmask)
         tl.store(c_ptr + dst + W + j, encode(x2, scale, FMT), mask=hmask)
-    tl.store(cf_ptr + fdst + HD // 4, scale[:, None], mask=hmask)
+    if FMT != 3:
+        tl.store(cf_ptr + fdst + HD // 4, scale[:, None], mask=hmask)
 
 
 @triton.jit

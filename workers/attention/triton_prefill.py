@@ -65,8 +65,11 @@ def _tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, n0, qpos, seq_len, kv_head_off
     else:
         soff = blk * stride_fb + (pos % BS) * stride_ft + f_head_off + HD // 4
         k = decode_codes(tl.load(k_ptr + off, mask=in_seq[:, None], other=0), FMT).to(q.dtype)
-        ks = tl.load(kf_ptr + soff, mask=in_seq, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * (ks * scale_log2)[None, :]
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if FMT == 3:   # bare E4M3 codes (fp8_e4m3): no scale
+            qk = qk * scale_log2
+        else:
+            qk = qk * (tl.load(kf_ptr + soff, mask=in_seq, other=0.0) * scale_log2)[None, :]
     if MASK:
         qk = tl.where((pos[None, :] <= qpos[:, None]) & in_seq[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -78,8 +81,9 @@ def _tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, n0, qpos, seq_len, kv_head_off
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     else:
         v = decode_codes(tl.load(v_ptr + off, mask=in_seq[:, None], other=0), FMT).to(q.dtype)
-        vs = tl.load(vf_ptr + soff, mask=in_seq, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(q.dtype), v, input_precision=PREC)
+        if FMT != 3:
+            p = p * tl.load(vf_ptr + soff, mask=in_seq, other=0.0)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PREC)
     return m_new, l_i, acc
 
 
