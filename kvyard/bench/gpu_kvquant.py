@@ -56,8 +56,11 @@ def kv_bytes(B: int, ctx: int, q_numel: int, name: str) -> int:
 
 
 def measure(torch, B: int, ctx: int, fmts: list[str], rounds: int) -> dict[str, Any]:
+    from dataclasses import replace
+
     from kvyard.bench.gpu_kernels import _time_ms
     from kvyard.workers.attention.triton_decode import DecodeWorkspace, decode_config, paged_decode
+    from kvyard.workers.attention.triton_decode_bare import splits_for
 
     dev = "cuda"
     cache, tables, lens, q = build(torch, B, ctx, dev)
@@ -70,9 +73,13 @@ def measure(torch, B: int, ctx: int, fmts: list[str], rounds: int) -> dict[str, 
     ref = None
     for name in ["bf16", *fmts]:
         c = cache if name == "bf16" else quantized(torch, cache, name)
+        cf, wf = cfg, ws
+        if name == "fp8_e4m3":   # as paged_decode configures it by itself (triton_decode_bare.splits_for)
+            cf = replace(cfg, num_splits=splits_for(cfg.num_splits, tables.shape[1] * BS))
+            wf = DecodeWorkspace.allocate(B, NH, HD, cf.num_splits, dev) if cf.num_splits > 1 else None
 
-        def call(c=c):
-            return paged_decode(q, c, tables, lens, scale, out=out, config=cfg, workspace=ws)
+        def call(c=c, cf=cf, wf=wf):
+            return paged_decode(q, c, tables, lens, scale, out=out, config=cf, workspace=wf)
         ms = _time_ms(torch, call, 20, rounds, graph=True)
         got = call().float()
         if ref is None:
@@ -139,13 +146,14 @@ def profile_once(torch, B: int, ctx: int, fmts: list[str]) -> int:
     return 0
 
 
-BARE_GRID = [(v, bn, w, st) for v in ("words", "bytes") for bn, w, st in
-             ((128, 4, 3), (128, 4, 2), (128, 8, 2), (64, 4, 3), (64, 4, 2), (64, 2, 2))]
+BARE_GRID = [(v, bn, w, st) for v in ("mixed", "words", "bytes") for bn, w, st in
+             ((128, 4, 2), (128, 4, 3), (128, 8, 2), (64, 4, 2))]
 
 
 def bare_tune(torch, shapes: list[tuple[int, int]], rounds: int) -> dict[str, Any]:
     """fp8_e4m3's kernel (triton_decode_bare.py) per variant and tile at each shape, and the one
-    (variant, tile) per split/unsplit launch with the best geomean time: what to put in its TILES."""
+    (variant, tile) per split/unsplit launch with the best geomean time, split launches also over
+    decode_config's splits x 1, 2, 4: what to put in its TILES and SPLITS_X."""
     from dataclasses import replace
 
     from kvyard.bench.gpu_kernels import _time_ms
@@ -158,20 +166,23 @@ def bare_tune(torch, shapes: list[tuple[int, int]], rounds: int) -> dict[str, An
         c = quantized(torch, cache, "fp8_e4m3")
         del cache
         base = decode_config(B, NKV, tables.shape[1] * BS, sms)
-        ws = DecodeWorkspace.allocate(B, NH, HD, base.num_splits, "cuda") if base.num_splits > 1 else None
         out = torch.empty_like(q)
         row = times["split" if base.num_splits > 1 else "unsplit"].setdefault(f"{B}x{ctx}", {})
-        for v, bn, w, st in BARE_GRID:
-            cfg = replace(base, quant_variant=v, quant_block_n=bn, quant_num_warps=w, quant_num_stages=st)
-            try:
-                row[(v, bn, w, st)] = _time_ms(torch, lambda cfg=cfg: paged_decode(
-                    q, c, tables, lens, HD ** -0.5, out=out, config=cfg, workspace=ws), 20, rounds, graph=True)
-            except Exception as e:   # a tile over the shared-memory limit
-                print("bare", B, ctx, v, bn, w, st, "failed:", str(e)[:100], flush=True)
+        for mult in ((1, 2, 4) if base.num_splits > 1 else (1,)):
+            S = max(1, min(64, base.num_splits * mult, ctx // 128))
+            ws = DecodeWorkspace.allocate(B, NH, HD, S, "cuda") if S > 1 else None
+            for v, bn, w, st in BARE_GRID:
+                cfg = replace(base, num_splits=S, quant_variant=v, quant_block_n=bn, quant_num_warps=w,
+                              quant_num_stages=st)
+                try:
+                    row[(v, bn, w, st, mult)] = _time_ms(torch, lambda cfg=cfg, ws=ws: paged_decode(
+                        q, c, tables, lens, HD ** -0.5, out=out, config=cfg, workspace=ws), 20, rounds, graph=True)
+                except Exception as e:   # a tile over the shared-memory limit
+                    print("bare", B, ctx, v, bn, w, st, mult, "failed:", str(e)[:100], flush=True)
         best = min(row, key=row.get)
-        print(f"bare {B}x{ctx}: best {best} {row[best]:.4f} ms; words/bytes best "
-              f"{min(t for k, t in row.items() if k[0] == 'words'):.4f}/"
-              f"{min(t for k, t in row.items() if k[0] == 'bytes'):.4f}", flush=True)
+        print(f"bare {B}x{ctx}: best {best} {row[best]:.4f} ms; by variant " + ", ".join(
+            f"{v} {min(t for k, t in row.items() if k[0] == v):.4f}" for v in dict.fromkeys(k[0] for k in row)),
+            flush=True)
         del c
     pick = {}
     for kind, per in times.items():
@@ -180,7 +191,8 @@ def bare_tune(torch, shapes: list[tuple[int, int]], rounds: int) -> dict[str, An
         common = set.intersection(*(set(r) for r in per.values()))
         score = {k: _geomean([r[k] / min(r.values()) for r in per.values()]) for k in common}
         k = min(score, key=score.get)
-        pick[kind] = {"variant": k[0], "tile": list(k[1:]), "slowdown_vs_per_shape_best": round(score[k], 3)}
+        pick[kind] = {"variant": k[0], "tile": list(k[1:4]), "splits_x": k[4],
+                      "slowdown_vs_per_shape_best": round(score[k], 3)}
     return {"suggested": pick, "ms": {kind: {sh: {"/".join(map(str, k)): round(t, 4) for k, t in r.items()}
                                              for sh, r in per.items()} for kind, per in times.items()}}
 
@@ -233,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         pick = tune["suggested"]
         for kind, t in pick.items():
             triton_decode_bare.TILES[kind] = (t["variant"], *t["tile"])
-        print("fp8_e4m3 kernel:", triton_decode_bare.TILES, flush=True)
+        triton_decode_bare.SPLITS_X = pick.get("split", {}).get("splits_x", 1)
+        print("fp8_e4m3 kernel:", triton_decode_bare.TILES, "splits x", triton_decode_bare.SPLITS_X, flush=True)
     rows = []
     for B, ctx in (QUICK_SHAPES if args.quick else SHAPES):
         rows.append(measure(torch, B, ctx, args.formats, rounds))

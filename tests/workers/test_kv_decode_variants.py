@@ -18,6 +18,7 @@ from kvyard.workers.attention.triton_decode import LOG2E, DecodeConfig, paged_de
 from kvyard.workers.attention.triton_decode_quant_fast import (  # noqa: E402
     VARIANTS, QuantTile, choose_tile, decode_quantized,
 )
+from kvyard.workers.attention.triton_decode_bare import VARIANTS as BARE_VARIANTS  # noqa: E402
 from kvyard.workers.attention.triton_kv_write import write_kv  # noqa: E402
 
 BLOCK_N = 64 if CUDA else 16
@@ -145,3 +146,19 @@ def test_defaults_table_applies_to_16_bit_q_only(monkeypatch: pytest.MonkeyPatch
                                 prec="ieee" if dtype == torch.float32 else "tf32")
         assert tile == want
         assert _rel(out, batch.reference(0.125)) < 2 * TOL[dtype]
+
+
+@pytest.mark.parametrize("variant", list(BARE_VARIANTS))
+@pytest.mark.parametrize("splits", [1, 3])
+def test_bare_e4m3_variants_match_reference(variant: str, splits: int) -> None:
+    """fp8_e4m3's kernel (triton_decode_bare.py), each way of reading rows, split and unsplit."""
+    fmt, dtype, hd = kv_quant.FP8_E4M3, DTYPES[-1], 64
+    batch = _Batch([(n - 1, 1) for n in (1, 17, 32, 75)], 16, 4, 16, hd, dtype, seed=splits + 11)
+    _dequantized_context(batch, fmt)
+    cache = _quantized(batch, fmt)
+    k, v = batch.new_kv()
+    write_kv(k, v, cache, batch.slots())
+    out = paged_decode(batch.q, cache, batch.tables(), batch.lens(), hd ** -0.5, out=_poisoned(batch.q),
+                       config=_config(variant, splits))
+    assert torch.isfinite(out).all()
+    assert _rel(out, batch.reference(hd ** -0.5)) < 2 * TOL[dtype]

@@ -21,14 +21,14 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from .kv_quant import format_of, head_dim_of
-from .triton_decode_bare import decode_bare
+from .triton_decode_bare import decode_bare, splits_for
 from .triton_decode_quant import program_range
 from .triton_decode_quant_fast import decode_quantized
 from .triton_kv_quant import decode_codes, quant_views
@@ -170,9 +170,12 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         out = torch.empty_like(q)
     if B == 0:
         return out
+    cache, fcache, code = quant_views(kv_cache)
     if config is None:
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
         config = decode_config(B, nkv, block_tables.shape[1] * bs, num_sms)
+        if code == 3:
+            config = replace(config, num_splits=splits_for(config.num_splits, block_tables.shape[1] * bs))
     S = config.num_splits
     if S > 1 and workspace is None:
         workspace = DecodeWorkspace.allocate(B, nh, hd, S, q.device)
@@ -181,7 +184,6 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     part = workspace.partial if S > 1 else out
     lse = workspace.lse if S > 1 else out
     g = nh // nkv
-    cache, fcache, code = quant_views(kv_cache)
     kc, vc, kf, vf = cache[0], cache[1], fcache[0], fcache[1]
     gp = max(16, triton.next_power_of_2(g))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"

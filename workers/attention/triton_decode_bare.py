@@ -9,8 +9,8 @@ codes are exact there, and so are q's values). A float32 q (the demo model) wide
 float32 and keeps IEEE dots. Under TRITON_INTERPRET, which runs no PTX, the same widening is
 integer bit arithmetic (triton_kv_quant.decode_codes).
 
-Structure, grid and split-K partials are triton_decode.py's; `TILES` holds the launch shapes
-(measured on an H100 over the six shapes of `kvyard.bench.gpu_kvquant`).
+Structure, grid and split-K partials are triton_decode.py's; `TILES` holds the variant and
+launch shape per split and unsplit launch.
 """
 from __future__ import annotations
 
@@ -26,9 +26,23 @@ from .triton_decode_quant_fast import _natural
 from .triton_kv_quant import decode_codes
 
 # (block_n, num_warps, num_stages) for split and unsplit launches
-# (variant, block_n, num_warps, num_stages) for split and unsplit launches of a 16-bit q. Variants:
-# "bytes", the 8-bit tile widened whole; "words", read as int32 words (see _tile).
-TILES = {"split": ("words", 128, 4, 2), "unsplit": ("words", 128, 4, 3)}
+# (variant, block_n, num_warps, num_stages) for split and unsplit launches of a 16-bit q. Variants
+# (VARIANTS; see _tile): "bytes", K and V as 8-bit tiles widened whole; "words", both read as
+# int32 words; "mixed", K as bytes (its operand needs no transpose, so the 8-bit tile reaches the
+# dot through ldmatrix and widens there) and V as words. The picks of
+# `kvyard.bench.gpu_kvquant --bare-tune` on an H100 (docs/bench/gpu-wave3-kvquant-h100.json).
+TILES = {"split": ("bytes", 128, 4, 2), "unsplit": ("words", 64, 4, 2)}
+VARIANTS = {"bytes": 0, "words": 1, "mixed": 2}
+# Split launches take decode_config's splits times this (at most 64): a split's bytes are half
+# of bf16's, so the per-split prologue and the merge weigh more.
+SPLITS_X = 1
+
+
+def splits_for(num_splits: int, max_context: int) -> int:
+    """The splits of a launch over this format where decode_config gives `num_splits`."""
+    if num_splits == 1:
+        return 1
+    return max(1, min(64, num_splits * SPLITS_X, max_context // 128))
 
 _E4M3X4 = tl.constexpr("""{
 .reg .b16 lo, hi;
@@ -73,7 +87,8 @@ def decode_bare_kernel(q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, bt_ptr, lens_ptr, o_
                        G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
                        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
                        F16: tl.constexpr, ASM: tl.constexpr, ALIGNED: tl.constexpr, WORDS: tl.constexpr):
-    """k/v: the caches as bytes, kw/vw as int32 words. ALIGNED: every row starts on a 16-byte boundary."""
+    """k/v: the caches as bytes, kw/vw as int32 words. ALIGNED: every row starts on a 16-byte
+    boundary. WORDS: VARIANTS' value (0 neither, 1 K and V, 2 V only read as words)."""
     b, kh, s, start, end, g, heads, gmask = program_range(lens_ptr, G, GP, BLOCK_N, NUM_SPLITS)
     d = tl.arange(0, HD)
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask, other=0.0)
@@ -90,14 +105,14 @@ def decode_bare_kernel(q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, bt_ptr, lens_ptr, o_
         row = blk * stride_cb + (pos % BS) * stride_ct + kh * stride_ch
         if ALIGNED:
             row = tl.multiple_of(row, 16)
-        k = _tile(k_ptr, kw_ptr, row, valid, d, F16, ASM, WORDS)
+        k = _tile(k_ptr, kw_ptr, row, valid, d, F16, ASM, WORDS == 1)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _tile(v_ptr, vw_ptr, row, valid, d, F16, ASM, WORDS)
+        v = _tile(v_ptr, vw_ptr, row, valid, d, F16, ASM, WORDS >= 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -115,7 +130,8 @@ def decode_bare(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
                 out: torch.Tensor, part: torch.Tensor, lse: torch.Tensor, scale_log2: float, config: Any, *,
                 group: int, group_pad: int, prec: str) -> None:
     """Launch over a bare E4M3 cache (triton_decode.paged_decode checks shapes and merges splits);
-    the config's quant_* fields override `TILES`."""
+    the config's quant_* fields override `TILES` (quant_variant where it names one of VARIANTS:
+    the other names are the scaled formats' kernels)."""
     S = config.num_splits
     variant, bn, warps, stages = (TILES["split" if S > 1 else "unsplit"] if q.dtype != torch.float32
                                   else ("bytes", 32, 4, 2))
@@ -132,5 +148,5 @@ def decode_bare(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
         kc.stride(0), kc.stride(1), kc.stride(2), part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
         scale_log2, G=group, GP=group_pad, HD=hd, BS=kc.shape[1], BLOCK_N=config.quant_block_n or bn,
         NUM_SPLITS=S, PREC=prec, F16=q.dtype != torch.float32, ASM=asm, ALIGNED=aligned,
-        WORDS=(config.quant_variant or variant) == "words",
+        WORDS=VARIANTS.get(config.quant_variant, VARIANTS[variant]),
         num_warps=config.quant_num_warps or warps, num_stages=config.quant_num_stages or stages)
