@@ -1,10 +1,12 @@
-"""Static SASS counts of the quantized decode variants for sm_90, compiled here without a GPU.
+"""Static SASS counts of the quantized decode kernels for sm_90, compiled here without a GPU.
 
-`python tools/sass_decode.py VARIANT [BLOCK_N WARPS STAGES]` (run from the repo root with the
-venv's python) compiles triton_decode_quant_fast's kernel for the 8B shape (GQA 4, head_dim
-128, block 16, 8 KV heads, unsplit) and prints the instruction mix of the key loop: warp
-instructions per byte of K/V read, and the opcodes that dominate. The counts only rank; the
-device measures (docs/gpu-notes.md).
+`python tools/sass_decode.py VARIANT [BLOCK_N WARPS STAGES]` (repo root, the venv's python)
+compiles one decode kernel for the 8B shape (GQA 4, head_dim 128, block 16, unsplit, bf16 q)
+and prints the key loop's instruction mix: warp instructions per byte of K/V read and the
+opcodes that dominate. VARIANT: a scaled-format kernel of triton_decode_quant_fast (words,
+asm, bytes, bytes_t, win), `bf16` (triton_decode's own), or `bare-bytes`, `bare-words`,
+`bare-mixed` (fp8_e4m3's, triton_decode_bare). The counts only rank; the device measures
+(docs/gpu-notes.md).
 """
 from __future__ import annotations
 
@@ -20,67 +22,80 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvyard.workers.attention import triton_decode, triton_decode_bare  # noqa: E402
 from kvyard.workers.attention import triton_decode_quant_fast as fast  # noqa: E402
 
-ARGS = ["q_ptr", "k_ptr", "v_ptr", "kf_ptr", "vf_ptr", "bt_ptr", "lens_ptr", "o_ptr", "part_ptr", "lse_ptr",
-        "stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_bt", "stride_wb", "stride_wt", "stride_wh",
-        "stride_pb", "stride_ph", "stride_lb", "stride_lh", "scale_log2"]
-DIV16 = {"q_ptr", "k_ptr", "v_ptr", "kf_ptr", "vf_ptr", "bt_ptr", "lens_ptr", "o_ptr", "part_ptr", "lse_ptr",
-         "stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_bt", "stride_wb", "stride_pb", "stride_ph"}
+SHAPE = dict(G=4, GP=16, HD=128, BS=16, NUM_SPLITS=1)
+# strides and pointers that are multiples of 16 elements in the 8B layout (Triton's specialisation)
+DIV16 = ("q_ptr", "k_ptr", "v_ptr", "kf_ptr", "vf_ptr", "kw_ptr", "vw_ptr", "bt_ptr", "lens_ptr", "o_ptr",
+         "part_ptr", "lse_ptr", "stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_bt", "stride_wb",
+         "stride_cb", "stride_ct", "stride_ch", "stride_pb", "stride_ph")
 
 
-def compile_variant(variant: str, block_n: int, warps: int, stages: int) -> str:
-    kernel = fast._KERNELS.get(variant) or fast.decode_quant_kernel
+def kernel_for(variant: str) -> tuple[object, dict, dict, int]:
+    """(kernel, pointer types, constexprs, bytes a key row of K or V takes)."""
+    ptr = {"q_ptr": "*bf16", "bt_ptr": "*i32", "lens_ptr": "*i32", "o_ptr": "*bf16", "part_ptr": "*fp32",
+           "lse_ptr": "*fp32", "scale_log2": "fp32"}
+    if variant == "bf16":
+        ptr.update(k_ptr="*bf16", v_ptr="*bf16", kf_ptr="*fp32", vf_ptr="*fp32")
+        return triton_decode._decode_kernel, ptr, dict(PREC="tf32", FMT=0), 256
+    if variant.startswith("bare-"):
+        ptr.update(k_ptr="*u8", v_ptr="*u8", kw_ptr="*i32", vw_ptr="*i32")
+        words = triton_decode_bare.VARIANTS[variant.removeprefix("bare-")]
+        return (triton_decode_bare.decode_bare_kernel, ptr,
+                dict(PREC="tf32", F16=True, ASM=True, ALIGNED=True, WORDS=words), 128)
     words = variant in ("asm", "win", "words")
-    types = {"q_ptr": "*bf16", "k_ptr": "*i32" if words else "*u8", "v_ptr": "*i32" if words else "*u8",
-             "kf_ptr": "*i32" if words else "*fp32", "vf_ptr": "*i32" if words else "*fp32", "bt_ptr": "*i32",
-             "lens_ptr": "*i32", "o_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "scale_log2": "fp32"}
-    names = list(kernel.arg_names)
-    const = dict(G=4, GP=16, HD=128, BS=16, BLOCK_N=block_n, NUM_SPLITS=1, PREC="tf32", FMT=2, F16=True,
-                 VM=512.0, ASM=True)
-    if "TRANS" in names:
+    t = "*i32" if words else "*u8"
+    ptr.update(k_ptr=t, v_ptr=t, kf_ptr="*i32" if words else "*fp32", vf_ptr="*i32" if words else "*fp32")
+    const = dict(PREC="tf32", FMT=2, F16=True, VM=512.0, ASM=True)
+    kernel = fast._KERNELS.get(variant) or fast.decode_quant_kernel
+    if "TRANS" in kernel.arg_names:
         const["TRANS"] = variant == "bytes_t"
-    sig = {n: (types.get(n, "i32") if n not in const else "constexpr") for n in names}
+    return kernel, ptr, const, 132
+
+
+def compile_sass(variant: str, block_n: int, warps: int, stages: int) -> tuple[str, int]:
+    kernel, ptr, const, row = kernel_for(variant)
+    names = list(kernel.arg_names)
+    const = {k: v for k, v in {**SHAPE, "BLOCK_N": block_n, **const}.items() if k in names}
+    sig = {n: "constexpr" if n in const else ptr.get(n, "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIV16 if n in names}
-    src = ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs)
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    c = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(c.asm["cubin"])
         f.flush()
-        return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout, row
 
 
 def loop_body(sass: str) -> list[str]:
-    """The instructions of the largest backward branch's body (the key loop)."""
+    """The instructions of the longest backward branch's body (the key loop)."""
     lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
     addr = [int(re.match(r"\s+/\*([0-9a-f]+)\*/", ln).group(1), 16) for ln in lines]
-    best = (0, 0)
+    where = {a: i for i, a in enumerate(addr)}
+    best = (0, -1)
     for i, ln in enumerate(lines):
-        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", ln)
-        t = re.search(r"\.L_x_(\d+)", ln)
-        if "BRA" in ln and m:
-            target = int(m.group(1), 16) if m.group(1) else None
-            if target is None and t:
-                lab = f".L_x_{t.group(1)}:"
-                j = next((k for k, l2 in enumerate(sass.splitlines()) if l2.strip().startswith(lab)), None)
-                target = None
-            if target is not None and target < addr[i] and i - addr.index(target) > best[1] - best[0]:
-                best = (addr.index(target), i)
+        m = re.search(r"BRA\s+0x([0-9a-f]+)", ln)
+        target = int(m.group(1), 16) if m else None
+        if target is not None and target < addr[i] and target in where and i - where[target] > best[1] - best[0]:
+            best = (where[target], i)
     return lines[best[0]:best[1] + 1]
+
+
+def opcodes(body: list[str]) -> collections.Counter:
+    pat = re.compile(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)?)")
+    return collections.Counter(m.group(1) for m in map(pat.search, body) if m)
 
 
 def main() -> None:
     variant = sys.argv[1]
     block_n, warps, stages = (int(x) for x in (sys.argv[2:5] if len(sys.argv) > 4 else (64, 4, 2)))
-    sass = compile_variant(variant, block_n, warps, stages)
-    body = loop_body(sass)
-    ops = collections.Counter(re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+(?:\.[A-Z0-9_]+)?)", ln).group(1)
-                              for ln in body if re.search(r"\*/\s+(?:@!?U?P\w+\s+)?[A-Z]", ln))
-    nbytes = 2 * block_n * (128 + 4)
+    sass, row = compile_sass(variant, block_n, warps, stages)
+    ops = opcodes(loop_body(sass))
     n = sum(ops.values())
     print(f"{variant} BLOCK_N={block_n} warps={warps} stages={stages}: loop {n} instructions, "
-          f"{n * warps / nbytes:.3f} warp instructions per byte")
+          f"{n * warps / (2 * block_n * row):.3f} warp instructions per byte")
     print(", ".join(f"{k} {v}" for k, v in ops.most_common(18)))
 
 

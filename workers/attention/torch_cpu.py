@@ -194,9 +194,9 @@ class TorchCPUBackend:
 
     def _forward_quant(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """An int8/fp8 cache (kv_quant.py): quantized on the write, dequantized as it is read,
-        in C when the kernels build, else in torch."""
-        if self.quant is None or not self.quant.supports(q.dtype):
+        """A quantized cache (kv_quant.py): quantized on the write, dequantized as it is read,
+        in C when the kernels build, else in torch (always for fp8_e4m3: the C kernels read scaled rows)."""
+        if self.quant is None or not self.quant.supports(q.dtype) or kv_quant.format_of(kv_cache).scale_bytes == 0:
             kv_quant.write(kv_cache, k, v, meta.slot_mapping)
             return kv_quant.attend(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
         self.quant.write(kv_cache, k, v, meta.slot_mapping)

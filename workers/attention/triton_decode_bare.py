@@ -35,7 +35,7 @@ TILES = {"split": ("bytes", 128, 4, 2), "unsplit": ("words", 64, 4, 2)}
 VARIANTS = {"bytes": 0, "words": 1, "mixed": 2}
 # Split launches take decode_config's splits times this (at most 64): a split's bytes are half
 # of bf16's, so the per-split prologue and the merge weigh more.
-SPLITS_X = 1
+SPLITS_X = 4
 
 
 def splits_for(num_splits: int, max_context: int) -> int:

@@ -130,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=5, help="decode timings: rounds, engines interleaved")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--kv-dtypes", nargs="+", default=["int8", "fp8", "fp8_e4m3"], help="compared with auto")
     args = p.parse_args(argv)
-    engines = {d: eval_engine(d, args.model, args.dtype) for d in ("auto", "int8", "fp8")}
+    engines = {d: eval_engine(d, args.model, args.dtype) for d in ("auto", *args.kv_dtypes)}
     prompts = prompts_of(engines["auto"])
     rows = []
     for d, llm in engines.items():

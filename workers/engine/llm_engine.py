@@ -48,9 +48,6 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, device)
         bs = config.block_size
         kv_format = resolve_kv_format(config.kv_cache_dtype)
-        if kv_format is not None and kv_format.scale_bytes == 0 and device.type != "cuda":
-            raise ValueError(f"kv_cache_dtype {kv_format.name} (bare E4M3 rows, vLLM's per-tensor fp8) runs on "
-                             "CUDA only; on the CPU use fp8 (E4M3 with a scale per token and head) or int8")
         num_blocks = num_blocks_for(model_config, bs, self.dtype, kv_cache_bytes(config, device), kv_format)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.runner = ModelRunner(model, model_config, bs, num_blocks, self.dtype, config.num_threads,
