@@ -150,6 +150,22 @@ BARE_GRID = [(v, bn, w, st) for v in ("mixed", "words", "bytes") for bn, w, st i
              ((128, 4, 2), (128, 4, 3), (128, 8, 2), (64, 4, 2))]
 
 
+def pick_bare(times: dict[str, dict[str, dict[tuple, float]]]) -> dict[str, Any]:
+    """times: kind (split/unsplit) -> shape -> {(variant, block_n, warps, stages, splits_x): ms}.
+    Per kind, the key timed at every shape with the best geomean of time over that shape's best
+    (pure: tested on made-up timings)."""
+    pick = {}
+    for kind, per in times.items():
+        common = set.intersection(*(set(r) for r in per.values())) if per else set()
+        if not common:
+            continue
+        score = {k: _geomean([r[k] / min(r.values()) for r in per.values()]) for k in common}
+        k = min(score, key=lambda k: (score[k], k))
+        pick[kind] = {"variant": k[0], "tile": list(k[1:4]), "splits_x": k[4],
+                      "slowdown_vs_per_shape_best": round(score[k], 3)}
+    return pick
+
+
 def bare_tune(torch, shapes: list[tuple[int, int]], rounds: int) -> dict[str, Any]:
     """fp8_e4m3's kernel (triton_decode_bare.py) per variant and tile at each shape, and the one
     (variant, tile) per split/unsplit launch with the best geomean time, split launches also over
@@ -184,16 +200,7 @@ def bare_tune(torch, shapes: list[tuple[int, int]], rounds: int) -> dict[str, An
             f"{v} {min(t for k, t in row.items() if k[0] == v):.4f}" for v in dict.fromkeys(k[0] for k in row)),
             flush=True)
         del c
-    pick = {}
-    for kind, per in times.items():
-        if not per:
-            continue
-        common = set.intersection(*(set(r) for r in per.values()))
-        score = {k: _geomean([r[k] / min(r.values()) for r in per.values()]) for k in common}
-        k = min(score, key=score.get)
-        pick[kind] = {"variant": k[0], "tile": list(k[1:4]), "splits_x": k[4],
-                      "slowdown_vs_per_shape_best": round(score[k], 3)}
-    return {"suggested": pick, "ms": {kind: {sh: {"/".join(map(str, k)): round(t, 4) for k, t in r.items()}
+    return {"suggested": pick_bare(times), "ms": {kind: {sh: {"/".join(map(str, k)): round(t, 4) for k, t in r.items()}
                                              for sh, r in per.items()} for kind, per in times.items()}}
 
 
