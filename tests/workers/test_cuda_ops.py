@@ -149,3 +149,22 @@ def test_model_on_cuda_ops_matches_torch_ops(rope_in_attention) -> None:
         outs.append(torch.cat(logits))
     assert _rel(outs[0], outs[1].double()) < 1e-5
     assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
+
+
+def test_lora_seams_match_torch_ops() -> None:
+    """CudaOps' silu_mul and add_norm (the LoRA layer's elementwise seams) against TorchOps':
+    add_norm adds in place into the residual, as the fused path does."""
+    cfg = _tiny_cfg()
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    g = torch.Generator().manual_seed(3)
+    c, t = CudaOps(cfg), TorchOps(cfg)
+    gu = torch.randn(5, 2 * inter, generator=g).to(DEV)
+    assert torch.allclose(c.silu_mul(gu), t.silu_mul(gu), rtol=1e-5, atol=1e-6)
+    x, y, w = (torch.randn(5, h, generator=g).to(DEV), torch.randn(5, h, generator=g).to(DEV),
+               (torch.rand(h, generator=g) + 0.5).to(DEV))
+    xc = x.clone()
+    got, want = c.add_norm(y, xc, w), t.add_norm(y, x, w)
+    assert got[0] is xc and torch.allclose(xc, x + y), "the residual is updated in place"
+    assert torch.allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
+    last = c.add_norm(y, x.clone(), None)
+    assert last[1] is None and torch.allclose(last[0], x + y)

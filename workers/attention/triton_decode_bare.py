@@ -25,7 +25,6 @@ from .triton_decode_quant import program_range
 from .triton_decode_quant_fast import _natural
 from .triton_kv_quant import decode_codes
 
-# (block_n, num_warps, num_stages) for split and unsplit launches
 # (variant, block_n, num_warps, num_stages) for split and unsplit launches of a 16-bit q. Variants
 # (VARIANTS; see _tile): "bytes", K and V as 8-bit tiles widened whole; "words", both read as
 # int32 words; "mixed", K as bytes (its operand needs no transpose, so the 8-bit tile reaches the
@@ -43,6 +42,7 @@ def splits_for(num_splits: int, max_context: int) -> int:
     if num_splits == 1:
         return 1
     return max(1, min(64, num_splits * SPLITS_X, max_context // 128))
+
 
 _E4M3X4 = tl.constexpr("""{
 .reg .b16 lo, hi;

@@ -20,7 +20,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024       # per-step token budget (decodes + prefill chunks)
     kv_cache_memory_bytes: int | None = None  # KV cache capacity, sets num_blocks; None: CPU 1 GiB,
                                              # CUDA gpu_memory_utilization of the card less what is in use
-    kv_cache_dtype: str = "auto"             # auto (the model's dtype) | int8 | fp8 | fp8_e4m3 (CUDA)
+    kv_cache_dtype: str = "auto"             # auto (the model's dtype) | int8 | fp8 | fp8_e4m3 (GPU)
     enable_prefix_caching: bool = True
     seed: int = 0
     role: str = "both"                       # prefill | decode | both (P/D)

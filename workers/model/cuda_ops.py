@@ -125,10 +125,7 @@ class CudaOps(TorchOps):
         return x + linear(silu_mul(linear(h, lw.gate_up)), lw.down)
 
     def o_add_norm(self, o, lw, x):
-        y = linear(o, lw.o, lw.o_bias)
-        if not x.is_contiguous():
-            x = x.contiguous()
-        return x, add_rms_norm(y, x, lw.post_norm, self.eps)
+        return self.add_norm(linear(o, lw.o, lw.o_bias), x, lw.post_norm)
 
     def silu_mul(self, gu):
         return silu_mul(gu)
@@ -138,10 +135,7 @@ class CudaOps(TorchOps):
             return x + y, None
         if not x.is_contiguous():
             x = x.contiguous()
-        return x, add_rms_norm(y, x, w, self.eps)   # x += y in place, as o_add_norm
+        return x, add_rms_norm(y, x, w, self.eps)   # x += y in place (the residual stream)
 
     def mlp_add_norm(self, h, lw, x, next_norm):
-        y = linear(silu_mul(linear(h, lw.gate_up)), lw.down)
-        if next_norm is None:
-            return x + y, None
-        return x, add_rms_norm(y, x, next_norm, self.eps)
+        return self.add_norm(linear(silu_mul(linear(h, lw.gate_up)), lw.down), x, next_norm)

@@ -73,8 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "1GiB on CPU, --gpu-memory-utilization on CUDA")
     p.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8", "fp8_e4m3"), default="auto",
                    help="KV-cache storage: auto (the model's dtype); int8 or fp8 (E4M3), each with a scale "
-                        "per token and head; fp8_e4m3: vLLM's bare E4M3 rows (no scale), CUDA only "
-                        "(docs/kv-cache-dtype.md)")
+                        "per token and head; fp8_e4m3: vLLM's bare E4M3 rows (no scale), the fast one on "
+                        "a GPU (docs/kv-cache-dtype.md)")
     add_device_arguments(p)  # --device, --gpu-memory-utilization, --enforce-eager
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True)
