@@ -1,4 +1,4 @@
-"""int8 / fp8 KV caches on CUDA (skipped without a GPU): the engine with decode CUDA graphs
+"""int8 / fp8 / fp8_e4m3 KV caches on CUDA (skipped without a GPU): the engine with decode CUDA graphs
 stays as close to its bf16-KV self as the CPU bounds require, graphs and eager agree,
 and a prefix-cache hit reproduces the from-scratch tokens."""
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _demo_installed() -> None:
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-BOUNDS = {"int8": (0.9, 0.01), "fp8": (0.85, 0.03)}
+BOUNDS = {"int8": (0.9, 0.01), "fp8": (0.85, 0.03), "fp8_e4m3": (0.85, 0.03)}
 
 
 def _llm(kv: str, eager: bool = False, prefix: bool = True) -> LLM:
@@ -35,7 +35,7 @@ def _llm(kv: str, eager: bool = False, prefix: bool = True) -> LLM:
                             enable_prefix_caching=prefix, kv_cache_memory_bytes=256 << 20, gpu_memory_utilization=0.5))
 
 
-@pytest.mark.parametrize("kv", ["int8", "fp8"])
+@pytest.mark.parametrize("kv", list(BOUNDS))
 def test_graphs_eager_and_prefix_hits_agree(kv: str) -> None:
     graphs, eager = _llm(kv), _llm(kv, eager=True)
     assert kv_quant.format_of(graphs.engine.runner.kv_caches[0]) is kv_quant.resolve_kv_format(kv)
@@ -47,7 +47,7 @@ def test_graphs_eager_and_prefix_hits_agree(kv: str) -> None:
 
 
 def test_accuracy_stays_close_to_auto() -> None:
-    engines = {kv: _llm(kv, prefix=False) for kv in ("auto", "int8", "fp8")}
+    engines = {kv: _llm(kv, prefix=False) for kv in ("auto", *BOUNDS)}
     prompts = kv_quant_eval.prompts_of(engines["auto"], kv_quant_eval.QUESTIONS[:3])
     for kv, (agree, kl) in BOUNDS.items():
         r = kv_quant_eval.compare(engines["auto"], engines[kv], kv, prompts, 24)
