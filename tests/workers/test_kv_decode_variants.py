@@ -37,9 +37,15 @@ def test_variant_matches_reference(variant: str, fmt: kv_quant.KVFormat, dtype: 
     """Unsplit and split, GQA groups of 2-8, scattered blocks (the batch's random permutation),
     lengths that end mid-tile and mid-block; 4 KV heads, so "win" sees all four row offsets
     from a 16-byte boundary."""
+    _check_decode(variant, fmt, dtype, splits, gqa, hd, seed=splits * 7 + gqa + hd)
+
+
+def _check_decode(variant: str, fmt: kv_quant.KVFormat, dtype: torch.dtype, splits: int, gqa: int, hd: int,
+                  seed: int) -> None:
+    """Lengths 1, 17, 32, 75 over 4 KV heads of 16-token blocks, against the dequantized reference."""
     bs, nkv = 16, 4
     lens = [1, 17, 2 * bs, 75]
-    batch = _Batch([(n - 1, 1) for n in lens], bs, nkv, nkv * gqa, hd, dtype, seed=splits * 7 + gqa + hd)
+    batch = _Batch([(n - 1, 1) for n in lens], bs, nkv, nkv * gqa, hd, dtype, seed=seed)
     _dequantized_context(batch, fmt)
     cache = _quantized(batch, fmt)
     k, v = batch.new_kv()
@@ -152,13 +158,4 @@ def test_defaults_table_applies_to_16_bit_q_only(monkeypatch: pytest.MonkeyPatch
 @pytest.mark.parametrize("splits", [1, 3])
 def test_bare_e4m3_variants_match_reference(variant: str, splits: int) -> None:
     """fp8_e4m3's kernel (triton_decode_bare.py), each way of reading rows, split and unsplit."""
-    fmt, dtype, hd = kv_quant.FP8_E4M3, DTYPES[-1], 64
-    batch = _Batch([(n - 1, 1) for n in (1, 17, 32, 75)], 16, 4, 16, hd, dtype, seed=splits + 11)
-    _dequantized_context(batch, fmt)
-    cache = _quantized(batch, fmt)
-    k, v = batch.new_kv()
-    write_kv(k, v, cache, batch.slots())
-    out = paged_decode(batch.q, cache, batch.tables(), batch.lens(), hd ** -0.5, out=_poisoned(batch.q),
-                       config=_config(variant, splits))
-    assert torch.isfinite(out).all()
-    assert _rel(out, batch.reference(hd ** -0.5)) < 2 * TOL[dtype]
+    _check_decode(variant, kv_quant.FP8_E4M3, DTYPES[-1], splits, gqa=4, hd=64, seed=splits + 11)

@@ -22,6 +22,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from .triton_decode_quant import program_range
+from .triton_decode_quant_bytes import _finish, _online
 from .triton_decode_quant_fast import _natural
 from .triton_kv_quant import decode_codes
 
@@ -107,23 +108,11 @@ def decode_bare_kernel(q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, bt_ptr, lens_ptr, o_
             row = tl.multiple_of(row, 16)
         k = _tile(k_ptr, kw_ptr, row, valid, d, F16, ASM, WORDS == 1)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-        qk = tl.where(valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _online(qk, valid, m_i, l_i)
         v = _tile(v_ptr, vw_ptr, row, valid, d, F16, ASM, WORDS >= 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    if NUM_SPLITS == 1:
-        tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=gmask)
-    else:
-        tl.store(part_ptr + b * stride_pb + heads[:, None] * stride_ph + s * HD + d[None, :], out, mask=gmask)
-        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + s, lse, mask=g < G)
+    _finish(acc, m_i, l_i, b, s, g, heads, gmask, o_ptr, part_ptr, lse_ptr, stride_ob, stride_oh,
+            stride_pb, stride_ph, stride_lb, stride_lh, G, HD, NUM_SPLITS, 1.0)
 
 
 def decode_bare(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
