@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth(torch)
     res: dict[str, Any] = {"card": torch.cuda.get_device_name(), "copy_gb_s": bw / 1e9, "layers": a.layers,
                            "ctx": a.ctx, "quant": {}}
-    for name in a.modes.split(","):
+    for name in filter(None, a.modes.split(",")):  # --modes= : the demo accuracy alone
         res["quant"][name] = measure_mode(torch, MODES[name], a.layers, a.ctx, bw)
         torch.cuda.empty_cache()
         print(name, json.dumps(res["quant"][name]), flush=True)
