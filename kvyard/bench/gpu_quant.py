@@ -114,6 +114,33 @@ def measure_mode(torch, method: str | None, layers: int, ctx: int, bw: float) ->
     return out  # the model and caches go with this frame
 
 
+def profile_b1(torch, method: str | None, layers: int, ctx: int) -> dict[str, Any]:
+    """GPU time per kernel over 3 eager batch-1 steps (what a graph replays, launch gaps not
+    counted): which kernels hold the step beside the weight stream. Run after every graph: no
+    graph is captured in a process that has run the profiler."""
+    from dataclasses import replace
+
+    from kvyard.bench import gpu_step as gs
+    from kvyard.workers.model.loader import build
+
+    cfg = replace(gs.config_8b(ctx + 2048), num_layers=layers)
+    model = build(cfg, gs.RandomSource(cfg), gs.DTYPE, ctx + 2048, device="cuda", quantization=method)
+    step = gs.engine_step_fn(model, gs.make_batch(1, ctx, layers, dense=False))
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us:
+            rows.append({"kernel": e.key[:90], "ms_per_step": round(us / 3e3, 4), "calls_per_step": e.count // 3})
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    return {"kernel_ms": round(sum(r["ms_per_step"] for r in rows), 3), "kernels": rows[:20]}
+
+
 def demo_accuracy(torch, windows: int) -> dict[str, dict[str, float]]:
     """float32 demo model on the GPU: each mode against the unquantized one."""
     from kvyard.bench.quant_accuracy import divergence, text_windows, window_logprobs
@@ -141,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", type=int, default=1024, help="every sequence's context at decode")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--windows", type=int, default=4, help="text windows of 256 tokens for agreement/KL")
+    p.add_argument("--profile", default="", help="modes whose eager batch-1 step is profiled per kernel, last")
     a = p.parse_args(argv)
     import torch
 
@@ -159,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ImportError, OSError, RuntimeError) as e:  # no demo GGUF on the host (ModelNotFound)
         res["demo_accuracy"] = {"error": str(e)}
     print(json.dumps(res.get("demo_accuracy")), flush=True)
+    for name in filter(None, a.profile.split(",")):
+        res.setdefault("profile_b1", {})[name] = prof = profile_b1(torch, MODES[name], a.layers, a.ctx)
+        torch.cuda.empty_cache()
+        print("profile", name, json.dumps(prof, indent=1), flush=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=2)
     return 0
