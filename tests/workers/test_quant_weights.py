@@ -162,6 +162,22 @@ def test_gemv_decode_rows_against_float64(method, rows, k) -> None:
 
 
 @pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("rows", [1, 3, 4, 6])
+def test_gate_up_silu_against_float64(method, rows) -> None:
+    """The MLP's [gate | up] product with SiLU·up: one gated GEMV launch up to 4 rows, the product
+    then silu_mul above; both against float64 over the dequantized weight (50 channels: a partial block)."""
+    from kvyard.workers.model.cuda_ops import gate_up_silu
+
+    w = _w(100, 256, 8)
+    qw = QuantWeight.build(quantize(w, method), torch.device(DEV))
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)) * 4
+    gu = x.double() @ qw.dense(torch.float64).double().cpu().T
+    ref = torch.nn.functional.silu(gu[:, :50]) * gu[:, 50:]
+    y = gate_up_silu(x.to(DEV), qw)
+    assert y.shape == (rows, 50) and _rel(y, ref) < 1e-6
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_dequantize_weight_kernel_equals_dense(method) -> None:
     """The one-launch dequantization that prefill-sized products hand to cuBLAS."""
     from kvyard.workers.model.quant.cuda_gemv import dequantize_weight

@@ -98,6 +98,11 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     return F.linear(x, w, bias) if isinstance(w, torch.Tensor) else w.linear(x, bias)
 
 
+def gate_up_silu(x: torch.Tensor, w) -> torch.Tensor:
+    """silu(gate) * up of x times the [gate | up] weight (a quantized weight fuses the two)."""
+    return silu_mul(F.linear(x, w)) if isinstance(w, torch.Tensor) else w.linear_silu(x)
+
+
 class CudaOps(TorchOps):
     """Weights on the GPU: F.linear (cuBLAS) for every dense matrix (quantized ones: their
     own kernels, quant/cuda_quant.py), the residual add
@@ -122,7 +127,7 @@ class CudaOps(TorchOps):
         return lambda qkv: qkv[:, :qk_size].view(t, nh + nkv, hd)
 
     def mlp_add(self, h, lw, x):
-        return x + linear(silu_mul(linear(h, lw.gate_up)), lw.down)
+        return x + linear(gate_up_silu(h, lw.gate_up), lw.down)
 
     def o_add_norm(self, o, lw, x):
         return self.add_norm(linear(o, lw.o, lw.o_bias), x, lw.post_norm)
@@ -138,4 +143,4 @@ class CudaOps(TorchOps):
         return x, add_rms_norm(y, x, w, self.eps)   # x += y in place (the residual stream)
 
     def mlp_add_norm(self, h, lw, x, next_norm):
-        return self.add_norm(linear(silu_mul(linear(h, lw.gate_up)), lw.down), x, next_norm)
+        return self.add_norm(linear(gate_up_silu(h, lw.gate_up), lw.down), x, next_norm)

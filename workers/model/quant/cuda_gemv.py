@@ -28,10 +28,41 @@ GEMV_MAX_ROWS = 4   # above this the tile GEMM (int8/int4) or fp8 matmuls (_scal
 
 @triton.jit
 def _gemv_kernel(x_ptr, q_ptr, d_ptr, m_ptr, y_ptr, N, K, sxm, sym,
-                 M: tl.constexpr, KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 M: tl.constexpr, KIND: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """y = x W^T for N output channels; GATED: W holds [gate | up] (2 N rows) and y = silu(gate) * up,
+    a program streaming its channels' gate rows and up rows side by side (no [M, 2 N] round trip
+    and no second launch)."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     nmask = rn < N
     rn64 = rn.to(tl.int64)
+    g0, g1, g2, g3 = _rows_dot(x_ptr, q_ptr, d_ptr, m_ptr, rn64, nmask, K, sxm, M, KIND, BN, BK)
+    s = tl.full((BN,), 1.0, tl.float32)
+    if KIND != 1:
+        s = tl.load(d_ptr + rn, mask=nmask, other=0.0)
+    g0, g1, g2, g3 = g0 * s, g1 * s, g2 * s, g3 * s
+    if GATED:
+        u0, u1, u2, u3 = _rows_dot(x_ptr, q_ptr, d_ptr, m_ptr, rn64 + N, nmask, K, sxm, M, KIND, BN, BK)
+        su = tl.full((BN,), 1.0, tl.float32)
+        if KIND != 1:
+            su = tl.load(d_ptr + N + rn, mask=nmask, other=0.0)
+        g0 = g0 * tl.sigmoid(g0) * (u0 * su)
+        g1 = g1 * tl.sigmoid(g1) * (u1 * su)
+        g2 = g2 * tl.sigmoid(g2) * (u2 * su)
+        g3 = g3 * tl.sigmoid(g3) * (u3 * su)
+    out = y_ptr.dtype.element_ty
+    tl.store(y_ptr + rn, g0.to(out), mask=nmask)
+    if M > 1:
+        tl.store(y_ptr + sym + rn, g1.to(out), mask=nmask)
+    if M > 2:
+        tl.store(y_ptr + 2 * sym + rn, g2.to(out), mask=nmask)
+    if M > 3:
+        tl.store(y_ptr + 3 * sym + rn, g3.to(out), mask=nmask)
+
+
+@triton.jit
+def _rows_dot(x_ptr, q_ptr, d_ptr, m_ptr, rn64, nmask, K, sxm,
+              M: tl.constexpr, KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Up to four rows of x against the quantized rows rn64 (before the per-channel scale)."""
     a0 = tl.zeros((BN,), dtype=tl.float32)
     a1 = tl.zeros((BN,), dtype=tl.float32)
     a2 = tl.zeros((BN,), dtype=tl.float32)
@@ -68,17 +99,7 @@ def _gemv_kernel(x_ptr, q_ptr, d_ptr, m_ptr, y_ptr, N, K, sxm, sym,
                 a2 += tl.sum(w * tl.load(x_ptr + 2 * sxm + k0 + rk).to(tl.float32)[None, :], axis=1)
             if M > 3:
                 a3 += tl.sum(w * tl.load(x_ptr + 3 * sxm + k0 + rk).to(tl.float32)[None, :], axis=1)
-    s = tl.full((BN,), 1.0, tl.float32)
-    if KIND != 1:
-        s = tl.load(d_ptr + rn, mask=nmask, other=0.0)
-    out = y_ptr.dtype.element_ty
-    tl.store(y_ptr + rn, (a0 * s).to(out), mask=nmask)
-    if M > 1:
-        tl.store(y_ptr + sym + rn, (a1 * s).to(out), mask=nmask)
-    if M > 2:
-        tl.store(y_ptr + 2 * sym + rn, (a2 * s).to(out), mask=nmask)
-    if M > 3:
-        tl.store(y_ptr + 3 * sym + rn, (a3 * s).to(out), mask=nmask)
+    return a0, a1, a2, a3
 
 
 @triton.jit
@@ -117,26 +138,29 @@ def _prune(configs, named_args, **kwargs):
     return ok or [triton.Config({"BN": 8, "BK": _block_k(k)}, num_warps=4)]
 
 
-_gemv_tuned = triton.autotune(_TUNE, key=["N", "K", "M", "KIND"], prune_configs_by={"early_config_prune": _prune}
+_gemv_tuned = triton.autotune(_TUNE, key=["N", "K", "M", "KIND", "GATED"], prune_configs_by={"early_config_prune": _prune}
                               )(_gemv_kernel)
 
 
 def gemv(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, n: int,
-         kind: int, sms: int = 132) -> torch.Tensor:
-    """x [M <= GEMV_MAX_ROWS, K] (unit inner stride) times the quantized [N, K] weight, transposed."""
+         kind: int, sms: int = 132, gated: bool = False) -> torch.Tensor:
+    """x [M <= GEMV_MAX_ROWS, K] (unit inner stride) times the quantized [N, K] weight, transposed;
+    `gated`: the weight is [gate | up] (N = 2 I) and the result silu(gate) * up, [M, I]."""
     rows, k = x.shape
-    if rows > GEMV_MAX_ROWS or x.stride(1) != 1 or k % GROUP:
-        raise ValueError("gemv: at most 4 rows with unit stride and K a multiple of 32")
-    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows > GEMV_MAX_ROWS or x.stride(1) != 1 or k % GROUP or (gated and n % 2):
+        raise ValueError("gemv: at most 4 rows with unit stride and K a multiple of 32 (gated: N even)")
+    n_out = n // 2 if gated else n
+    y = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
     if rows:
         # uint8 codes: the kernel sees fp8 as bytes and bitcasts (the same on every device)
         q = codes.view(torch.uint8) if codes.dtype == torch.float8_e4m3fn else codes
-        args = (x, q, d, d if m is None else m, y, n, k, x.stride(0), y.stride(0))
+        args = (x, q, d, d if m is None else m, y, n_out, k, x.stride(0), y.stride(0))
         if x.is_cuda:
-            _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BN"]),)](*args, M=rows, KIND=kind)
+            _gemv_tuned[lambda meta: (triton.cdiv(n_out, meta["BN"]),)](*args, M=rows, KIND=kind, GATED=gated)
         else:
-            bn = _block_n(n, sms)
-            _gemv_kernel[(triton.cdiv(n, bn),)](*args, M=rows, KIND=kind, BN=bn, BK=_block_k(k), num_warps=4)
+            bn = _block_n(n_out, sms)
+            _gemv_kernel[(triton.cdiv(n_out, bn),)](*args, M=rows, KIND=kind, GATED=gated, BN=bn,
+                                                    BK=_block_k(k), num_warps=4)
     return y
 
 

@@ -12,7 +12,8 @@ elsewhere.
         with row-wise scales; where that raises (no fp8 GEMM on the device), the weight is
         dequantized per call instead.
   Up to GEMV_MAX_ROWS rows (decode), every method streams its codes through the GEMV
-  of cuda_gemv.py (W8A16 for fp8: the activations stay exact). From DENSE_MIN_ROWS rows
+  of cuda_gemv.py (W8A16 for fp8: the activations stay exact); the MLP's [gate | up] product
+  and its SiLU·up are one such launch (`linear_silu`). From DENSE_MIN_ROWS rows
   (prefill) with 16-bit activations, an int8 or int4 weight is dequantized in one launch and the
   product runs on cuBLAS: the extra weight traffic costs less than a dequantizing GEMM's
   lower matmul throughput there.
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..cuda_ops import silu_mul
 from .cuda_gemv import GEMV_MAX_ROWS, dequantize_weight, gemv, quantize_rows_fp8_fused
 from .formats import FP8_MAX, GROUP, QuantParts
 
@@ -182,3 +184,11 @@ class QuantWeight:
             y = dequant_gemm(x if x.stride(1) == 1 else x.contiguous(), self.codes, self.scale,
                              self.zero, self.n, self.method == "int4", self.sms)
         return y if bias is None else y + bias
+
+    def linear_silu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this [gate | up] weight's product: one GEMV launch at decode sizes
+        (the gate and up channels' codes side by side), else the product then cuda_ops.silu_mul."""
+        if x.shape[0] <= GEMV_MAX_ROWS and self.k % GROUP == 0:
+            return gemv(x if x.stride(1) == 1 else x.contiguous(), self.codes, self.scale, self.zero, self.n,
+                        KINDS[self.method], self.sms, gated=True)
+        return silu_mul(self.linear(x))
