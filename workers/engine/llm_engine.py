@@ -9,6 +9,7 @@ blocks a parked request owns and posts the job back; a driver that installs
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable, Sequence as Seq
 
@@ -30,6 +31,11 @@ from .sampler import Sampler, make_generator
 from .scheduler import Scheduler
 from .sequence import Sequence, output_of
 from .spec import build_speculator, spec_tokens
+
+log = logging.getLogger(__name__)
+# A step this much slower than the recent ones (and at least STALL_MIN_S) is logged with what it
+# ran: a compile, an allocation or a host stall shows up beside the step's composition.
+STALL_RATIO, STALL_MIN_S = 8.0, 0.25
 
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs and OpenAI's top_logprobs limit
@@ -77,6 +83,7 @@ class LLMEngine:
         self.speculator = build_speculator(config, self, model, num_blocks)
         self.guided = None if tokenizer is None else GuidedVocab(tokenizer, model_config.vocab_size)
         self.last_step_time = 0.0
+        self._step_ema = 0.0   # recent step times (the stall log's yardstick)
         self._sleep: Any = None      # sleep_mode.SleepMode after the first sleep
 
     def _loras_in_use(self) -> set[str]:
@@ -242,7 +249,13 @@ class LLMEngine:
         else:
             tokens, logprobs = self._sample(logits, samplers, picked)
         outputs = self.scheduler.postprocess(sched, samplers, tokens, logprobs)
-        self.last_step_time = time.perf_counter() - t0
+        self.last_step_time = dt = time.perf_counter() - t0
+        if dt > STALL_MIN_S and dt > STALL_RATIO * self._step_ema > 0:
+            log.info("slow step: %.3f s (recent mean %.4f s): %d decode rows, %d prefill tokens in %d sequences, "
+                     "adapters %s", dt, self._step_ema, sched.num_decodes, sched.num_tokens - sched.num_decodes,
+                     len(sched.seqs) - sched.num_decodes,
+                     sorted({s.params.lora_name or "-" for s in sched.seqs}))
+        self._step_ema = dt if not self._step_ema else 0.9 * self._step_ema + 0.1 * dt
         if spec is not None:
             spec.observe(self.last_step_time)
         return outputs
