@@ -313,3 +313,26 @@ def test_stats_count_the_prompt_tokens_not_computed_yet(loaded, prompts):
                                        for s in eng.scheduler.running):
         eng.step()
     assert eng.stats().prompt_tokens_pending == 0 and eng.scheduler.running  # now decoding
+
+
+def test_a_stalled_step_is_logged_with_its_composition(loaded, prompts, reference, monkeypatch, caplog):
+    """A step far slower than the recent ones is logged (what it ran, beside its time); the tokens
+    are the same. The clock is a fake one that makes the fifth step take a second."""
+    import logging
+
+    from kvyard.workers.engine import llm_engine
+
+    ticks = iter(range(10 ** 6))
+    calls = {"n": 0}
+
+    def clock() -> float:
+        calls["n"] += 1   # two reads a step: a step lasts 10 ms, except the fifth (1 s)
+        return next(ticks) * 0.01 + (0.99 if calls["n"] > 9 else 0.0)
+
+    monkeypatch.setattr(llm_engine.time, "perf_counter", clock)
+    llm = make(loaded, max_num_batched_tokens=4096)
+    with caplog.at_level(logging.INFO, logger=llm_engine.__name__):
+        out = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert out == reference
+    slow = [r.getMessage() for r in caplog.records if "slow step" in r.getMessage()]
+    assert len(slow) == 1 and "decode rows" in slow[0] and "adapters ['-']" in slow[0]
