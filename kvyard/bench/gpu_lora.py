@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .gpu_step import DEV, DTYPE, capture, engine_model, engine_step_fn, make_batch
+from .gpu_step import DEV, DTYPE, capture, engine_model, engine_step_fn, kernel_profile, make_batch
 
 BATCHES = (8, 64)
 ADAPTERS = (1, 4, 16)
@@ -105,19 +105,7 @@ def profile(layers: int, ctx: int, bsz: int = 64, adapters: int = 16) -> dict[st
     for name, lb in (("base", None), (f"triton_{adapters}", tri)):
         def fn(lb=lb) -> Any:
             return model.compute_logits(model(b.ids, b.pos, b.paged, step.meta, lora=lb))
-        fn()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-        rows = []
-        for e in prof.key_averages():
-            us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-            if us:
-                rows.append({"kernel": e.key[:90], "ms_per_step": round(us / 3e3, 4), "calls_per_step": e.count // 3})
-        rows.sort(key=lambda r: -r["ms_per_step"])
-        out[name] = {"total_ms": round(sum(r["ms_per_step"] for r in rows), 3), "kernels": rows[:25]}
+        out[name] = kernel_profile(fn)
         print(name, json.dumps(out[name], indent=1), flush=True)
     return out
 

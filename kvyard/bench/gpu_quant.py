@@ -125,20 +125,7 @@ def profile_b1(torch, method: str | None, layers: int, ctx: int) -> dict[str, An
 
     cfg = replace(gs.config_8b(ctx + 2048), num_layers=layers)
     model = build(cfg, gs.RandomSource(cfg), gs.DTYPE, ctx + 2048, device="cuda", quantization=method)
-    step = gs.engine_step_fn(model, gs.make_batch(1, ctx, layers, dense=False))
-    step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if us:
-            rows.append({"kernel": e.key[:90], "ms_per_step": round(us / 3e3, 4), "calls_per_step": e.count // 3})
-    rows.sort(key=lambda r: -r["ms_per_step"])
-    return {"kernel_ms": round(sum(r["ms_per_step"] for r in rows), 3), "kernels": rows[:20]}
+    return gs.kernel_profile(gs.engine_step_fn(model, gs.make_batch(1, ctx, layers, dense=False)), top=20)
 
 
 def demo_accuracy(torch, windows: int) -> dict[str, dict[str, float]]:

@@ -237,3 +237,22 @@ def engine_step_fn(model: Any, b: Batch) -> Callable[[], Any]:
 
     step.meta = meta  # type: ignore[attr-defined]  # what the captured graph reads lives with the closure
     return step
+
+
+def kernel_profile(fn: Callable[[], Any], steps: int = 3, top: int = 25) -> dict[str, Any]:
+    """GPU time per kernel name over `steps` eager calls of fn (what a graph replays; launch gaps
+    are not counted). No graph can be captured in a process after this has run."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us:
+            rows.append({"kernel": e.key[:90], "ms_per_step": round(us / steps / 1e3, 4),
+                         "calls_per_step": e.count // steps})
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    return {"total_ms": round(sum(r["ms_per_step"] for r in rows), 3), "kernels": rows[:top]}
