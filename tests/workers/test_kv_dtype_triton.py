@@ -127,6 +127,25 @@ def test_prefill_matches_reference(fmt: kv_quant.KVFormat, dtype: torch.dtype) -
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("dtype", [torch.float32, DTYPES[-1]])
+def test_short_extends_over_cached_prefixes(fmt: kv_quant.KVFormat, dtype: torch.dtype) -> None:
+    """A prefix-cache hit's step: a few new tokens per sequence over long quantized prefixes, in
+    prefill_config's short-query tiles (what the engine launches for it)."""
+    from kvyard.workers.attention.triton_prefill import prefill_config
+
+    bs, nkv, gqa, hd = 16, 3, 3, 64   # the demo model's attention shape
+    batch = _Batch([(48, 3), (80, 1), (33, 15), (64, 16)], bs, nkv, nkv * gqa, hd, dtype, seed=5)
+    _dequantized_context(batch, fmt)
+    cache = _quantized(batch, fmt)
+    k, v = batch.new_kv()
+    write_kv(k, v, cache, batch.slots())
+    out = paged_prefill(batch.q, cache, batch.tables(torch.int64), batch.query_start(), batch.lens(), hd ** -0.5,
+                        max_query_len=16, out=_poisoned(batch.q), config=prefill_config(hd, 16))
+    assert torch.isfinite(out).all()
+    assert _rel(out, batch.reference(hd ** -0.5)) < 2 * TOL[dtype]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_backend_mixed_batch_matches_cpu_reference(fmt: kv_quant.KVFormat) -> None:
     """Decodes and prefill chunks through TritonBackend against kv_quant.attend (the CPU
     definition) on the same quantized cache."""
