@@ -31,6 +31,8 @@ def mlp_add_norm(ops, lora: LoRABatch, i: int, h: torch.Tensor, lw, x: torch.Ten
                  next_norm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not lora.projs & {"gate_up", "down"}:
         return ops.mlp_add_norm(h, lw, x, next_norm)
+    if not isinstance(h, torch.Tensor):
+        h = h.materialize()   # a pending norm (cuda_ops.PendingNorm) from the strategy's o_add_norm
     if lw.gate_up is not None:
         gu = _linear(ops, h, lw.gate_up)
     else:  # strategies that split gate/up for their epilogues

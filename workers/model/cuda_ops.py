@@ -14,6 +14,8 @@ Kernels run under TRITON_INTERPRET=1 on CPU tensors too (tests).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -93,14 +95,40 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+@dataclass(slots=True)
+class PendingNorm:
+    """rms_norm(x) * w not yet computed: a quantized weight's GEMV normalizes x as it streams it
+    (quant/cuda_gemv.py's NORM), anything else materializes it first."""
+
+    x: torch.Tensor
+    w: torch.Tensor
+    eps: float
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+    def materialize(self) -> torch.Tensor:
+        return rms_norm(self.x, self.w, self.eps)
+
+
+def _dense(x) -> torch.Tensor:
+    return x.materialize() if isinstance(x, PendingNorm) else x
+
+
+def linear(x, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for dense weights; a quantized one (quant/cuda_quant.QuantWeight) multiplies itself."""
-    return F.linear(x, w, bias) if isinstance(w, torch.Tensor) else w.linear(x, bias)
+    return F.linear(_dense(x), w, bias) if isinstance(w, torch.Tensor) else w.linear(x, bias)
 
 
-def gate_up_silu(x: torch.Tensor, w) -> torch.Tensor:
+def gate_up_silu(x, w) -> torch.Tensor:
     """silu(gate) * up of x times the [gate | up] weight (a quantized weight fuses the two)."""
-    return silu_mul(F.linear(x, w)) if isinstance(w, torch.Tensor) else w.linear_silu(x)
+    return silu_mul(F.linear(_dense(x), w)) if isinstance(w, torch.Tensor) else w.linear_silu(x)
+
+
+def _fused_residual(w, x, bias) -> bool:
+    """Whether w's product over x adds itself into the residual stream (quantized, decode-sized)."""
+    return bias is None and not isinstance(w, torch.Tensor) and w.fuses(x)
 
 
 class CudaOps(TorchOps):
@@ -130,6 +158,10 @@ class CudaOps(TorchOps):
         return x + linear(gate_up_silu(h, lw.gate_up), lw.down)
 
     def o_add_norm(self, o, lw, x):
+        if _fused_residual(lw.o, o, lw.o_bias):   # x += o Wo^T inside the GEMV; its norm waits for gate/up
+            x = x if x.is_contiguous() else x.contiguous()
+            lw.o.linear_residual(o, x)
+            return x, PendingNorm(x, lw.post_norm, self.eps)
         return self.add_norm(linear(o, lw.o, lw.o_bias), x, lw.post_norm)
 
     def silu_mul(self, gu):
@@ -143,4 +175,9 @@ class CudaOps(TorchOps):
         return x, add_rms_norm(y, x, w, self.eps)   # x += y in place (the residual stream)
 
     def mlp_add_norm(self, h, lw, x, next_norm):
-        return self.add_norm(linear(gate_up_silu(h, lw.gate_up), lw.down), x, next_norm)
+        a = gate_up_silu(h, lw.gate_up)
+        if _fused_residual(lw.down, a, None):   # the next layer's qkv GEMV applies its norm
+            x = x if x.is_contiguous() else x.contiguous()
+            lw.down.linear_residual(a, x)
+            return x, None if next_norm is None else PendingNorm(x, next_norm, self.eps)
+        return self.add_norm(linear(a, lw.down), x, next_norm)

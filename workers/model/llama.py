@@ -127,6 +127,8 @@ class LlamaForCausalLM(nn.Module):
         last = len(layers) - 1
         h = ops.norm(x, layers[0].input_norm)
         for i, (lw, cache) in enumerate(zip(layers, kv_caches)):
+            if lora is not None and not isinstance(h, torch.Tensor):
+                h = h.materialize()   # a strategy's pending norm (cuda_ops.PendingNorm): LoRA reads h
             qkv = ops.qkv(h, lw)
             if lora is not None:
                 lora.apply(i, "qkv", h, qkv)

@@ -27,21 +27,30 @@ GEMV_MAX_ROWS = 4   # above this the tile GEMM (int8/int4) or fp8 matmuls (_scal
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, q_ptr, d_ptr, m_ptr, y_ptr, N, K, sxm, sym,
-                 M: tl.constexpr, KIND: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """y = x W^T for N output channels; GATED: W holds [gate | up] (2 N rows) and y = silu(gate) * up,
-    a program streaming its channels' gate rows and up rows side by side (no [M, 2 N] round trip
-    and no second launch)."""
+def _gemv_kernel(x_ptr, q_ptr, d_ptr, m_ptr, y_ptr, nw_ptr, N, K, sxm, sym, eps,
+                 M: tl.constexpr, KIND: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+                 RES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """y = x W^T for N output channels.
+    GATED: W holds [gate | up] (2 N rows) and y = silu(gate) * up, a program streaming its
+    channels' gate rows and up rows side by side (no [M, 2 N] round trip, no second launch).
+    NORM: x is the residual stream and the product takes rms_norm(x) * nw, each program
+    normalizing x as it streams it (x is a few KB: its sum of squares is an L2 read), so
+    the norm needs no launch of its own. RES: y is the residual stream, y += x W^T in place."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     nmask = rn < N
     rn64 = rn.to(tl.int64)
-    g0, g1, g2, g3 = _rows_dot(x_ptr, q_ptr, d_ptr, m_ptr, rn64, nmask, K, sxm, M, KIND, BN, BK)
+    r0, r1, r2, r3 = 1.0, 1.0, 1.0, 1.0
+    if NORM:
+        r0, r1, r2, r3 = _rstd(x_ptr, K, sxm, eps, M, BK)
+    g0, g1, g2, g3 = _rows_dot(x_ptr, q_ptr, d_ptr, m_ptr, nw_ptr, r0, r1, r2, r3, rn64, nmask, K, sxm,
+                               M, KIND, NORM, BN, BK)
     s = tl.full((BN,), 1.0, tl.float32)
     if KIND != 1:
         s = tl.load(d_ptr + rn, mask=nmask, other=0.0)
     g0, g1, g2, g3 = g0 * s, g1 * s, g2 * s, g3 * s
     if GATED:
-        u0, u1, u2, u3 = _rows_dot(x_ptr, q_ptr, d_ptr, m_ptr, rn64 + N, nmask, K, sxm, M, KIND, BN, BK)
+        u0, u1, u2, u3 = _rows_dot(x_ptr, q_ptr, d_ptr, m_ptr, nw_ptr, r0, r1, r2, r3, rn64 + N, nmask, K, sxm,
+                                   M, KIND, NORM, BN, BK)
         su = tl.full((BN,), 1.0, tl.float32)
         if KIND != 1:
             su = tl.load(d_ptr + N + rn, mask=nmask, other=0.0)
@@ -49,19 +58,60 @@ def _gemv_kernel(x_ptr, q_ptr, d_ptr, m_ptr, y_ptr, N, K, sxm, sym,
         g1 = g1 * tl.sigmoid(g1) * (u1 * su)
         g2 = g2 * tl.sigmoid(g2) * (u2 * su)
         g3 = g3 * tl.sigmoid(g3) * (u3 * su)
-    out = y_ptr.dtype.element_ty
-    tl.store(y_ptr + rn, g0.to(out), mask=nmask)
+    _store(y_ptr + rn, g0, nmask, RES)
     if M > 1:
-        tl.store(y_ptr + sym + rn, g1.to(out), mask=nmask)
+        _store(y_ptr + sym + rn, g1, nmask, RES)
     if M > 2:
-        tl.store(y_ptr + 2 * sym + rn, g2.to(out), mask=nmask)
+        _store(y_ptr + 2 * sym + rn, g2, nmask, RES)
     if M > 3:
-        tl.store(y_ptr + 3 * sym + rn, g3.to(out), mask=nmask)
+        _store(y_ptr + 3 * sym + rn, g3, nmask, RES)
 
 
 @triton.jit
-def _rows_dot(x_ptr, q_ptr, d_ptr, m_ptr, rn64, nmask, K, sxm,
-              M: tl.constexpr, KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _store(ptr, v, mask, RES: tl.constexpr):
+    """v rounded once to the output's dtype; RES: added to what is there first (in float32)."""
+    if RES:
+        v = v + tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rstd(x_ptr, K, sxm, eps, M: tl.constexpr, BK: tl.constexpr):
+    """1 / rms of up to four rows of x (cuda_ops.rms_norm's arithmetic)."""
+    rk = tl.arange(0, BK)
+    s0 = tl.zeros((BK,), dtype=tl.float32)
+    s1 = tl.zeros((BK,), dtype=tl.float32)
+    s2 = tl.zeros((BK,), dtype=tl.float32)
+    s3 = tl.zeros((BK,), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        v = tl.load(x_ptr + k0 + rk).to(tl.float32)
+        s0 += v * v
+        if M > 1:
+            v = tl.load(x_ptr + sxm + k0 + rk).to(tl.float32)
+            s1 += v * v
+        if M > 2:
+            v = tl.load(x_ptr + 2 * sxm + k0 + rk).to(tl.float32)
+            s2 += v * v
+        if M > 3:
+            v = tl.load(x_ptr + 3 * sxm + k0 + rk).to(tl.float32)
+            s3 += v * v
+    return (tl.rsqrt(tl.sum(s0, 0) / K + eps), tl.rsqrt(tl.sum(s1, 0) / K + eps),
+            tl.rsqrt(tl.sum(s2, 0) / K + eps), tl.rsqrt(tl.sum(s3, 0) / K + eps))
+
+
+@triton.jit
+def _x(xr_ptr, nw_ptr, idx, r, NORM: tl.constexpr):
+    """Inputs idx of one row of x in float32; NORM: normalized as cuda_ops.rms_norm stores them
+    (times the norm weight, rounded once to x's dtype)."""
+    v = tl.load(xr_ptr + idx).to(tl.float32)
+    if NORM:
+        v = (v * r * tl.load(nw_ptr + idx).to(tl.float32)).to(xr_ptr.dtype.element_ty).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _rows_dot(x_ptr, q_ptr, d_ptr, m_ptr, nw_ptr, r0, r1, r2, r3, rn64, nmask, K, sxm,
+              M: tl.constexpr, KIND: tl.constexpr, NORM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Up to four rows of x against the quantized rows rn64 (before the per-channel scale)."""
     a0 = tl.zeros((BN,), dtype=tl.float32)
     a1 = tl.zeros((BN,), dtype=tl.float32)
@@ -77,13 +127,17 @@ def _rows_dot(x_ptr, q_ptr, d_ptr, m_ptr, rn64, nmask, K, sxm,
             g = rn64[:, None] * (K // 32) + (k0 + 2 * j)[None, :] // 32
             d = tl.load(d_ptr + g, mask=nmask[:, None], other=0.0).to(tl.float32)
             mn = tl.load(m_ptr + g, mask=nmask[:, None], other=0.0).to(tl.float32)
-            a0 += _int4_dot(x_ptr, k0, j, lo, hi, d, mn)
+            ie, io = k0 + 2 * j, k0 + 2 * j + 1
+            a0 += _int4_dot(_x(x_ptr, nw_ptr, ie, r0, NORM), _x(x_ptr, nw_ptr, io, r0, NORM), lo, hi, d, mn)
             if M > 1:
-                a1 += _int4_dot(x_ptr + sxm, k0, j, lo, hi, d, mn)
+                a1 += _int4_dot(_x(x_ptr + sxm, nw_ptr, ie, r1, NORM), _x(x_ptr + sxm, nw_ptr, io, r1, NORM),
+                                lo, hi, d, mn)
             if M > 2:
-                a2 += _int4_dot(x_ptr + 2 * sxm, k0, j, lo, hi, d, mn)
+                a2 += _int4_dot(_x(x_ptr + 2 * sxm, nw_ptr, ie, r2, NORM),
+                                _x(x_ptr + 2 * sxm, nw_ptr, io, r2, NORM), lo, hi, d, mn)
             if M > 3:
-                a3 += _int4_dot(x_ptr + 3 * sxm, k0, j, lo, hi, d, mn)
+                a3 += _int4_dot(_x(x_ptr + 3 * sxm, nw_ptr, ie, r3, NORM),
+                                _x(x_ptr + 3 * sxm, nw_ptr, io, r3, NORM), lo, hi, d, mn)
     else:
         rk = tl.arange(0, BK)
         for k0 in range(0, K, BK):
@@ -92,21 +146,19 @@ def _rows_dot(x_ptr, q_ptr, d_ptr, m_ptr, rn64, nmask, K, sxm,
                 w = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             else:
                 w = c.to(tl.float32)
-            a0 += tl.sum(w * tl.load(x_ptr + k0 + rk).to(tl.float32)[None, :], axis=1)
+            a0 += tl.sum(w * _x(x_ptr, nw_ptr, k0 + rk, r0, NORM)[None, :], axis=1)
             if M > 1:
-                a1 += tl.sum(w * tl.load(x_ptr + sxm + k0 + rk).to(tl.float32)[None, :], axis=1)
+                a1 += tl.sum(w * _x(x_ptr + sxm, nw_ptr, k0 + rk, r1, NORM)[None, :], axis=1)
             if M > 2:
-                a2 += tl.sum(w * tl.load(x_ptr + 2 * sxm + k0 + rk).to(tl.float32)[None, :], axis=1)
+                a2 += tl.sum(w * _x(x_ptr + 2 * sxm, nw_ptr, k0 + rk, r2, NORM)[None, :], axis=1)
             if M > 3:
-                a3 += tl.sum(w * tl.load(x_ptr + 3 * sxm + k0 + rk).to(tl.float32)[None, :], axis=1)
+                a3 += tl.sum(w * _x(x_ptr + 3 * sxm, nw_ptr, k0 + rk, r3, NORM)[None, :], axis=1)
     return a0, a1, a2, a3
 
 
 @triton.jit
-def _int4_dot(xr_ptr, k0, j, lo, hi, d, mn):
+def _int4_dot(xe, xo, lo, hi, d, mn):
     """One row's partial sums over a K tile of int4 codes: even inputs meet the low nibbles."""
-    xe = tl.load(xr_ptr + k0 + 2 * j).to(tl.float32)
-    xo = tl.load(xr_ptr + k0 + 2 * j + 1).to(tl.float32)
     return tl.sum(d * (lo * xe[None, :] + hi * xo[None, :]) + mn * (xe + xo)[None, :], axis=1)
 
 
@@ -138,29 +190,35 @@ def _prune(configs, named_args, **kwargs):
     return ok or [triton.Config({"BN": 8, "BK": _block_k(k)}, num_warps=4)]
 
 
-_gemv_tuned = triton.autotune(_TUNE, key=["N", "K", "M", "KIND", "GATED"], prune_configs_by={"early_config_prune": _prune}
+_gemv_tuned = triton.autotune(_TUNE, key=["N", "K", "M", "KIND", "GATED", "NORM", "RES"], prune_configs_by={"early_config_prune": _prune}
                               )(_gemv_kernel)
 
 
 def gemv(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, n: int,
-         kind: int, sms: int = 132, gated: bool = False) -> torch.Tensor:
-    """x [M <= GEMV_MAX_ROWS, K] (unit inner stride) times the quantized [N, K] weight, transposed;
-    `gated`: the weight is [gate | up] (N = 2 I) and the result silu(gate) * up, [M, I]."""
+         kind: int, sms: int = 132, gated: bool = False, norm: tuple[torch.Tensor, float] | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M <= GEMV_MAX_ROWS, K] (unit inner stride) times the quantized [N, K] weight, transposed.
+    `gated`: the weight is [gate | up] (N = 2 I) and the result silu(gate) * up, [M, I].
+    `norm` (w, eps): the product takes rms_norm(x) * w. `out`: the residual stream [M, N]
+    (unit inner stride), which the product is added to in place and which is returned."""
     rows, k = x.shape
     if rows > GEMV_MAX_ROWS or x.stride(1) != 1 or k % GROUP or (gated and n % 2):
         raise ValueError("gemv: at most 4 rows with unit stride and K a multiple of 32 (gated: N even)")
     n_out = n // 2 if gated else n
-    y = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
+    if out is not None and (out.shape != (rows, n_out) or out.stride(1) != 1):
+        raise ValueError("gemv: the residual must be [M, N] rows with unit stride")
+    y = torch.empty(rows, n_out, dtype=x.dtype, device=x.device) if out is None else out
     if rows:
         # uint8 codes: the kernel sees fp8 as bytes and bitcasts (the same on every device)
         q = codes.view(torch.uint8) if codes.dtype == torch.float8_e4m3fn else codes
-        args = (x, q, d, d if m is None else m, y, n_out, k, x.stride(0), y.stride(0))
+        nw, eps = norm if norm is not None else (d, 0.0)
+        args = (x, q, d, d if m is None else m, y, nw, n_out, k, x.stride(0), y.stride(0), eps)
+        flags = dict(M=rows, KIND=kind, GATED=gated, NORM=norm is not None, RES=out is not None)
         if x.is_cuda:
-            _gemv_tuned[lambda meta: (triton.cdiv(n_out, meta["BN"]),)](*args, M=rows, KIND=kind, GATED=gated)
+            _gemv_tuned[lambda meta: (triton.cdiv(n_out, meta["BN"]),)](*args, **flags)
         else:
             bn = _block_n(n_out, sms)
-            _gemv_kernel[(triton.cdiv(n_out, bn),)](*args, M=rows, KIND=kind, GATED=gated, BN=bn,
-                                                    BK=_block_k(k), num_warps=4)
+            _gemv_kernel[(triton.cdiv(n_out, bn),)](*args, **flags, BN=bn, BK=_block_k(k), num_warps=4)
     return y
 
 

@@ -12,8 +12,11 @@ elsewhere.
         with row-wise scales; where that raises (no fp8 GEMM on the device), the weight is
         dequantized per call instead.
   Up to GEMV_MAX_ROWS rows (decode), every method streams its codes through the GEMV
-  of cuda_gemv.py (W8A16 for fp8: the activations stay exact); the MLP's [gate | up] product
-  and its SiLU·up are one such launch (`linear_silu`). From DENSE_MIN_ROWS rows
+  of cuda_gemv.py (W8A16 for fp8: the activations stay exact), with the seams around it
+  folded in: the MLP's [gate | up] product and its SiLU·up are one launch (`linear_silu`), the
+  o and down products add into the residual stream (`linear_residual`), and the qkv and
+  gate/up products normalize their input (a cuda_ops.PendingNorm) as they stream it. At
+  batch 1 that leaves four launches a layer besides attention, against eight. From DENSE_MIN_ROWS rows
   (prefill) with 16-bit activations, an int8 or int4 weight is dequantized in one launch and the
   product runs on cuBLAS: the extra weight traffic costs less than a dequantizing GEMM's
   lower matmul throughput there.
@@ -31,7 +34,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..cuda_ops import silu_mul
+from ..cuda_ops import PendingNorm, silu_mul
 from .cuda_gemv import GEMV_MAX_ROWS, dequantize_weight, gemv, quantize_rows_fp8_fused
 from .formats import FP8_MAX, GROUP, QuantParts
 
@@ -167,13 +170,27 @@ class QuantWeight:
             return torch.addcmul(self.zero.float().repeat_interleave(GROUP, 1), q, d).to(dtype)
         return (self.codes.float() * self.scale[:, None]).to(dtype)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def fuses(self, x) -> bool:
+        """Whether rows of x (a tensor or a PendingNorm) go through the GEMV, norm and epilogues included."""
+        return x.shape[0] <= GEMV_MAX_ROWS and self.k % GROUP == 0
+
+    def _gemv(self, x, **kw) -> torch.Tensor:
+        norm = None
+        if isinstance(x, PendingNorm):
+            x, norm = x.x, (x.w, x.eps)
+        return gemv(x if x.stride(1) == 1 else x.contiguous(), self.codes, self.scale, self.zero, self.n,
+                    KINDS[self.method], self.sms, norm=norm, **kw)
+
+    def linear(self, x, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ bias); x may be a PendingNorm, normalized inside the GEMV at decode sizes."""
+        if self.fuses(x):
+            y = self._gemv(x)
+            return y if bias is None else y + bias
+        if isinstance(x, PendingNorm):
+            x = x.materialize()
         if x.shape[0] >= DENSE_MIN_ROWS and self.method != "fp8" and x.is_cuda and x.dtype != torch.float32:
             y = F.linear(x, dequantize_weight(self.codes, self.scale, self.zero, self.n, self.k, KINDS[self.method],
                                               x.dtype))
-        elif x.shape[0] <= GEMV_MAX_ROWS:
-            y = gemv(x if x.stride(1) == 1 else x.contiguous(), self.codes, self.scale, self.zero, self.n,
-                     KINDS[self.method], self.sms)
         elif self.method == "fp8":
             if self.fp8_mm and x.dtype != torch.float32:
                 xq, a = quantize_rows_fp8_fused(x if x.stride(1) == 1 else x.contiguous(), FP8_MAX)
@@ -185,10 +202,14 @@ class QuantWeight:
                              self.zero, self.n, self.method == "int4", self.sms)
         return y if bias is None else y + bias
 
-    def linear_silu(self, x: torch.Tensor) -> torch.Tensor:
+    def linear_silu(self, x) -> torch.Tensor:
         """silu(gate) * up of this [gate | up] weight's product: one GEMV launch at decode sizes
         (the gate and up channels' codes side by side), else the product then cuda_ops.silu_mul."""
-        if x.shape[0] <= GEMV_MAX_ROWS and self.k % GROUP == 0:
-            return gemv(x if x.stride(1) == 1 else x.contiguous(), self.codes, self.scale, self.zero, self.n,
-                        KINDS[self.method], self.sms, gated=True)
-        return silu_mul(self.linear(x))
+        return self._gemv(x, gated=True) if self.fuses(x) else silu_mul(self.linear(x))
+
+    def linear_residual(self, x, res: torch.Tensor) -> None:
+        """res += x W^T in place (the residual stream); one GEMV launch where `fuses(x)`."""
+        if self.fuses(x) and res.stride(1) == 1:
+            self._gemv(x, out=res)
+        else:
+            res.add_(self.linear(x))
