@@ -168,3 +168,38 @@ def test_lora_seams_match_torch_ops() -> None:
     assert torch.allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
     last = c.add_norm(y, x.clone(), None)
     assert last[1] is None and torch.allclose(last[0], x + y)
+
+
+def test_lora_layer_reads_a_pending_norm_materialized() -> None:
+    """A quantized o projection leaves the MLP's input as a pending norm (cuda_ops.PendingNorm);
+    the LoRA MLP seam hands its adapters the normalized rows, the same as a dense h gives."""
+    from types import SimpleNamespace
+
+    from kvyard.workers.lora import layer as lora_layer
+    from kvyard.workers.model.cuda_ops import PendingNorm
+
+    cfg = _tiny_cfg()
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    g = torch.Generator().manual_seed(4)
+    ops = CudaOps(cfg)
+    lw = SimpleNamespace(gate_up=(torch.randn(2 * inter, h, generator=g) * 0.1).to(DEV), gate=None, up=None,
+                         down=(torch.randn(h, inter, generator=g) * 0.1).to(DEV))
+    x, w = torch.randn(3, h, generator=g).to(DEV), (torch.rand(h, generator=g) + 0.5).to(DEV)
+
+    class Seen:
+        projs = frozenset({"gate_up", "down"})
+
+        def __init__(self) -> None:
+            self.inputs: list[torch.Tensor] = []
+
+        def apply(self, i, proj, xin, y) -> None:
+            self.inputs.append(xin)
+
+    runs = []
+    for hin in (PendingNorm(x, w, EPS), rms_norm(x, w, EPS)):
+        seen = Seen()
+        res, _ = lora_layer.mlp_add_norm(ops, seen, 0, hin, lw, x.clone(), None)
+        runs.append((res, seen.inputs))
+    (a, seen_a), (b, seen_b) = runs
+    assert isinstance(seen_a[0], torch.Tensor) and torch.equal(seen_a[0], seen_b[0])
+    assert torch.equal(a, b)
