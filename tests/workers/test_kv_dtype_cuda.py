@@ -1,7 +1,10 @@
 """int8 / fp8 / fp8_e4m3 KV caches on CUDA (skipped without a GPU): the engine with decode CUDA graphs
-stays as close to its bf16-KV self as the CPU bounds require; in float32, graphs and eager agree
-and a prefix-cache hit reproduces the from-scratch tokens; in bf16, where those paths round
-differently (other tiles, splits and batch shapes), greedy paths part only at near ties."""
+stays as close to its bf16-KV self as the CPU bounds require; graphs and eager steps, and a
+prefix-cache hit and the from-scratch run, give the same greedy tokens except where the model's
+top two are tied within the activations' rounding. Those paths round differently (other tiles,
+splits and batch shapes), so the K/V they quantize can differ in a last bit, and the demo's
+answers to these prompts begin at near ties: on the CPU the top two of a first token differ by
+0.000-0.125 nats in bf16 and by under 0.001 in float32 for one of them."""
 from __future__ import annotations
 
 import pytest
@@ -27,8 +30,10 @@ def _demo_installed() -> None:
         pytest.skip("the demo model is not installed")
 
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-TIE = 0.1   # nats: how close the top two may be where a bf16 path takes the other one
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+# nats: how close the top two may be where one path takes the other one. bf16 logits of 16-64
+# move in steps of 0.125-0.25; float32's rounding moves them by about 1e-5 of that.
+TIE = {"auto": 0.5, "float32": 0.01}
 BOUNDS = {"int8": (0.9, 0.01), "fp8": (0.85, 0.03), "fp8_e4m3": (0.85, 0.03)}
 
 
@@ -37,36 +42,28 @@ def _llm(kv: str, eager: bool = False, prefix: bool = True, dtype: str = "auto")
                             enable_prefix_caching=prefix, kv_cache_memory_bytes=256 << 20, gpu_memory_utilization=0.5))
 
 
+@pytest.mark.parametrize("dtype", list(TIE))
 @pytest.mark.parametrize("kv", list(BOUNDS))
-def test_graphs_eager_and_prefix_hits_agree_in_float32(kv: str) -> None:
-    graphs, eager = _llm(kv, dtype="float32"), _llm(kv, eager=True, dtype="float32")
+def test_graphs_eager_and_prefix_hits_agree(kv: str, dtype: str) -> None:
+    graphs, eager = _llm(kv, dtype=dtype), _llm(kv, eager=True, dtype=dtype)
     assert kv_quant.format_of(graphs.engine.runner.kv_caches[0]) is kv_quant.resolve_kv_format(kv)
     prompts = kv_quant_eval.prompts_of(graphs, kv_quant_eval.QUESTIONS[:3])
-    a = [o.token_ids for o in graphs.generate(prompts, GREEDY)]
-    assert a == [o.token_ids for o in eager.generate(prompts, GREEDY)]
-    again = graphs.generate(prompts, GREEDY)
-    assert [o.token_ids for o in again] == a and all(o.num_cached_tokens > 0 for o in again)
-
-
-@pytest.mark.parametrize("kv", list(BOUNDS))
-def test_bf16_paths_part_only_at_near_ties(kv: str) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
-    graphs, eager = _llm(kv), _llm(kv, eager=True)
-    prompts = kv_quant_eval.prompts_of(graphs, kv_quant_eval.QUESTIONS[:3])
-    a, b = graphs.generate(prompts, params), eager.generate(prompts, params)
-    hits = graphs.generate(prompts, params)
+    a, b = graphs.generate(prompts, GREEDY), eager.generate(prompts, GREEDY)
+    hits = graphs.generate(prompts, GREEDY)
     assert all(o.num_cached_tokens > 0 for o in hits)
     for x, y in [*zip(a, b), *zip(a, hits)]:
-        _same_or_tied(x, y)
+        _same_or_tied(x, y, TIE[dtype])
 
 
-def _same_or_tied(x, y) -> None:
-    """x and y's tokens agree up to their first difference, where both runs saw the top two within TIE."""
+def _same_or_tied(x, y, tie: float) -> None:
+    """x's and y's tokens agree up to their first difference, if any, where each picked the
+    other's runner-up and both saw their top two within `tie`."""
     i = next((i for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids)) if s != t), None)
     if i is None:
         return
-    gaps = [lp.top[0][1] - lp.top[1][1] for lp in (x.logprobs[i], y.logprobs[i])]
-    assert max(gaps) < TIE, (i, x.token_ids[i], y.token_ids[i], gaps)
+    lx, ly = x.logprobs[i], y.logprobs[i]
+    gaps = [lp.top[0][1] - lp.top[1][1] for lp in (lx, ly)]
+    assert lx.top[1][0] == y.token_ids[i] and ly.top[1][0] == x.token_ids[i] and max(gaps) < tie, (i, gaps)
 
 
 def test_accuracy_stays_close_to_auto() -> None:
