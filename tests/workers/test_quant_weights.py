@@ -227,3 +227,11 @@ def test_model_on_cuda_ops_with_quantized_weights(method, tokens, monkeypatch) -
 
         monkeypatch.setattr(PendingNorm, "materialize", lambda self: pytest.fail("a norm ran apart"))
     assert _rel(_logits(ours, ids, DEV), _logits(ref, ids, "cpu")) < 1e-5
+
+
+def test_gemv_autotuner_restores_the_residual_it_adds_into() -> None:
+    """On CUDA the GEMV's block shape is autotuned at first use, possibly on a live eager step;
+    with RES each timed run adds into the residual in place, so the tuner must restore it."""
+    from kvyard.workers.model.quant.cuda_gemv import _gemv_tuned
+
+    assert "y_ptr" in _gemv_tuned.restore_value and {"NORM", "RES", "GATED"} <= set(_gemv_tuned.keys)

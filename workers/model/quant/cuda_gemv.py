@@ -190,8 +190,10 @@ def _prune(configs, named_args, **kwargs):
     return ok or [triton.Config({"BN": 8, "BK": _block_k(k)}, num_warps=4)]
 
 
-_gemv_tuned = triton.autotune(_TUNE, key=["N", "K", "M", "KIND", "GATED", "NORM", "RES"], prune_configs_by={"early_config_prune": _prune}
-                              )(_gemv_kernel)
+# restore_value: with RES the kernel adds into y (the residual stream) in place, so each timed
+# configuration must start from the same y (tuning can happen on a live eager step)
+_gemv_tuned = triton.autotune(_TUNE, key=["N", "K", "M", "KIND", "GATED", "NORM", "RES"], restore_value=["y_ptr"],
+                              prune_configs_by={"early_config_prune": _prune})(_gemv_kernel)
 
 
 def gemv(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, n: int,
