@@ -258,6 +258,10 @@ class Run:
                 self.engine_alone(rec, flags, model_for)
             if self.left() > 0:
                 self.served(rec, flags, model_for, log)
+                # the engine's stall log (with --worker-args "--log-level debug"): the scratch dir goes
+                slow = [ln for ln in log.read_text(errors="replace").splitlines() if "slow step" in ln]
+                if slow:
+                    rec["slow_steps"] = slow[:20]
         except Exception as e:  # noqa: BLE001 - one mode's failure is its record; the next mode runs
             rec["error"] = f"{type(e).__name__}: {e}"[:2000]
             if log.exists():

@@ -331,7 +331,7 @@ def test_a_stalled_step_is_logged_with_its_composition(loaded, prompts, referenc
 
     monkeypatch.setattr(llm_engine.time, "perf_counter", clock)
     llm = make(loaded, max_num_batched_tokens=4096)
-    with caplog.at_level(logging.INFO, logger=llm_engine.__name__):
+    with caplog.at_level(logging.DEBUG, logger=llm_engine.__name__):
         out = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert out == reference
     slow = [r.getMessage() for r in caplog.records if "slow step" in r.getMessage()]

@@ -251,7 +251,7 @@ class LLMEngine:
         outputs = self.scheduler.postprocess(sched, samplers, tokens, logprobs)
         self.last_step_time = dt = time.perf_counter() - t0
         if dt > STALL_MIN_S and dt > STALL_RATIO * self._step_ema > 0:
-            log.info("slow step: %.3f s (recent mean %.4f s): %d decode rows, %d prefill tokens in %d sequences, "
+            log.debug("slow step: %.3f s (recent mean %.4f s): %d decode rows, %d prefill tokens in %d sequences, "
                      "adapters %s", dt, self._step_ema, sched.num_decodes, sched.num_tokens - sched.num_decodes,
                      len(sched.seqs) - sched.num_decodes,
                      sorted({s.params.lora_name or "-" for s in sched.seqs}))
