@@ -74,17 +74,42 @@ async def stream(request: web.Request, choices: list[Choice], shaper: Shaper, n:
     the choices' chunks interleave as their tokens come, each with its index."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
-    queue: asyncio.Queue = asyncio.Queue()
     ended = object()
 
-    async def pump(c: Choice) -> None:
-        try:
+    async def merged():
+        """(choice, output | ended | exception) as the choices produce them. One choice (the
+        common case) is read directly: a queue and a task a choice would cost a task switch
+        and two queue operations per token, which at a few hundred streams is a large share of
+        the event loop's time."""
+        if len(choices) == 1:
+            c = choices[0]
             async with aclosing(c.outputs()) as outs:
                 async for out in outs:
-                    await queue.put((c, out))
-            await queue.put((c, ended))
-        except Exception as e:  # noqa: BLE001 - handed to the writer, which raises it
-            await queue.put((c, e))
+                    yield c, out
+            yield c, ended
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: Choice) -> None:
+            try:
+                async with aclosing(c.outputs()) as outs:
+                    async for out in outs:
+                        await queue.put((c, out))
+                await queue.put((c, ended))
+            except Exception as e:  # noqa: BLE001 - handed to the writer, which raises it
+                await queue.put((c, e))
+
+        tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+        try:
+            live = len(choices)
+            while live:
+                c, out = await queue.get()
+                live -= out is ended
+                yield c, out
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def open_stream() -> None:
         if not resp.prepared:
@@ -99,16 +124,13 @@ async def stream(request: web.Request, choices: list[Choice], shaper: Shaper, n:
         return shaper.chunk(text, reason, with_usage_field=include_usage, logprobs=logprobs,
                             index=c.index)
 
-    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    items = merged()
     try:
-        live = len(choices)
-        while live:
-            c, out = await queue.get()
+        async for c, out in items:
             if isinstance(out, Exception):
                 raise out
             await open_stream()
             if out is ended:
-                live -= 1
                 await resp.write(chunk(c, None, c.check_finished()))
                 continue
             if c.echo is not None:  # the prompt goes out first, in a chunk of its own
@@ -132,9 +154,7 @@ async def stream(request: web.Request, choices: list[Choice], shaper: Shaper, n:
         except ConnectionResetError:
             pass
     except ConnectionResetError:
-        pass  # the client left; the pumps' drive() aborts their requests below
+        pass  # the client left; closing `items` below aborts the unfinished requests
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await items.aclose()   # closes the choices' outputs: an unfinished request is aborted
     return resp
