@@ -22,7 +22,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from .triton_decode_quant import program_range
-from .triton_decode_quant_bytes import _finish, _online
+from .triton_decode_quant_bytes import _finish, _online, _rows
 from .triton_decode_quant_fast import _natural
 from .triton_kv_quant import decode_codes
 
@@ -100,10 +100,7 @@ def decode_bare_kernel(q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, bt_ptr, lens_ptr, o_
     acc = tl.zeros([GP, HD], tl.float32)
     bt_row = bt_ptr + b * stride_bt
     for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        blk = tl.load(bt_row + pos // BS, mask=valid, other=0).to(tl.int64)
-        row = blk * stride_cb + (pos % BS) * stride_ct + kh * stride_ch
+        valid, row = _rows(bt_row, n0, end, kh, BS, BLOCK_N, stride_cb, stride_ct, stride_ch)
         if ALIGNED:
             row = tl.multiple_of(row, 16)
         k = _tile(k_ptr, kw_ptr, row, valid, d, F16, ASM, WORDS == 1)

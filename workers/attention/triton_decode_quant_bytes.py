@@ -26,7 +26,7 @@ def _dot_dtype(x, F16: tl.constexpr):
 
 @triton.jit
 def _rows(bt_row, n0, end, kh, BS: tl.constexpr, BLOCK_N: tl.constexpr, stride_wb, stride_wt, stride_wh):
-    """The tile's validity and each row's offset in 32-bit words."""
+    """The tile's validity and each row's offset, in the strides' units (words here, bytes for the bare kernel)."""
     pos = n0 + tl.arange(0, BLOCK_N)
     valid = pos < end
     blk = tl.load(bt_row + pos // BS, mask=valid, other=0).to(tl.int64)
