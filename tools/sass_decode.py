@@ -5,7 +5,7 @@ compiles one decode kernel for the 8B shape (GQA 4, head_dim 128, block 16, unsp
 and prints the key loop's instruction mix: warp instructions per byte of K/V read and the
 opcodes that dominate. VARIANT: a scaled-format kernel of triton_decode_quant_fast (words,
 asm, bytes, bytes_t, win), `bf16` (triton_decode's own), or `bare-bytes`, `bare-words`,
-`bare-mixed` (fp8_e4m3's, triton_decode_bare). The counts only rank; the device measures
+`bare-mixed` (fp8_e4m3's, triton_decode_bare), `gluon` (its Gluon kernel, gluon_decode_bare). The counts only rank; the device measures
 (docs/gpu-notes.md).
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvyard.workers.attention import triton_decode, triton_decode_bare  # noqa: E402
@@ -39,6 +40,10 @@ def kernel_for(variant: str) -> tuple[object, dict, dict, int]:
     if variant == "bf16":
         ptr.update(k_ptr="*bf16", v_ptr="*bf16", kf_ptr="*fp32", vf_ptr="*fp32")
         return triton_decode._decode_kernel, ptr, dict(PREC="tf32", FMT=0), 256
+    if variant == "gluon":
+        from kvyard.workers.attention import gluon_decode_bare
+        ptr.update(k_ptr="*u8", v_ptr="*u8")
+        return gluon_decode_bare.decode_bare_gluon_kernel, ptr, {}, 128
     if variant.startswith("bare-"):
         ptr.update(k_ptr="*u8", v_ptr="*u8", kw_ptr="*i32", vw_ptr="*i32")
         words = triton_decode_bare.VARIANTS[variant.removeprefix("bare-")]
@@ -60,7 +65,8 @@ def compile_sass(variant: str, block_n: int, warps: int, stages: int) -> tuple[s
     const = {k: v for k, v in {**SHAPE, "BLOCK_N": block_n, **const}.items() if k in names}
     sig = {n: "constexpr" if n in const else ptr.get(n, "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIV16 if n in names}
-    c = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
+    source = GluonASTSource if variant == "gluon" else ASTSource
+    c = triton.compile(source(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

@@ -18,7 +18,8 @@ from kvyard.workers.attention.triton_decode import LOG2E, DecodeConfig, paged_de
 from kvyard.workers.attention.triton_decode_quant_fast import (  # noqa: E402
     VARIANTS, QuantTile, choose_tile, decode_quantized,
 )
-from kvyard.workers.attention.triton_decode_bare import VARIANTS as BARE_VARIANTS  # noqa: E402
+from kvyard.workers.attention import gluon_decode_bare  # noqa: E402
+from kvyard.workers.attention.triton_decode_bare import GLUON as BARE_GLUON, VARIANTS as BARE_VARIANTS  # noqa: E402
 from kvyard.workers.attention.triton_kv_write import write_kv  # noqa: E402
 
 BLOCK_N = 64 if CUDA else 16
@@ -41,17 +42,17 @@ def test_variant_matches_reference(variant: str, fmt: kv_quant.KVFormat, dtype: 
 
 
 def _check_decode(variant: str, fmt: kv_quant.KVFormat, dtype: torch.dtype, splits: int, gqa: int, hd: int,
-                  seed: int) -> None:
-    """Lengths 1, 17, 32, 75 over 4 KV heads of 16-token blocks, against the dequantized reference."""
+                  seed: int, lens: tuple[int, ...] = (1, 17, 32, 75), config: DecodeConfig | None = None) -> None:
+    """Lengths 1, 17, 32, 75 (or `lens`) over 4 KV heads of 16-token blocks, against the
+    dequantized reference."""
     bs, nkv = 16, 4
-    lens = [1, 17, 2 * bs, 75]
     batch = _Batch([(n - 1, 1) for n in lens], bs, nkv, nkv * gqa, hd, dtype, seed=seed)
     _dequantized_context(batch, fmt)
     cache = _quantized(batch, fmt)
     k, v = batch.new_kv()
     write_kv(k, v, cache, batch.slots())
     out = paged_decode(batch.q, cache, batch.tables(), batch.lens(), hd ** -0.5, out=_poisoned(batch.q),
-                       config=_config(variant, splits))
+                       config=config or _config(variant, splits))
     assert torch.isfinite(out).all(), "every output element is written"
     assert _rel(out, batch.reference(hd ** -0.5)) < 2 * TOL[dtype]
 
@@ -154,8 +155,79 @@ def test_defaults_table_applies_to_16_bit_q_only(monkeypatch: pytest.MonkeyPatch
         assert _rel(out, batch.reference(0.125)) < 2 * TOL[dtype]
 
 
-@pytest.mark.parametrize("variant", list(BARE_VARIANTS))
+@pytest.mark.parametrize("variant", [*BARE_VARIANTS, BARE_GLUON])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_bare_e4m3_variants_match_reference(variant: str, splits: int) -> None:
     """fp8_e4m3's kernel (triton_decode_bare.py), each way of reading rows, split and unsplit."""
     _check_decode(variant, kv_quant.FP8_E4M3, DTYPES[-1], splits, gqa=4, hd=64, seed=splits + 11)
+
+
+@pytest.mark.skipif(not CUDA, reason="Gluon kernels run on CUDA only (no interpreter)")
+@pytest.mark.parametrize("tile", [(64, 4), (128, 4), (128, 8), (256, 8)], ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("splits", [1, 5])
+@pytest.mark.parametrize("gqa,hd", [(4, 128), (3, 64), (8, 128)])
+def test_gluon_bare_kernel_matches_reference(tile: tuple[int, int], splits: int, gqa: int, hd: int) -> None:
+    """The Gluon fp8_e4m3 kernel at each launch shape the tune tries: several tiles a split (its
+    double buffer), warps whose keys all lie past the end (their -inf maxima), a length-0 row,
+    garbage codes (NaN among them) in the slots past each length."""
+    bn, warps = tile
+    cfg = DecodeConfig(num_splits=splits, block_n=BLOCK_N, quant_variant=BARE_GLUON, quant_block_n=bn,
+                       quant_num_warps=warps)
+    q = torch.zeros(1, 16, hd, dtype=torch.bfloat16, device="cuda")
+    cache = torch.zeros(2, 4, 16, 4, hd, dtype=torch.uint8, device="cuda")
+    assert gluon_decode_bare.supported(q, cache, 16, bn, warps), "this case must exercise the Gluon kernel"
+    _check_decode(BARE_GLUON, kv_quant.FP8_E4M3, torch.bfloat16, splits, gqa, hd, seed=bn + warps + gqa,
+                  lens=(1, 17, bn + 5, 3 * bn + 40, 700), config=cfg)
+
+
+def test_gluon_kernel_stays_off_where_it_cannot_run() -> None:
+    """CPU tensors, float32 q, a group over 16 rows or a tile of fewer than 16 keys a warp: the
+    Triton kernel runs instead."""
+    q = torch.zeros(1, 4, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 4, 16, 1, 128, dtype=torch.uint8)
+    assert not gluon_decode_bare.supported(q, cache, 16, 128, 4)
+    if CUDA:
+        qc, cc = q.cuda(), cache.cuda()
+        assert gluon_decode_bare.supported(qc, cc, 16, 128, 4) == (torch.cuda.get_device_capability() >= (8, 9))
+        assert not gluon_decode_bare.supported(qc.float(), cc, 16, 128, 4)
+        assert not gluon_decode_bare.supported(qc, cc, 32, 128, 4)
+        assert not gluon_decode_bare.supported(qc, cc, 16, 32, 4)
+
+
+_COMPILE = """
+import sys
+from triton import compile
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from kvyard.workers.attention.gluon_decode_bare import decode_bare_gluon_kernel as kernel
+hd, block_n, warps = map(int, sys.argv[1:4])
+names = list(kernel.arg_names)
+const = dict(G=4, GP=16, HD=hd, BS=16, BLOCK_N=block_n, NUM_SPLITS=1)
+ptrs = {"q_ptr": "*bf16", "k_ptr": "*u8", "v_ptr": "*u8", "bt_ptr": "*i32", "lens_ptr": "*i32",
+        "o_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "scale_log2": "fp32"}
+sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
+attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr") or n.startswith("stride_")}
+c = compile(GluonASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
+            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+print(c.asm["ptx"])
+"""
+
+
+@pytest.mark.parametrize("hd,tile", [(128, (128, 4)), (64, (64, 4)), (128, (256, 8))])
+def test_gluon_kernel_compiles_for_sm90(hd: int, tile: tuple[int, int]) -> None:
+    """Compiled for sm_90 here, no GPU needed, in a process without TRITON_INTERPRET (under it
+    Gluon's helpers turn into interpreted functions its compiler refuses): fp16 MMAs, the E4M3
+    pair widening, 16-byte cp.async copies (.cg takes no other size) and ldmatrix reads
+    (tools/sass_decode.py gluon counts the key loop's instructions)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE, str(hd), *map(str, tile)], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ptx = r.stdout
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
+    assert "cvt.rn.f16x2.e4m3x2" in ptx
+    assert "cp.async.cg.shared.global" in ptx and "ldmatrix.sync.aligned" in ptx

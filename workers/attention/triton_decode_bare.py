@@ -26,6 +26,11 @@ from .triton_decode_quant_bytes import _finish, _online, _rows
 from .triton_decode_quant_fast import _natural
 from .triton_kv_quant import decode_codes
 
+try:
+    from . import gluon_decode_bare
+except ImportError:   # a Triton without Gluon: the Triton kernel everywhere
+    gluon_decode_bare = None  # type: ignore[assignment]
+
 # (variant, block_n, num_warps, num_stages) for split and unsplit launches of a 16-bit q. Variants
 # (VARIANTS; see _tile): "bytes", K and V as 8-bit tiles widened whole; "words", both read as
 # int32 words; "mixed", K as bytes (its operand needs no transpose, so the 8-bit tile reaches the
@@ -33,6 +38,10 @@ from .triton_kv_quant import decode_codes
 # `kvyard.bench.gpu_kvquant --bare-tune` on an H100 (docs/bench/gpu-wave3-kvquant-h100.json).
 TILES = {"split": ("bytes", 128, 4, 2), "unsplit": ("words", 64, 4, 2)}
 VARIANTS = {"bytes": 0, "words": 1, "mixed": 2}
+# "gluon" in TILES or a config's quant_variant: the Gluon kernel (gluon_decode_bare.py) where
+# `supported` says it can run, these Triton tiles elsewhere.
+GLUON = "gluon"
+TRITON_TILES = dict(TILES)
 # Split launches take decode_config's splits times this (at most 64): a split's bytes are half
 # of bf16's, so the per-split prologue and the merge weigh more.
 SPLITS_X = 4
@@ -116,13 +125,23 @@ def decode_bare(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
                 out: torch.Tensor, part: torch.Tensor, lse: torch.Tensor, scale_log2: float, config: Any, *,
                 group: int, group_pad: int, prec: str) -> None:
     """Launch over a bare E4M3 cache (triton_decode.paged_decode checks shapes and merges splits);
-    the config's quant_* fields override `TILES` (quant_variant where it names one of VARIANTS:
-    the other names are the scaled formats' kernels)."""
+    the config's quant_* fields override `TILES` (quant_variant where it names one of VARIANTS or
+    GLUON: the other names are the scaled formats' kernels)."""
     S = config.num_splits
-    variant, bn, warps, stages = (TILES["split" if S > 1 else "unsplit"] if q.dtype != torch.float32
-                                  else ("bytes", 32, 4, 2))
+    kind = "split" if S > 1 else "unsplit"
+    variant, bn, warps, stages = TILES[kind] if q.dtype != torch.float32 else ("bytes", 32, 4, 2)
+    if config.quant_variant in VARIANTS or config.quant_variant == GLUON:
+        variant = config.quant_variant
+    bn, warps, stages = (config.quant_block_n or bn, config.quant_num_warps or warps,
+                         config.quant_num_stages or stages)
     cb = kv_cache.view(torch.uint8)
     kc, vc = cb[0], cb[1]
+    if variant == GLUON:
+        if gluon_decode_bare is not None and gluon_decode_bare.supported(q, cb, group_pad, bn, warps):
+            gluon_decode_bare.decode_bare_gluon(q, kc, vc, block_tables, seq_lens, out, part, lse, scale_log2,
+                                                group=group, group_pad=group_pad, splits=S, block_n=bn, warps=warps)
+            return
+        variant, bn, warps, stages = TRITON_TILES[kind] if q.dtype != torch.float32 else ("bytes", 32, 4, 2)
     B, _, hd = q.shape
     aligned = cb.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in cb.stride()[:4])
     asm = (not isinstance(decode_bare_kernel, InterpretedFunction) and q.is_cuda
@@ -132,7 +151,6 @@ def decode_bare(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
         q, kc, vc, cw[0], cw[1], block_tables, seq_lens, out, part, lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kc.stride(0), kc.stride(1), kc.stride(2), part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
-        scale_log2, G=group, GP=group_pad, HD=hd, BS=kc.shape[1], BLOCK_N=config.quant_block_n or bn,
-        NUM_SPLITS=S, PREC=prec, F16=q.dtype != torch.float32, ASM=asm, ALIGNED=aligned,
-        WORDS=VARIANTS.get(config.quant_variant, VARIANTS[variant]),
-        num_warps=config.quant_num_warps or warps, num_stages=config.quant_num_stages or stages)
+        scale_log2, G=group, GP=group_pad, HD=hd, BS=kc.shape[1], BLOCK_N=bn, NUM_SPLITS=S, PREC=prec,
+        F16=q.dtype != torch.float32, ASM=asm, ALIGNED=aligned, WORDS=VARIANTS[variant],
+        num_warps=warps, num_stages=stages)
