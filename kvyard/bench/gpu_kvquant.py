@@ -148,7 +148,7 @@ def profile_once(torch, B: int, ctx: int, fmts: list[str]) -> int:
 
 BARE_GRID = [(v, bn, w, st) for v in ("mixed", "words", "bytes") for bn, w, st in
              ((128, 4, 2), (128, 4, 3), (128, 8, 2), (64, 4, 2))] + \
-    [("gluon", bn, w, 2) for bn, w in ((64, 4), (128, 4), (128, 8), (256, 8))]   # its own double buffer
+    [("gluon", bn, w, 2) for bn, w in ((64, 4), (128, 4), (128, 8), (256, 4), (256, 8))]   # its own double buffer
 
 
 def pick_bare(times: dict[str, dict[str, dict[tuple, float]]]) -> dict[str, Any]:

@@ -60,10 +60,11 @@ def _issue(k_buf, v_buf, k_ptr, v_ptr, bt_row, n0, end, kh, stride_cb, stride_ct
 @gluon.jit
 def decode_bare_gluon_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_ptr, part_ptr, lse_ptr,
                              stride_qb, stride_qh, stride_ob, stride_oh, stride_bt, stride_cb, stride_ct,
-                             stride_ch, stride_pb, stride_ph, stride_lb, stride_lh, scale_log2,
+                             stride_ch, stride_pb, stride_ph, stride_lb, stride_lh, scale_log2, group,
                              G: gl.constexpr, GP: gl.constexpr, HD: gl.constexpr, BS: gl.constexpr,
                              BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr):
-    """Grid (batch, KV head, split); k/v: the caches as bytes. GP must be 16 (one MMA's rows)."""
+    """Grid (batch, KV head, split); k/v: the caches as bytes; `group` equals G. GP must be 16 (one
+    MMA's rows)."""
     W: gl.constexpr = gl.num_warps()
     KC: gl.constexpr = BLOCK_N // W
     TPR: gl.constexpr = HD // 16                     # threads a 16-byte-per-thread row takes
@@ -94,7 +95,9 @@ def decode_bare_gluon_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_ptr, part_
     om = gl.arange(0, GP, layout=gl.SliceLayout(0, gl.SliceLayout(2, qa)))
     od = gl.arange(0, HD, layout=gl.SliceLayout(0, gl.SliceLayout(1, qa)))
     q_off = (kh * G + om)[None, :, None] * stride_qh + od[None, None, :] + ob[:, None, None] * 0
-    q = gl.load(q_ptr + b * stride_qb + q_off, mask=(om < G)[None, :, None], other=0.0).to(gl.float16)
+    # The padding rows' mask from the run-time group: a compile-time one lets ptxas fold those rows
+    # to zero and rebuild every MMA operand quad around the zeros with moves, every tile.
+    q = gl.load(q_ptr + b * stride_qb + q_off, mask=(om < group)[None, :, None], other=0.0).to(gl.float16)
 
     k_smem = gl.allocate_shared_memory(gl.uint8, [2, W, KC, HD], codes_l)
     v_smem = gl.allocate_shared_memory(gl.uint8, [2, W, KC, HD], codes_l)
@@ -174,5 +177,5 @@ def decode_bare_gluon(q, kc, vc, block_tables, seq_lens, out, part, lse, scale_l
         q, kc, vc, block_tables, seq_lens, out, part, lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kc.stride(0), kc.stride(1), kc.stride(2), part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
-        scale_log2, G=group, GP=group_pad, HD=hd, BS=kc.shape[1], BLOCK_N=block_n, NUM_SPLITS=splits,
+        scale_log2, group, G=group, GP=group_pad, HD=hd, BS=kc.shape[1], BLOCK_N=block_n, NUM_SPLITS=splits,
         num_warps=warps)
