@@ -4,9 +4,9 @@
 compiles one decode kernel for the 8B shape (GQA 4, head_dim 128, block 16, unsplit, bf16 q)
 and prints the key loop's instruction mix: warp instructions per byte of K/V read and the
 opcodes that dominate. VARIANT: a scaled-format kernel of triton_decode_quant_fast (words,
-asm, bytes, bytes_t, win), `bf16` (triton_decode's own), or `bare-bytes`, `bare-words`,
-`bare-mixed` (fp8_e4m3's, triton_decode_bare), `gluon` (its Gluon kernel, gluon_decode_bare). The counts only rank; the device measures
-(docs/gpu-notes.md).
+asm, bytes, bytes_t, win), `bf16` (triton_decode's own), `bare-bytes`, `bare-words`,
+`bare-mixed` (fp8_e4m3's, triton_decode_bare) or `gluon` (its Gluon kernel, gluon_decode_bare).
+The counts only rank; the device measures (docs/gpu-notes.md).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def kernel_for(variant: str) -> tuple[object, dict, dict, int]:
     if variant == "gluon":
         from kvyard.workers.attention import gluon_decode_bare
         ptr.update(k_ptr="*u8", v_ptr="*u8")
-        return gluon_decode_bare.decode_bare_gluon_kernel, ptr, {}, 128
+        return gluon_decode_bare.decode_bare_gluon_kernel, ptr, {"HEADS_FIRST": True}, 128
     if variant.startswith("bare-"):
         ptr.update(k_ptr="*u8", v_ptr="*u8", kw_ptr="*i32", vw_ptr="*i32")
         words = triton_decode_bare.VARIANTS[variant.removeprefix("bare-")]
