@@ -18,6 +18,7 @@ import torch
 from kvyard.workers.attention import AttentionMetadata
 from kvyard.workers.attention.kv_quant import KVFormat, cache_shape, row_bytes
 
+from . import kv_layout
 from .kv_prefault import Prefaulter
 from .prompt_logprobs import append_prompt_logprobs
 from .sampler import plain_greedy
@@ -172,8 +173,10 @@ class ModelRunner:
         shape = cache_shape((2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim),
                             kv_format)
         self.kv_dtype = dtype if kv_format is None else kv_format.dtype
+        self.kv_hnd = kv_layout.uses_hnd(kv_format and kv_format.name, self.device)   # kv_layout.py
         maps: list[mmap.mmap] = []
-        self.kv_caches = [_zeroed(shape, self.kv_dtype, self.device, maps)
+        self.kv_caches = [kv_layout.allocate(shape, self.kv_hnd,
+                                             lambda ps: _zeroed(ps, self.kv_dtype, self.device, maps))
                           for _ in range(model_config.num_layers)]
         self.prefault = Prefaulter(maps)  # the engine's idle work (async_engine.py)
         self.arenas = None  # sleep_arena.SleepArenas on CUDA with fixed_addresses
@@ -199,12 +202,13 @@ class ModelRunner:
 
         self.kv_caches = []
         torch.cuda.empty_cache()
-        self.arenas = SleepArenas.create(self.model, shape, self.kv_dtype, self.model_config.num_layers, self.device)
+        self.arenas = SleepArenas.create(self.model, kv_layout.physical_shape(shape, self.kv_hnd), self.kv_dtype,
+                                         self.model_config.num_layers, self.device)
         if self.arenas is not None:
-            self.kv_caches = self.arenas.kv_caches
+            self.kv_caches = [kv_layout.logical(c, self.kv_hnd) for c in self.arenas.kv_caches]
         else:
-            self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-                              for _ in range(self.model_config.num_layers)]
+            self.kv_caches = [kv_layout.allocate(shape, self.kv_hnd, lambda ps: torch.zeros(
+                ps, dtype=self.kv_dtype, device=self.device)) for _ in range(self.model_config.num_layers)]
 
     def rebuild_device_state(self) -> None:
         """CUDA: capture the decode graphs over the current weights and KV cache, then warm

@@ -83,9 +83,9 @@ class StoreConnector(StagedPaths):
         if t0.dim() != 5 or t0.shape[0] != 2 or t0.shape[2] != block_size:
             raise ValueError(f"KV cache must be [2, blocks, {block_size}, heads, dim], "
                              f"got {tuple(t0.shape)}")
-        if any(t.shape != t0.shape or t.dtype != t0.dtype or not t.is_contiguous()
-               for t in caches):
-            raise ValueError("all layers' KV caches must share shape and dtype, contiguous")
+        if any(t.shape != t0.shape or t.dtype != t0.dtype or t.stride() != t0.stride() or t.stride(-1) != 1
+               for t in caches):   # any physical order (engine/kv_layout.py): blocks move by index_select
+            raise ValueError("all layers' KV caches must share shape, dtype and strides, head_dim contiguous")
         layout = block_layout(t0, len(caches))
         if self.expected_layout is not None and self.expected_layout != layout:
             raise ValueError(f"KV cache layout {layout} differs from configured "
