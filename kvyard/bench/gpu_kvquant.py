@@ -38,11 +38,15 @@ def build(torch, B: int, ctx: int, dev: str = "cuda", dtype: Any = None) -> tupl
 
 
 def quantized(torch, cache: Any, name: str) -> Any:
-    """`cache` in format `name` (kv_quant.py's rows)."""
+    """`cache` in format `name` (kv_quant.py's rows), in the engine's physical order (kv_layout.py)."""
     from kvyard.workers.attention import kv_quant
 
+    from kvyard.workers.engine import kv_layout
+
     fmt = kv_quant.resolve_kv_format(name)
-    c = torch.empty(kv_quant.cache_shape(tuple(cache.shape), fmt), dtype=fmt.dtype, device=cache.device)
+    hnd = kv_layout.uses_hnd(fmt.name, cache.device)   # the physical order the engine allocates
+    c = kv_layout.allocate(kv_quant.cache_shape(tuple(cache.shape), fmt), hnd,
+                           lambda shape: torch.empty(shape, dtype=fmt.dtype, device=cache.device))
     c.view(torch.uint8).copy_(kv_quant.quantize(cache, fmt))
     return c
 
