@@ -43,7 +43,7 @@ def kernel_for(variant: str) -> tuple[object, dict, dict, int]:
     if variant == "gluon":
         from kvyard.workers.attention import gluon_decode_bare
         ptr.update(k_ptr="*u8", v_ptr="*u8")
-        return gluon_decode_bare.decode_bare_gluon_kernel, ptr, {"HEADS_FIRST": True}, 128
+        return gluon_decode_bare.decode_bare_gluon_kernel, ptr, {}, 128
     if variant.startswith("bare-"):
         ptr.update(k_ptr="*u8", v_ptr="*u8", kw_ptr="*i32", vw_ptr="*i32")
         words = triton_decode_bare.VARIANTS[variant.removeprefix("bare-")]

@@ -202,7 +202,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from kvyard.workers.attention.gluon_decode_bare import decode_bare_gluon_kernel as kernel
 hd, block_n, warps = map(int, sys.argv[1:4])
 names = list(kernel.arg_names)
-const = dict(G=4, GP=16, HD=hd, BS=16, BLOCK_N=block_n, NUM_SPLITS=1, HEADS_FIRST=True)
+const = dict(G=4, GP=16, HD=hd, BS=16, BLOCK_N=block_n, NUM_SPLITS=1)
 ptrs = {"q_ptr": "*bf16", "k_ptr": "*u8", "v_ptr": "*u8", "bt_ptr": "*i32", "lens_ptr": "*i32",
         "o_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "scale_log2": "fp32"}
 sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}

@@ -33,11 +33,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 
-# Launch order: a sequence's KV heads side by side (their rows of a token are adjacent in the
-# cache) rather than the batch's sequences.
-HEADS_FIRST = True
-
-
 @gluon.jit
 def _widen(x):
     """uint8 E4M3 codes -> float16, in x's layout (cvt.rn.f16x2.e4m3x2 on sm_89+)."""
@@ -67,7 +62,7 @@ def decode_bare_gluon_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_ptr, part_
                              stride_qb, stride_qh, stride_ob, stride_oh, stride_bt, stride_cb, stride_ct,
                              stride_ch, stride_pb, stride_ph, stride_lb, stride_lh, scale_log2, group,
                              G: gl.constexpr, GP: gl.constexpr, HD: gl.constexpr, BS: gl.constexpr,
-                             BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr, HEADS_FIRST: gl.constexpr):
+                             BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr):
     """Grid (batch, KV head, split); k/v: the caches as bytes; `group` equals G. GP must be 16 (one
     MMA's rows)."""
     W: gl.constexpr = gl.num_warps()
@@ -86,8 +81,8 @@ def decode_bare_gluon_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_ptr, part_
     codes_l: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=PH, max_phase=8 // PH, order=[2, 1, 0])
     half_l: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=PH, max_phase=8 // PH, order=[2, 1, 0])
 
-    b = gl.program_id(1 if HEADS_FIRST else 0).to(gl.int64)
-    kh = gl.program_id(0 if HEADS_FIRST else 1)
+    b = gl.program_id(0).to(gl.int64)
+    kh = gl.program_id(1)
     s = gl.program_id(2)
     seq_len = gl.load(lens_ptr + b)
     per_split = gl.cdiv(gl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -178,10 +173,9 @@ def decode_bare_gluon(q, kc, vc, block_tables, seq_lens, out, part, lse, scale_l
                       group_pad: int, splits: int, block_n: int, warps: int) -> None:
     """Launch over the K and V halves of a bare E4M3 cache as bytes (see `supported`)."""
     B, _, hd = q.shape
-    grid = (kc.shape[2], B, splits) if HEADS_FIRST else (B, kc.shape[2], splits)
-    decode_bare_gluon_kernel[grid](
+    decode_bare_gluon_kernel[(B, kc.shape[2], splits)](
         q, kc, vc, block_tables, seq_lens, out, part, lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kc.stride(0), kc.stride(1), kc.stride(2), part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
         scale_log2, group, G=group, GP=group_pad, HD=hd, BS=kc.shape[1], BLOCK_N=block_n, NUM_SPLITS=splits,
-        HEADS_FIRST=HEADS_FIRST, num_warps=warps)
+        num_warps=warps)
