@@ -181,11 +181,15 @@ def test_gluon_bare_kernel_matches_reference(tile: tuple[int, int], splits: int,
 
 
 def test_gluon_kernel_stays_off_where_it_cannot_run() -> None:
-    """CPU tensors, float32 q, a group over 16 rows or a tile of fewer than 16 keys a warp: the
-    Triton kernel runs instead."""
+    """CPU tensors, float32 q, a group over 16 rows, a tile of fewer than 16 keys a warp or a
+    head_dim over 128: the Triton kernel runs instead."""
     q = torch.zeros(1, 4, 128, dtype=torch.bfloat16)
     cache = torch.zeros(2, 4, 16, 1, 128, dtype=torch.uint8)
     assert not gluon_decode_bare.supported(q, cache, 16, 128, 4)
+    if CUDA:   # head_dim 256: the kernel's shared layouts take rows of at most 128 bytes
+        assert not gluon_decode_bare.supported(torch.zeros(1, 4, 256, dtype=torch.bfloat16, device="cuda"),
+                                               torch.zeros(2, 4, 16, 1, 256, dtype=torch.uint8, device="cuda"),
+                                               16, 128, 4)
     if CUDA:
         qc, cc = q.cuda(), cache.cuda()
         assert gluon_decode_bare.supported(qc, cc, 16, 128, 4) == (torch.cuda.get_device_capability() >= (8, 9))

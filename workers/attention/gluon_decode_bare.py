@@ -165,7 +165,7 @@ def supported(q: torch.Tensor, kv_bytes: torch.Tensor, group_pad: int, block_n: 
     kc = block_n // warps
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and group_pad == 16
             and torch.cuda.get_device_capability(q.device) >= (8, 9)
-            and hd in (64, 128, 256) and kc % 16 == 0 and block_n % warps == 0
+            and hd in (64, 128) and kc % 16 == 0 and block_n % warps == 0
             and kv_bytes.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in kv_bytes.stride()[:4]))
 
 
