@@ -32,6 +32,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from .triton_decode_quant import split_range
+
 
 @gluon.jit
 def _widen(x):
@@ -81,13 +83,7 @@ def decode_bare_gluon_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_ptr, part_
     codes_l: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=PH, max_phase=8 // PH, order=[2, 1, 0])
     half_l: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=PH, max_phase=8 // PH, order=[2, 1, 0])
 
-    b = gl.program_id(0).to(gl.int64)
-    kh = gl.program_id(1)
-    s = gl.program_id(2)
-    seq_len = gl.load(lens_ptr + b)
-    per_split = gl.cdiv(gl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = s * per_split
-    end = gl.minimum(seq_len, start + per_split)
+    b, kh, s, start, end = split_range(lens_ptr, BLOCK_N, NUM_SPLITS)
     bt_row = bt_ptr + b * stride_bt
 
     # q: every warp holds the group's rows in registers, widened to fp16 once.

@@ -21,16 +21,23 @@ import triton.language as tl
 
 
 @triton.jit
-def program_range(lens_ptr, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """This program's sequence b, KV head kh, split s, its context range [start, end) and
-    its query heads (g, heads, gmask: the group padded to GP rows)."""
+def split_range(lens_ptr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """This program's sequence b, KV head kh, split s and its context range [start, end) (scalars
+    only, so the Gluon kernel calls it too)."""
     b = tl.program_id(0).to(tl.int64)
     kh = tl.program_id(1)
     s = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = s * per_split
-    end = tl.minimum(seq_len, start + per_split)
+    return b, kh, s, start, tl.minimum(seq_len, start + per_split)
+
+
+@triton.jit
+def program_range(lens_ptr, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """split_range's values and this program's query heads (g, heads, gmask: the group padded
+    to GP rows)."""
+    b, kh, s, start, end = split_range(lens_ptr, BLOCK_N, NUM_SPLITS)
     g = tl.arange(0, GP)
     return b, kh, s, start, end, g, kh * G + g, (g < G)[:, None]
 
