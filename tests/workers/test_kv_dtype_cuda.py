@@ -1,10 +1,12 @@
 """int8 / fp8 / fp8_e4m3 KV caches on CUDA (skipped without a GPU): the engine with decode CUDA graphs
 stays as close to its bf16-KV self as the CPU bounds require; graphs and eager steps, and a
 prefix-cache hit and the from-scratch run, give the same greedy tokens except where the model's
-top two are tied within the activations' rounding. Those paths round differently (other tiles,
+top tokens are tied within the activations' rounding. Those paths round differently (other tiles,
 splits and batch shapes), so the K/V they quantize can differ in a last bit, and the demo's
 answers to these prompts begin at near ties: on the CPU the top two of a first token differ by
-0.000-0.125 nats in bf16 and by under 0.001 in float32 for one of them."""
+0.000-0.125 nats in bf16 and by under 0.001 in float32 for one of them. Near a tie the top three
+can sit within one bf16 step (on an H200: two tokens level and a third 0.125 below), so each
+path's token must be among the other's top five and within the tie of its best."""
 from __future__ import annotations
 
 import pytest
@@ -30,7 +32,7 @@ def _demo_installed() -> None:
         pytest.skip("the demo model is not installed")
 
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
 # nats: how close the top two may be where one path takes the other one. bf16 logits of 16-64
 # move in steps of 0.125-0.25; float32's rounding moves them by about 1e-5 of that.
 TIE = {"auto": 0.5, "float32": 0.01}
@@ -56,14 +58,15 @@ def test_graphs_eager_and_prefix_hits_agree(kv: str, dtype: str) -> None:
 
 
 def _same_or_tied(x, y, tie: float) -> None:
-    """x's and y's tokens agree up to their first difference, if any, where each picked the
-    other's runner-up and both saw their top two within `tie`."""
+    """x's and y's tokens agree up to their first difference, if any, where each picked a token
+    the other ranked in its top five within `tie` of its own best."""
     i = next((i for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids)) if s != t), None)
     if i is None:
         return
-    lx, ly = x.logprobs[i], y.logprobs[i]
-    gaps = [lp.top[0][1] - lp.top[1][1] for lp in (lx, ly)]
-    assert lx.top[1][0] == y.token_ids[i] and ly.top[1][0] == x.token_ids[i] and max(gaps) < tie, (i, gaps)
+    for a, b in ((x, y), (y, x)):
+        top = a.logprobs[i].top
+        alt = dict(top).get(b.token_ids[i])
+        assert alt is not None and top[0][1] - alt < tie, (i, top, b.token_ids[i])
 
 
 def test_accuracy_stays_close_to_auto() -> None:

@@ -235,3 +235,72 @@ def test_gemv_autotuner_restores_the_residual_it_adds_into() -> None:
     from kvyard.workers.model.quant.cuda_gemv import _gemv_tuned
 
     assert "y_ptr" in _gemv_tuned.restore_value and {"NORM", "RES", "GATED"} <= set(_gemv_tuned.keys)
+
+
+_COMPILE_PDL = """
+from triton import compile
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvyard.workers.model.quant.cuda_gemv import _gemv_kernel as kernel
+names = list(kernel.arg_names)
+const = dict(M=1, KIND=2, GATED=True, NORM=True, RES=False, BN=8, BK=512, PDL=True)
+ptrs = {"x_ptr": "*bf16", "q_ptr": "*u8", "d_ptr": "*fp32", "m_ptr": "*fp32", "y_ptr": "*bf16", "nw_ptr": "*bf16",
+        "eps": "fp32"}
+sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
+attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
+c = compile(ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": 4, "launch_pdl": True})
+print(c.asm["ptx"])
+"""
+
+
+def test_gemv_pdl_compiles_for_sm90() -> None:
+    """The Hopper launch of the GEMV (programmatic dependent launch, a bulk L2 prefetch of each
+    row's first tile) compiles and assembles for sm_90 here, no GPU needed, in a process without
+    TRITON_INTERPRET: the grid waits before it reads x and triggers the next one after its loop."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE_PDL], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ptx = r.stdout
+    assert ptx.count("cp.async.bulk.prefetch.L2.global") == 2   # gate rows and up rows
+    wait, trigger = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+    assert wait < ptx.index("ld.global") and wait < trigger and trigger < ptx.rindex("st.global")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs an sm_90+ GPU")
+@pytest.mark.parametrize("method", METHODS)
+def test_gemv_pdl_chain_in_a_graph_equals_plain_launches(method) -> None:
+    """Three dependent GEMVs (normed gate_up, then down into the residual, then a normed
+    projection of that residual) launched as programmatic dependents inside one CUDA graph give
+    the bits of plain launches: each waits for the grid before it, whose output it reads."""
+    from kvyard.workers.model.quant import cuda_gemv
+    from kvyard.workers.model.quant.cuda_quant import KINDS
+
+    dev = torch.device("cuda")
+    gu = QuantWeight.build(quantize(_w(2 * 384, 256, 11), method), dev)
+    down = QuantWeight.build(quantize(_w(256, 384, 12), method), dev)
+    proj = QuantWeight.build(quantize(_w(320, 256, 13), method), dev)
+    nw = torch.rand(256, device=dev, dtype=torch.bfloat16) + 0.5
+    x0 = torch.randn(1, 256, device=dev, dtype=torch.bfloat16)
+
+    def chain(pdl: bool) -> torch.Tensor:
+        res = x0.clone()
+        h = cuda_gemv.gemv(res, gu.codes, gu.scale, gu.zero, gu.n, KINDS[method], gated=True, norm=(nw, 1e-5), pdl=pdl)
+        cuda_gemv.gemv(h, down.codes, down.scale, down.zero, down.n, KINDS[method], out=res, pdl=pdl)
+        return cuda_gemv.gemv(res, proj.codes, proj.scale, proj.zero, proj.n, KINDS[method], norm=(nw, 1e-5), pdl=pdl)
+
+    plain = chain(False)
+    chain(True)  # tunes and compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(True)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain)
