@@ -9,7 +9,9 @@ memory, seen through a permuted view) puts one KV head's rows of a block side by
 fp8_e4m3 a decode program then reads 2 KiB runs (16 rows of 128 bytes) instead of 128-byte
 rows 1 KiB apart.
 
-`HND_FORMATS` names the KV formats stored HND on CUDA.
+`HND_FORMATS` names the KV formats stored HND on CUDA. None is: on an H200 HND made fp8_e4m3
+decode 0.5-5% faster (`kvyard.bench.gpu_kvlayout`, docs/gpu-notes.md), too little for an arena
+layout only a GPU can exercise.
 """
 from __future__ import annotations
 
