@@ -16,7 +16,6 @@ this file (the KV format's own bench measures them).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -126,23 +125,7 @@ def profile_b1(torch, method: str | None, layers: int, ctx: int) -> dict[str, An
 
     cfg = replace(gs.config_8b(ctx + 2048), num_layers=layers)
     model = build(cfg, gs.RandomSource(cfg), gs.DTYPE, ctx + 2048, device="cuda", quantization=method)
-    return gs.kernel_profile(gs.engine_step_fn(model, gs.make_batch(1, ctx, layers, dense=False)), top=20,
-                             layers=layers)
-
-
-@contextlib.contextmanager
-def gemv_launch(pdl: bool):
-    """The quantized GEMV launched as a programmatic dependent (cuda_gemv's Hopper default) or
-    plainly, for a same-run comparison; the tuner keys on it, so each launch kind is tuned."""
-    from kvyard.workers.model.quant import cuda_gemv
-
-    was = cuda_gemv.pdl_capable
-    if not pdl:
-        cuda_gemv.pdl_capable = lambda device: False
-    try:
-        yield
-    finally:
-        cuda_gemv.pdl_capable = was
+    return gs.kernel_profile(gs.engine_step_fn(model, gs.make_batch(1, ctx, layers, dense=False)), top=20)
 
 
 def demo_accuracy(torch, windows: int) -> dict[str, dict[str, float]]:
@@ -173,9 +156,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--windows", type=int, default=4, help="text windows of 256 tokens for agreement/KL")
     p.add_argument("--profile", default="", help="modes whose eager batch-1 step is profiled per kernel, last")
-    p.add_argument("--gemv-pdl", choices=("on", "off", "both"), default="on",
-                   help="the GEMV's programmatic dependent launch (Hopper); both: each quantized mode twice, "
-                        "plain launches as MODE/plain")
     a = p.parse_args(argv)
     import torch
 
@@ -185,22 +165,17 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth(torch)
     res: dict[str, Any] = {"card": torch.cuda.get_device_name(), "copy_gb_s": bw / 1e9, "layers": a.layers,
                            "ctx": a.ctx, "quant": {}}
-    launches = {"on": (True,), "off": (False,), "both": (False, True)}[a.gemv_pdl]
     for name in filter(None, a.modes.split(",")):  # --modes= : the demo accuracy alone
-        for pdl in launches if MODES[name] else (True,):
-            key = name if pdl or a.gemv_pdl == "off" or not MODES[name] else f"{name}/plain"
-            with gemv_launch(pdl):
-                res["quant"][key] = measure_mode(torch, MODES[name], a.layers, a.ctx, bw)
-            torch.cuda.empty_cache()
-            print(key, json.dumps(res["quant"][key]), flush=True)
+        res["quant"][name] = measure_mode(torch, MODES[name], a.layers, a.ctx, bw)
+        torch.cuda.empty_cache()
+        print(name, json.dumps(res["quant"][name]), flush=True)
     try:
         res["demo_accuracy"] = demo_accuracy(torch, a.windows)
     except (ImportError, OSError, RuntimeError) as e:  # no demo GGUF on the host (ModelNotFound)
         res["demo_accuracy"] = {"error": str(e)}
     print(json.dumps(res.get("demo_accuracy")), flush=True)
     for name in filter(None, a.profile.split(",")):
-        with gemv_launch(a.gemv_pdl == "on"):  # with both: plain launches, whose kernel times do not overlap
-            res.setdefault("profile_b1", {})[name] = prof = profile_b1(torch, MODES[name], a.layers, a.ctx)
+        res.setdefault("profile_b1", {})[name] = prof = profile_b1(torch, MODES[name], a.layers, a.ctx)
         torch.cuda.empty_cache()
         print("profile", name, json.dumps(prof, indent=1), flush=True)
     with open(a.out, "w") as f:

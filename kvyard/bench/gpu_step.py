@@ -239,11 +239,9 @@ def engine_step_fn(model: Any, b: Batch) -> Callable[[], Any]:
     return step
 
 
-def kernel_profile(fn: Callable[[], Any], steps: int = 3, top: int = 25, layers: int = 0) -> dict[str, Any]:
+def kernel_profile(fn: Callable[[], Any], steps: int = 3, top: int = 25) -> dict[str, Any]:
     """GPU time per kernel name over `steps` eager calls of fn (what a graph replays; launch gaps
-    are not counted). No graph can be captured in a process after this has run. `layers`: a
-    kernel called k x layers times a step also gets `slots`, its time per step at each of its k
-    places in a layer (call i is slot i mod k): which of a layer's products holds the time."""
+    are not counted). No graph can be captured in a process after this has run."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -257,21 +255,4 @@ def kernel_profile(fn: Callable[[], Any], steps: int = 3, top: int = 25, layers:
             rows.append({"kernel": e.key[:90], "ms_per_step": round(us / steps / 1e3, 4),
                          "calls_per_step": e.count // steps})
     rows.sort(key=lambda r: -r["ms_per_step"])
-    if layers:
-        _slots(prof, rows[:top], steps, layers)
     return {"total_ms": round(sum(r["ms_per_step"] for r in rows), 3), "kernels": rows[:top]}
-
-
-def _slots(prof, rows: list[dict[str, Any]], steps: int, layers: int) -> None:
-    """rows' `slots` from the profile's kernel events in launch order (kernel_profile)."""
-    per = {r["kernel"]: r["calls_per_step"] // layers for r in rows
-           if r["calls_per_step"] > layers and r["calls_per_step"] % layers == 0}
-    times: dict[str, list[tuple[float, float]]] = {k: [] for k in per}
-    for e in prof.events():
-        name = e.name[:90]
-        if name in times and getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
-            times[name].append((e.time_range.start, e.time_range.elapsed_us()))
-    for r in rows:
-        k, ev = per.get(r["kernel"]), sorted(times.get(r["kernel"], []))
-        if k and len(ev) == k * layers * steps:
-            r["slots"] = [round(sum(d for i, (_, d) in enumerate(ev) if i % k == j) / steps / 1e3, 4) for j in range(k)]

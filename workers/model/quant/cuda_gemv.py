@@ -13,24 +13,12 @@ x with multiply + sum (no tensor cores: at <= 4 rows they would idle on padding)
 KIND: 0 int8 (per-channel scale), 1 int4 (two codes a byte, float16 d and m per 32
 inputs), 2 fp8 E4M3 (per-channel scale). Accumulation in float32; the launch grid
 depends on shapes only (CUDA-graph capturable); runs under TRITON_INTERPRET=1.
-
-On Hopper the GEMV is launched as a programmatic dependent launch (PDL): a weight stream
-does not depend on the kernel before it, only its x and y do. Each program first asks L2
-for its first tile of codes (one bulk prefetch a row), then waits for the previous grid
-(griddepcontrol.wait: every earlier write is visible after it, and nothing is read from or
-written to x, y or the residual before it), and it lets the next grid launch once its own
-weight loop is done. Back to back GEMVs (o -> gate_up -> down -> the next layer's qkv) so
-overlap one kernel's drain with the next one's launch and first HBM round trip, inside the
-CUDA graph too. A kernel that does not trigger early simply runs after the GEMV as before.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ...attention.triton_kv_quant import encode
 from .formats import GROUP
@@ -41,24 +29,16 @@ GEMV_MAX_ROWS = 4   # above this the tile GEMM (int8/int4) or fp8 matmuls (_scal
 @triton.jit
 def _gemv_kernel(x_ptr, q_ptr, d_ptr, m_ptr, y_ptr, nw_ptr, N, K, sxm, sym, eps,
                  M: tl.constexpr, KIND: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-                 RES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
+                 RES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """y = x W^T for N output channels.
     GATED: W holds [gate | up] (2 N rows) and y = silu(gate) * up, a program streaming its
     channels' gate rows and up rows side by side (no [M, 2 N] round trip, no second launch).
     NORM: x is the residual stream and the product takes rms_norm(x) * nw, each program
     normalizing x as it streams it (x is a few KB: its sum of squares is an L2 read), so
-    the norm needs no launch of its own. RES: y is the residual stream, y += x W^T in place.
-    PDL (sm_90+, not under the interpreter): launched as a programmatic dependent (module doc)."""
+    the norm needs no launch of its own. RES: y is the residual stream, y += x W^T in place."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     nmask = rn < N
     rn64 = rn.to(tl.int64)
-    if PDL:
-        rb = K // 2 if KIND == 1 else K   # bytes a row of codes
-        tb = BK // 2 if KIND == 1 else BK
-        _prefetch_l2(q_ptr + rn64 * rb, tb, nmask)
-        if GATED:
-            _prefetch_l2(q_ptr + (rn64 + N) * rb, tb, nmask)
-        gdc_wait()
     r0, r1, r2, r3 = 1.0, 1.0, 1.0, 1.0
     if NORM:
         r0, r1, r2, r3 = _rstd(x_ptr, K, sxm, eps, M, BK)
@@ -78,8 +58,6 @@ def _gemv_kernel(x_ptr, q_ptr, d_ptr, m_ptr, y_ptr, nw_ptr, N, K, sxm, sym, eps,
         g1 = g1 * tl.sigmoid(g1) * (u1 * su)
         g2 = g2 * tl.sigmoid(g2) * (u2 * su)
         g3 = g3 * tl.sigmoid(g3) * (u3 * su)
-    if PDL:
-        gdc_launch_dependents()
     _store(y_ptr + rn, g0, nmask, RES)
     if M > 1:
         _store(y_ptr + sym + rn, g1, nmask, RES)
@@ -87,15 +65,6 @@ def _gemv_kernel(x_ptr, q_ptr, d_ptr, m_ptr, y_ptr, nw_ptr, N, K, sxm, sym, eps,
         _store(y_ptr + 2 * sym + rn, g2, nmask, RES)
     if M > 3:
         _store(y_ptr + 3 * sym + rn, g3, nmask, RES)
-
-
-@triton.jit
-def _prefetch_l2(row_ptr, nbytes: tl.constexpr, mask):
-    """One bulk L2 prefetch of nbytes (a multiple of 16, 16-byte aligned rows) at each row."""
-    n = tl.where(mask, nbytes, 0)
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.u32 p, $2, 0; "
-                              "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                              "=r,l,r", [row_ptr, n], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -223,24 +192,17 @@ def _prune(configs, named_args, **kwargs):
 
 # restore_value: with RES the kernel adds into y (the residual stream) in place, so each timed
 # configuration must start from the same y (tuning can happen on a live eager step)
-_gemv_tuned = triton.autotune(_TUNE, key=["N", "K", "M", "KIND", "GATED", "NORM", "RES", "PDL"], restore_value=["y_ptr"],
+_gemv_tuned = triton.autotune(_TUNE, key=["N", "K", "M", "KIND", "GATED", "NORM", "RES"], restore_value=["y_ptr"],
                               prune_configs_by={"early_config_prune": _prune})(_gemv_kernel)
-
-
-@functools.lru_cache(maxsize=None)
-def pdl_capable(device: torch.device) -> bool:
-    """Programmatic dependent launch and bulk L2 prefetch need sm_90 (and a compiled kernel)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def gemv(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, n: int,
          kind: int, sms: int = 132, gated: bool = False, norm: tuple[torch.Tensor, float] | None = None,
-         out: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M <= GEMV_MAX_ROWS, K] (unit inner stride) times the quantized [N, K] weight, transposed.
     `gated`: the weight is [gate | up] (N = 2 I) and the result silu(gate) * up, [M, I].
     `norm` (w, eps): the product takes rms_norm(x) * w. `out`: the residual stream [M, N]
-    (unit inner stride), which the product is added to in place and which is returned.
-    `pdl`: launch as a programmatic dependent (None: wherever the device can, sm_90+)."""
+    (unit inner stride), which the product is added to in place and which is returned."""
     rows, k = x.shape
     if rows > GEMV_MAX_ROWS or x.stride(1) != 1 or k % GROUP or (gated and n % 2):
         raise ValueError("gemv: at most 4 rows with unit stride and K a multiple of 32 (gated: N even)")
@@ -255,10 +217,7 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor 
         args = (x, q, d, d if m is None else m, y, nw, n_out, k, x.stride(0), y.stride(0), eps)
         flags = dict(M=rows, KIND=kind, GATED=gated, NORM=norm is not None, RES=out is not None)
         if x.is_cuda:
-            if pdl is None:
-                pdl = pdl_capable(x.device)
-            pdl = pdl and q.data_ptr() % 16 == 0   # the bulk prefetch takes 16-byte aligned rows
-            _gemv_tuned[lambda meta: (triton.cdiv(n_out, meta["BN"]),)](*args, **flags, PDL=pdl, launch_pdl=pdl)
+            _gemv_tuned[lambda meta: (triton.cdiv(n_out, meta["BN"]),)](*args, **flags)
         else:
             bn = _block_n(n_out, sms)
             _gemv_kernel[(triton.cdiv(n_out, bn),)](*args, **flags, BN=bn, BK=_block_k(k), num_warps=4)
