@@ -60,6 +60,22 @@ def test_gpu_quant_arithmetic() -> None:
     assert gpu_quant.prefill_flops(cfg, 10, params) > 2 * params * 10
 
 
+def test_gpu_gemv_products_are_an_8b_layers_weights() -> None:
+    """gpu_gemv times the four GEMVs of a decode layer: together they are the layer's weights."""
+    from kvyard.bench import gpu_gemv
+    from kvyard.bench.gpu_quant import layer_params
+    from kvyard.bench.gpu_step import config_8b
+
+    cfg = config_8b()
+    prods = {p.name: p for p in gpu_gemv.products(cfg)}
+    assert prods["gate_up"].n_out() == cfg.intermediate_size and prods["down"].k == cfg.intermediate_size
+    per_layer = (layer_params(cfg) - cfg.vocab_size * cfg.hidden_size) // cfg.num_layers
+    assert sum(gpu_gemv.code_bytes(p, "fp8") for p in prods.values()) == per_layer
+    assert sum(gpu_gemv.code_bytes(p, "int4") for p in prods.values()) == per_layer // 2
+    if not torch.cuda.is_available():
+        assert gpu_gemv.main(["--out", os.devnull]) == 2
+
+
 def test_kv_dtypes_follow_the_engine_config() -> None:
     from dataclasses import fields
 

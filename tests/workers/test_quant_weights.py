@@ -235,3 +235,62 @@ def test_gemv_autotuner_restores_the_residual_it_adds_into() -> None:
     from kvyard.workers.model.quant.cuda_gemv import _gemv_tuned
 
     assert "y_ptr" in _gemv_tuned.restore_value and {"NORM", "RES", "GATED"} <= set(_gemv_tuned.keys)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("seam", ["plain", "gated", "norm", "residual"])
+def test_gemv_one_row_acc2d_against_float64(method, seam) -> None:
+    """ACC2D, a launch the tuner may pick for one row of int8 or fp8 codes (products summed
+    element-wise over the K tiles, reduced once): exact against float64 like the per-tile
+    reduction, through every seam the GEMV folds in (72 outputs: a partial block)."""
+    from kvyard.workers.model.quant.cuda_gemv import _gemv_kernel
+    from kvyard.workers.model.quant.cuda_quant import KINDS
+
+    n, k = 144 if seam == "gated" else 72, 256
+    qw = QuantWeight.build(quantize(_w(n, k, 21), method), torch.device(DEV))
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(3))
+    nw = torch.rand(k, generator=torch.Generator().manual_seed(4)) + 0.5
+    xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * nw if seam in ("norm", "gated") else x
+    p = xn.double() @ qw.dense(torch.float64).double().cpu().T
+    if seam == "gated":
+        p = torch.nn.functional.silu(p[:, :72]) * p[:, 72:]
+    res = torch.randn(1, 72, generator=torch.Generator().manual_seed(5))
+    ref = p + res.double() if seam == "residual" else p
+    for acc2d in (True, False):
+        y = res.clone().to(DEV) if seam == "residual" else torch.empty(1, 72, device=DEV)
+        q = qw.codes.view(torch.uint8) if qw.codes.dtype == torch.float8_e4m3fn else qw.codes
+        _gemv_kernel[((72 + 15) // 16,)](x.to(DEV), q, qw.scale, qw.scale, y, nw.to(DEV), 72, k, k, 72,
+                                             1e-5, M=1, KIND=KINDS[method], GATED=seam == "gated",
+                                             NORM=seam in ("norm", "gated"), RES=seam == "residual", BN=16, BK=128,
+                                             ACC2D=acc2d, num_warps=4)
+        assert _rel(y, ref) < 1e-6, acc2d
+
+
+def test_gemv_tuner_offers_acc2d_to_one_row_of_byte_codes_only() -> None:
+    from kvyard.workers.model.quant.cuda_gemv import _TUNE, _prune
+
+    def acc2d(m: int, kind: int) -> set[bool]:
+        return {bool(c.kwargs.get("ACC2D")) for c in _prune(_TUNE, {"K": 4096}, M=m, KIND=kind)}
+
+    assert acc2d(1, 2) == acc2d(1, 0) == {True, False}
+    assert acc2d(1, 1) == acc2d(2, 2) == acc2d(4, 0) == {False}
+
+
+def test_gpu_gemv_bench_launches_every_configuration_it_times() -> None:
+    """Each tuner configuration `kvyard.bench.gpu_gemv` times runs the real kernel (on the CPU
+    under the interpreter: a small gated product), ACC2D ones at one row of byte codes only."""
+    from kvyard.bench import gpu_gemv
+
+    runs = []
+
+    def once(fn):
+        fn()
+        runs.append(1)
+        return 1.0
+
+    p = gpu_gemv.Product("gate_up", 2 * 64, 2048, gated=True, norm=True)
+    one = gpu_gemv.measure(torch, p, "fp8", 1, dev=DEV, bench=once)
+    four = gpu_gemv.measure(torch, p, "int8", 4, dev=DEV, bench=once)
+    assert len(runs) == len(one["configs_s"]) + len(four["configs_s"]) > 12
+    assert any(k.endswith("/acc2d") for k in one["configs_s"]) and "acc2d_speedup" in one
+    assert not any(k.endswith("/acc2d") for k in four["configs_s"])

@@ -29,13 +29,15 @@ GEMV_MAX_ROWS = 4   # above this the tile GEMM (int8/int4) or fp8 matmuls (_scal
 @triton.jit
 def _gemv_kernel(x_ptr, q_ptr, d_ptr, m_ptr, y_ptr, nw_ptr, N, K, sxm, sym, eps,
                  M: tl.constexpr, KIND: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-                 RES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 RES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACC2D: tl.constexpr = False):
     """y = x W^T for N output channels.
     GATED: W holds [gate | up] (2 N rows) and y = silu(gate) * up, a program streaming its
     channels' gate rows and up rows side by side (no [M, 2 N] round trip, no second launch).
     NORM: x is the residual stream and the product takes rms_norm(x) * nw, each program
     normalizing x as it streams it (x is a few KB: its sum of squares is an L2 read), so
-    the norm needs no launch of its own. RES: y is the residual stream, y += x W^T in place."""
+    the norm needs no launch of its own. RES: y is the residual stream, y += x W^T in place.
+    ACC2D (one row of int8 or fp8 codes, a launch the tuner may pick): `_row_acc2d`."""
+    tl.static_assert(not ACC2D or M == 1)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     nmask = rn < N
     rn64 = rn.to(tl.int64)
@@ -43,14 +45,14 @@ def _gemv_kernel(x_ptr, q_ptr, d_ptr, m_ptr, y_ptr, nw_ptr, N, K, sxm, sym, eps,
     if NORM:
         r0, r1, r2, r3 = _rstd(x_ptr, K, sxm, eps, M, BK)
     g0, g1, g2, g3 = _rows_dot(x_ptr, q_ptr, d_ptr, m_ptr, nw_ptr, r0, r1, r2, r3, rn64, nmask, K, sxm,
-                               M, KIND, NORM, BN, BK)
+                               M, KIND, NORM, BN, BK, ACC2D)
     s = tl.full((BN,), 1.0, tl.float32)
     if KIND != 1:
         s = tl.load(d_ptr + rn, mask=nmask, other=0.0)
     g0, g1, g2, g3 = g0 * s, g1 * s, g2 * s, g3 * s
     if GATED:
         u0, u1, u2, u3 = _rows_dot(x_ptr, q_ptr, d_ptr, m_ptr, nw_ptr, r0, r1, r2, r3, rn64 + N, nmask, K, sxm,
-                                   M, KIND, NORM, BN, BK)
+                                   M, KIND, NORM, BN, BK, ACC2D)
         su = tl.full((BN,), 1.0, tl.float32)
         if KIND != 1:
             su = tl.load(d_ptr + N + rn, mask=nmask, other=0.0)
@@ -111,7 +113,8 @@ def _x(xr_ptr, nw_ptr, idx, r, NORM: tl.constexpr):
 
 @triton.jit
 def _rows_dot(x_ptr, q_ptr, d_ptr, m_ptr, nw_ptr, r0, r1, r2, r3, rn64, nmask, K, sxm,
-              M: tl.constexpr, KIND: tl.constexpr, NORM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+              M: tl.constexpr, KIND: tl.constexpr, NORM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              ACC2D: tl.constexpr):
     """Up to four rows of x against the quantized rows rn64 (before the per-channel scale)."""
     a0 = tl.zeros((BN,), dtype=tl.float32)
     a1 = tl.zeros((BN,), dtype=tl.float32)
@@ -139,21 +142,44 @@ def _rows_dot(x_ptr, q_ptr, d_ptr, m_ptr, nw_ptr, r0, r1, r2, r3, rn64, nmask, K
                 a3 += _int4_dot(_x(x_ptr + 3 * sxm, nw_ptr, ie, r3, NORM),
                                 _x(x_ptr + 3 * sxm, nw_ptr, io, r3, NORM), lo, hi, d, mn)
     else:
-        rk = tl.arange(0, BK)
-        for k0 in range(0, K, BK):
-            c = tl.load(q_ptr + rn64[:, None] * K + (k0 + rk)[None, :], mask=nmask[:, None], other=0)
-            if KIND == 2:
-                w = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            else:
-                w = c.to(tl.float32)
-            a0 += tl.sum(w * _x(x_ptr, nw_ptr, k0 + rk, r0, NORM)[None, :], axis=1)
-            if M > 1:
-                a1 += tl.sum(w * _x(x_ptr + sxm, nw_ptr, k0 + rk, r1, NORM)[None, :], axis=1)
-            if M > 2:
-                a2 += tl.sum(w * _x(x_ptr + 2 * sxm, nw_ptr, k0 + rk, r2, NORM)[None, :], axis=1)
-            if M > 3:
-                a3 += tl.sum(w * _x(x_ptr + 3 * sxm, nw_ptr, k0 + rk, r3, NORM)[None, :], axis=1)
+        if ACC2D:
+            a0 = _row_acc2d(x_ptr, q_ptr, nw_ptr, r0, rn64, nmask, K, KIND, NORM, BN, BK)
+        else:
+            rk = tl.arange(0, BK)
+            for k0 in range(0, K, BK):
+                c = tl.load(q_ptr + rn64[:, None] * K + (k0 + rk)[None, :], mask=nmask[:, None], other=0)
+                w = _widen(c, KIND)
+                a0 += tl.sum(w * _x(x_ptr, nw_ptr, k0 + rk, r0, NORM)[None, :], axis=1)
+                if M > 1:
+                    a1 += tl.sum(w * _x(x_ptr + sxm, nw_ptr, k0 + rk, r1, NORM)[None, :], axis=1)
+                if M > 2:
+                    a2 += tl.sum(w * _x(x_ptr + 2 * sxm, nw_ptr, k0 + rk, r2, NORM)[None, :], axis=1)
+                if M > 3:
+                    a3 += tl.sum(w * _x(x_ptr + 3 * sxm, nw_ptr, k0 + rk, r3, NORM)[None, :], axis=1)
     return a0, a1, a2, a3
+
+
+@triton.jit
+def _widen(c, KIND: tl.constexpr):
+    """int8 codes, or fp8 E4M3 codes held as bytes, in float32."""
+    if KIND == 2:
+        return c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return c.to(tl.float32)
+
+
+@triton.jit
+def _row_acc2d(x_ptr, q_ptr, nw_ptr, r0, rn64, nmask, K, KIND: tl.constexpr, NORM: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr):
+    """One row of x against byte codes, the products accumulated element-wise over the K tiles
+    and reduced once after the loop instead of across warps (shuffles and a barrier) every
+    tile: 132 instructions a 4 KiB tile for sm_90 against 154, for a tile of float32 registers
+    more (loading the next tile ahead cost more in byte shuffles than it could hide)."""
+    rk = tl.arange(0, BK)
+    z = tl.zeros((BN, BK), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        c = tl.load(q_ptr + rn64[:, None] * K + (k0 + rk)[None, :], mask=nmask[:, None], other=0)
+        z += _widen(c, KIND) * _x(x_ptr, nw_ptr, k0 + rk, r0, NORM)[None, :]
+    return tl.sum(z, axis=1)
 
 
 @triton.jit
@@ -184,9 +210,14 @@ _TUNE = [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st)
                                (4, 1024, 4, 4), (8, 512, 4, 4), (16, 1024, 8, 2), (2, 2048, 4, 2))]
 
 
+# each shape also once with ACC2D, which only one row of int8 or fp8 codes can take (_prune)
+_TUNE += [triton.Config({**c.kwargs, "ACC2D": True}, num_warps=c.num_warps, num_stages=c.num_stages) for c in _TUNE]
+
+
 def _prune(configs, named_args, **kwargs):
     k = named_args["K"]
-    ok = [c for c in configs if k % c.kwargs["BK"] == 0]
+    one_row = kwargs.get("M", named_args.get("M")) == 1 and kwargs.get("KIND", named_args.get("KIND")) != 1
+    ok = [c for c in configs if k % c.kwargs["BK"] == 0 and (one_row or not c.kwargs.get("ACC2D"))]
     return ok or [triton.Config({"BN": 8, "BK": _block_k(k)}, num_warps=4)]
 
 
