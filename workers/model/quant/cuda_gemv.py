@@ -210,8 +210,10 @@ _TUNE = [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st)
                                (4, 1024, 4, 4), (8, 512, 4, 4), (16, 1024, 8, 2), (2, 2048, 4, 2))]
 
 
-# each shape also once with ACC2D, which only one row of int8 or fp8 codes can take (_prune)
-_TUNE += [triton.Config({**c.kwargs, "ACC2D": True}, num_warps=c.num_warps, num_stages=c.num_stages) for c in _TUNE]
+# ACC2D launches, which only one row of int8 or fp8 codes can take (_prune): four tiles of 4-16
+# KiB (each configuration is one more compile at a worker's first start)
+_TUNE += [triton.Config({"BN": bn, "BK": bk, "ACC2D": True}, num_warps=w, num_stages=st)
+          for bn, bk, w, st in ((8, 512, 4, 3), (4, 1024, 4, 4), (16, 512, 8, 3), (16, 1024, 8, 2))]
 
 
 def _prune(configs, named_args, **kwargs):
