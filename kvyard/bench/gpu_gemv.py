@@ -39,8 +39,9 @@ def products(cfg) -> list[Product]:
             Product("gate_up", 2 * i, h, gated=True, norm=True), Product("down", h, i, res=True)]
 
 
-def code_bytes(p: Product, method: str) -> int:
-    return p.n * p.k // (2 if method == "int4" else 1)
+def code_bytes(p: Product) -> int:
+    """The product's codes: a byte a weight (int8 and fp8, the methods this bench times)."""
+    return p.n * p.k
 
 
 def measure(torch, p: Product, method: str, rows: int, dev: str = "cuda", bench=None) -> dict[str, Any]:
@@ -75,7 +76,7 @@ def measure(torch, p: Product, method: str, rows: int, dev: str = "cuda", bench=
     best = min(times, key=times.get)
     plain = min((k for k in times if not k.endswith("/acc2d")), key=times.get)
     acc = [k for k in times if k.endswith("/acc2d")]
-    out = {"bytes": code_bytes(p, method), "best": best, "best_s": times[best], "best_plain": plain,
+    out = {"bytes": code_bytes(p), "best": best, "best_s": times[best], "best_plain": plain,
            "best_plain_s": times[plain], "tuner_pick": str(pick), "configs_s": times}
     if acc:
         a = min(acc, key=times.get)
@@ -86,9 +87,12 @@ def measure(torch, p: Product, method: str, rows: int, dev: str = "cuda", bench=
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m kvyard.bench.gpu_gemv")
     p.add_argument("--out", required=True)
-    p.add_argument("--methods", default="fp8,int8")
+    p.add_argument("--methods", default="fp8,int8", help="fp8 and/or int8 (int4's codes are laid out otherwise)")
     p.add_argument("--rows", default="1,4")
     a = p.parse_args(argv)
+    methods = a.methods.split(",")
+    if not set(methods) <= {"fp8", "int8"}:
+        p.error("--methods: fp8 and/or int8")
     import torch
 
     if not torch.cuda.is_available():
@@ -99,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bw = copy_bandwidth(torch)
     res: dict[str, Any] = {"card": torch.cuda.get_device_name(), "copy_gb_s": bw / 1e9, "gemv": {}}
-    for method in a.methods.split(","):
+    for method in methods:
         for rows in map(int, a.rows.split(",")):
             for prod in products(gs.config_8b()):
                 r = measure(torch, prod, method, rows)

@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         ws0 = DecodeWorkspace.allocate(B, NH, HD, base.num_splits, "cuda") if base.num_splits > 1 else None
         cfg4 = replace(base, num_splits=splits_for(base.num_splits, ctx))
         ws4 = DecodeWorkspace.allocate(B, NH, HD, cfg4.num_splits, "cuda") if cfg4.num_splits > 1 else None
+        gluon = {bn: replace(base, quant_variant="gluon", quant_block_n=bn, quant_num_warps=4) for bn in (64, 128)}
         c = quantized(torch, cache, "fp8_e4m3")
         fb, bb = kv_bytes(B, ctx, q.numel(), "fp8_e4m3"), kv_bytes(B, ctx, q.numel(), "bf16")
         ms = {}
@@ -87,15 +88,13 @@ def main(argv: list[str] | None = None) -> int:
                                                                      config=base, workspace=ws0), 20, 7, graph=True)
             ms[f"{lay}/fp8_triton"] = _time_ms(torch, lambda: paged_decode(
                 q, c8, tables, lens, HD ** -0.5, out=out, config=cfg4, workspace=ws4), 20, 7, graph=True)
-            for bn in (64, 128):
-                cfg = replace(base, quant_variant="gluon", quant_block_n=bn, quant_num_warps=4)
+            for bn, cfg in gluon.items():
                 ms[f"{lay}/fp8_gluon{bn}"] = _time_ms(torch, lambda cfg=cfg: paged_decode(
                     q, c8, tables, lens, HD ** -0.5, out=out, config=cfg, workspace=ws0), 20, 7, graph=True)
             ms[f"{lay}/stream_bf16"] = stream_ms(cc, tables, lens)
             ms[f"{lay}/stream_fp8"] = stream_ms(c8, tables, lens)
-            g128 = replace(base, quant_variant="gluon", quant_block_n=128, quant_num_warps=4)
             outs = [paged_decode(q, x, tables, lens, HD ** -0.5, config=cf, workspace=w).clone()
-                    for x, cf, w in ((cc, base, ws0), (c8, cfg4, ws4), (c8, g128, ws0))]
+                    for x, cf, w in ((cc, base, ws0), (c8, cfg4, ws4), (c8, gluon[128], ws0))]
             if lay == "nhd":
                 ref_outs = outs
             else:
