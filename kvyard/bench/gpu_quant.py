@@ -5,7 +5,8 @@ An 8B-shaped model (gpu_step.py's shapes, random weights) built by the engine's 
 mode: bf16, fp8 (E4M3 weights, `_scaled_mm` with per-row activation scales on Hopper),
 int8 (W8A16, Triton dequant-GEMM), int4 (group-32, Triton dequant-GEMM). Per mode: load
 time (build + quantize), weight memory, decode tok/s at batch 1/8/64 (one CUDA-graph
-replay per step, the engine's step as `kvyard worker` replays it) and its fraction of the
+replay per step, the engine's step as `kvyard worker` replays it, over block tables as wide
+as the model's max length as the engine's graph buffers are) and its fraction of the
 HBM roofline for the bytes the step reads (weights as stored + the batch's KV), against
 copy bandwidth measured in the same run; prefill TFLOP/s (one 2,048-token prompt, the
 matmul FLOPs 2 x params x tokens plus causal attention). On the demo model (float32
@@ -74,7 +75,7 @@ def _time(torch, fn, iters: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def measure_mode(torch, method: str | None, layers: int, ctx: int, bw: float) -> dict[str, Any]:
+def measure_mode(torch, method: str | None, layers: int, ctx: int, bw: float, narrow: bool = False) -> dict[str, Any]:
     from dataclasses import replace
 
     from kvyard.bench import gpu_step as gs
@@ -91,7 +92,7 @@ def measure_mode(torch, method: str | None, layers: int, ctx: int, bw: float) ->
                            "memory_gb": (torch.cuda.memory_allocated() - base) / 1e9,
                            "decode_tok_s": {}, "roofline_frac": {}, "step_ms": {}}
     for batch in BATCHES:
-        b = gs.make_batch(batch, ctx, layers, dense=False)
+        b = gs.make_batch(batch, ctx, layers, dense=False, max_len=None if narrow else ctx + 2048)
         graph, _ = gs.capture(gs.engine_step_fn(model, b))
         s = _time(torch, graph.replay, 20)
         out["decode_tok_s"][str(batch)] = batch / s
@@ -114,7 +115,7 @@ def measure_mode(torch, method: str | None, layers: int, ctx: int, bw: float) ->
     return out  # the model and caches go with this frame
 
 
-def profile_b1(torch, method: str | None, layers: int, ctx: int) -> dict[str, Any]:
+def profile_b1(torch, method: str | None, layers: int, ctx: int, narrow: bool = False) -> dict[str, Any]:
     """GPU time per kernel over 3 eager batch-1 steps (what a graph replays, launch gaps not
     counted): which kernels hold the step beside the weight stream. Run after every graph: no
     graph is captured in a process that has run the profiler."""
@@ -125,7 +126,8 @@ def profile_b1(torch, method: str | None, layers: int, ctx: int) -> dict[str, An
 
     cfg = replace(gs.config_8b(ctx + 2048), num_layers=layers)
     model = build(cfg, gs.RandomSource(cfg), gs.DTYPE, ctx + 2048, device="cuda", quantization=method)
-    return gs.kernel_profile(gs.engine_step_fn(model, gs.make_batch(1, ctx, layers, dense=False)), top=20)
+    b = gs.make_batch(1, ctx, layers, dense=False, max_len=None if narrow else ctx + 2048)
+    return gs.kernel_profile(gs.engine_step_fn(model, b), top=20)
 
 
 def demo_accuracy(torch, windows: int) -> dict[str, dict[str, float]]:
@@ -156,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--windows", type=int, default=4, help="text windows of 256 tokens for agreement/KL")
     p.add_argument("--profile", default="", help="modes whose eager batch-1 step is profiled per kernel, last")
+    p.add_argument("--narrow-tables", action="store_true",
+                   help="block tables only as wide as the context (its splits, not the engine's)")
     a = p.parse_args(argv)
     import torch
 
@@ -164,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     bw = copy_bandwidth(torch)
     res: dict[str, Any] = {"card": torch.cuda.get_device_name(), "copy_gb_s": bw / 1e9, "layers": a.layers,
-                           "ctx": a.ctx, "quant": {}}
+                           "ctx": a.ctx, "narrow_tables": a.narrow_tables, "quant": {}}
     for name in filter(None, a.modes.split(",")):  # --modes= : the demo accuracy alone
-        res["quant"][name] = measure_mode(torch, MODES[name], a.layers, a.ctx, bw)
+        res["quant"][name] = measure_mode(torch, MODES[name], a.layers, a.ctx, bw, a.narrow_tables)
         torch.cuda.empty_cache()
         print(name, json.dumps(res["quant"][name]), flush=True)
     try:
@@ -175,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         res["demo_accuracy"] = {"error": str(e)}
     print(json.dumps(res.get("demo_accuracy")), flush=True)
     for name in filter(None, a.profile.split(",")):
-        res.setdefault("profile_b1", {})[name] = prof = profile_b1(torch, MODES[name], a.layers, a.ctx)
+        prof = profile_b1(torch, MODES[name], a.layers, a.ctx, a.narrow_tables)
+        res.setdefault("profile_b1", {})[name] = prof
         torch.cuda.empty_cache()
         print("profile", name, json.dumps(prof, indent=1), flush=True)
     with open(a.out, "w") as f:

@@ -82,7 +82,7 @@ class Batch:
     ids: Any
     pos: Any            # [B] int64, the new token's position (context - 1)
     slots: Any          # [B] int64
-    tables: Any         # [B, ctx / BLOCK] int32
+    tables: Any         # [B, ctx / BLOCK] int32, or wider, zero-padded (make_batch's max_len)
     lens: Any           # [B] int32
     paged: list[Any]    # per layer [2, blocks, BLOCK, KV_HEADS, HEAD_DIM]
     dense: list[Any]    # per layer (k, v), each [B, KV_HEADS, ctx, HEAD_DIM]
@@ -92,7 +92,10 @@ class Batch:
         return len(self.paged) * 2 * B * ctx * KV_HEADS * HEAD_DIM * 2
 
 
-def make_batch(batch: int, ctx: int, layers: int, dense: bool = True) -> Batch:
+def make_batch(batch: int, ctx: int, layers: int, dense: bool = True, max_len: int | None = None) -> Batch:
+    """max_len: block tables as wide as max_len's blocks, zero-padded past the context, as the
+    engine's CUDA-graph buffers are (max_model_len wide): paged_decode's default splits follow the
+    tables' width, so a bench of the engine's step gets the engine's splits."""
     nb = ctx // BLOCK
     perm = torch.randperm(batch * nb, device=DEV)  # blocks scattered, as a running server's are
     tables = perm.view(batch, nb).to(torch.int32)
@@ -108,8 +111,10 @@ def make_batch(batch: int, ctx: int, layers: int, dense: bool = True) -> Batch:
             dcache.append((kv[0], kv[1]))
         del kv
     pos = torch.full((batch,), ctx - 1, dtype=torch.int64, device=DEV)
-    return Batch(ids=torch.randint(0, VOCAB, (batch,), device=DEV), pos=pos,
-                 slots=tables[:, -1].long() * BLOCK + (ctx - 1) % BLOCK, tables=tables,
+    slots = tables[:, -1].long() * BLOCK + (ctx - 1) % BLOCK
+    if max_len is not None and max_len // BLOCK > nb:
+        tables = torch.nn.functional.pad(tables, (0, max_len // BLOCK - nb))
+    return Batch(ids=torch.randint(0, VOCAB, (batch,), device=DEV), pos=pos, slots=slots, tables=tables,
                  lens=torch.full((batch,), ctx, dtype=torch.int32, device=DEV), paged=paged, dense=dcache)
 
 

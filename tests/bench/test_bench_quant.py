@@ -60,6 +60,28 @@ def test_gpu_quant_arithmetic() -> None:
     assert gpu_quant.prefill_flops(cfg, 10, params) > 2 * params * 10
 
 
+def test_engine_step_batch_has_the_engines_table_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpu_quant's batches carry block tables as wide as the model's max length, zero-padded, as
+    the engine's graph buffers do (paged_decode's default splits follow that width); the new
+    token's slot, the lengths and the KV bytes stay the context's."""
+    from kvyard.bench import gpu_step as gs
+    from kvyard.workers.attention.triton_decode import decode_config
+
+    monkeypatch.setattr(gs, "DEV", "cpu")
+    narrow = gs.make_batch(2, 64, 1, dense=False)
+    torch.manual_seed(0)
+    wide = gs.make_batch(2, 64, 1, dense=False, max_len=64 + 2048)
+    torch.manual_seed(0)
+    again = gs.make_batch(2, 64, 1, dense=False)
+    assert narrow.tables.shape == (2, 4) and wide.tables.shape == (2, (64 + 2048) // gs.BLOCK)
+    assert torch.equal(wide.tables[:, :4], again.tables) and not wide.tables[:, 4:].any()
+    assert torch.equal(wide.slots, again.slots) and torch.equal(wide.lens, again.lens)
+    assert wide.kv_bytes() == again.kv_bytes()
+    # at batch 1 the engine's width splits a 1,024-token context finer than the context's own
+    ctx_splits = decode_config(1, gs.KV_HEADS, 1024, 132).num_splits
+    assert decode_config(1, gs.KV_HEADS, 1024 + 2048, 132).num_splits > ctx_splits
+
+
 def test_gpu_gemv_products_are_an_8b_layers_weights() -> None:
     """gpu_gemv times the four GEMVs of a decode layer: together they are the layer's weights."""
     from kvyard.bench import gpu_gemv
