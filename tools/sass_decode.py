@@ -5,7 +5,7 @@ compiles one decode kernel for the 8B shape (GQA 4, head_dim 128, block 16, unsp
 and prints the key loop's instruction mix: warp instructions per byte of K/V read and the
 opcodes that dominate. VARIANT: a scaled-format kernel of triton_decode_quant_fast (words,
 asm, bytes, bytes_t, win), `bf16` (triton_decode's own), `bare-bytes`, `bare-words`,
-`bare-mixed` (fp8_e4m3's, triton_decode_bare) or `gluon` (its Gluon kernel, gluon_decode_bare).
+`bare-mixed`, `bare-bytes-pf` etc. (fp8_e4m3's, triton_decode_bare) or `gluon` (its Gluon kernel, gluon_decode_bare).
 The counts only rank; the device measures (docs/gpu-notes.md).
 """
 from __future__ import annotations
@@ -46,9 +46,10 @@ def kernel_for(variant: str) -> tuple[object, dict, dict, int]:
         return gluon_decode_bare.decode_bare_gluon_kernel, ptr, {}, 128
     if variant.startswith("bare-"):
         ptr.update(k_ptr="*u8", v_ptr="*u8", kw_ptr="*i32", vw_ptr="*i32")
-        words = triton_decode_bare.VARIANTS[variant.removeprefix("bare-")]
+        name = variant.removeprefix("bare-")
         return (triton_decode_bare.decode_bare_kernel, ptr,
-                dict(PREC="tf32", F16=True, ASM=True, ALIGNED=True, WORDS=words), 128)
+                dict(PREC="tf32", F16=True, ASM=True, ALIGNED=True, WORDS=triton_decode_bare.VARIANTS[name],
+                     PF=name.endswith(triton_decode_bare.PREFETCH)), 128)
     words = variant in ("asm", "win", "words")
     t = "*i32" if words else "*u8"
     ptr.update(k_ptr=t, v_ptr=t, kf_ptr="*i32" if words else "*fp32", vf_ptr="*i32" if words else "*fp32")

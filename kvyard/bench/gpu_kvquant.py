@@ -152,7 +152,12 @@ def profile_once(torch, B: int, ctx: int, fmts: list[str]) -> int:
 
 BARE_GRID = [(v, bn, w, st) for v in ("mixed", "words", "bytes") for bn, w, st in
              ((128, 4, 2), (128, 4, 3), (128, 8, 2), (64, 4, 2))] + \
-    [("gluon", bn, w, 2) for bn, w in ((64, 4), (128, 4), (128, 8), (256, 4), (256, 8))]   # its own double buffer
+    [("gluon", bn, w, 2) for bn, w in ((64, 4), (128, 4), (128, 8), (256, 4), (256, 8))] + \
+    [("words-pf", 64, 4, 2), ("words-pf", 128, 8, 2), ("mixed-pf", 64, 4, 2)]
+# gluon: its own double buffer. The prefetching ("-pf") tiles that compile for sm_90 without
+# spilling and keep the most tile bytes in flight an SM (static registers x programs an SM:
+# words-pf 64/4 96 KiB at 3 programs against words 64/4's 64 KiB at 4; `bytes-pf` and
+# `mixed-pf` at 128 keys and 4 warps spill).
 
 
 def pick_bare(times: dict[str, dict[str, dict[tuple, float]]]) -> dict[str, Any]:

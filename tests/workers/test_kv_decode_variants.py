@@ -19,7 +19,9 @@ from kvyard.workers.attention.triton_decode_quant_fast import (  # noqa: E402
     VARIANTS, QuantTile, choose_tile, decode_quantized,
 )
 from kvyard.workers.attention import gluon_decode_bare  # noqa: E402
-from kvyard.workers.attention.triton_decode_bare import GLUON as BARE_GLUON, VARIANTS as BARE_VARIANTS  # noqa: E402
+from kvyard.workers.attention.triton_decode_bare import (  # noqa: E402
+    GLUON as BARE_GLUON, PREFETCH as BARE_PREFETCH, VARIANTS as BARE_VARIANTS,
+)
 from kvyard.workers.attention.triton_kv_write import write_kv  # noqa: E402
 
 BLOCK_N = 64 if CUDA else 16
@@ -162,6 +164,30 @@ def test_bare_e4m3_variants_match_reference(variant: str, splits: int) -> None:
     _check_decode(variant, kv_quant.FP8_E4M3, DTYPES[-1], splits, gqa=4, hd=64, seed=splits + 11)
 
 
+@pytest.mark.parametrize("variant", [v for v in BARE_VARIANTS if v.endswith(BARE_PREFETCH)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_bare_prefetch_variants_walk_many_tiles(variant: str, splits: int) -> None:
+    """The variants that request a tile's codes one iteration ahead, over 16-key tiles so each
+    program walks several (the last one partial, past-the-end prefetches masked off): the
+    reference's answer, and the very bits of the variant that loads each tile where it uses it."""
+    plain = variant.removesuffix(BARE_PREFETCH)
+    lens = (1, 17, 32, 75, 130)
+    for v in (variant, plain):
+        cfg = DecodeConfig(num_splits=splits, block_n=BLOCK_N, quant_variant=v, quant_block_n=16)
+        _check_decode(v, kv_quant.FP8_E4M3, DTYPES[-1], splits, gqa=4, hd=64, seed=splits + 21, lens=lens, config=cfg)
+    outs = []
+    for v in (variant, plain):
+        bs, nkv, gqa, hd = 16, 4, 4, 64
+        batch = _Batch([(n - 1, 1) for n in lens], bs, nkv, nkv * gqa, hd, DTYPES[-1], seed=splits + 21)
+        _dequantized_context(batch, kv_quant.FP8_E4M3)
+        cache = _quantized(batch, kv_quant.FP8_E4M3)
+        write_kv(*batch.new_kv(), cache, batch.slots())
+        cfg = DecodeConfig(num_splits=splits, block_n=BLOCK_N, quant_variant=v, quant_block_n=16)
+        outs.append(paged_decode(batch.q, cache, batch.tables(), batch.lens(), hd ** -0.5,
+                                 out=_poisoned(batch.q), config=cfg))
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.skipif(not CUDA, reason="Gluon kernels run on CUDA only (no interpreter)")
 @pytest.mark.parametrize("tile", [(64, 4), (128, 4), (128, 8), (256, 8)], ids=lambda t: f"{t[0]}x{t[1]}")
 @pytest.mark.parametrize("splits", [1, 5])
@@ -235,3 +261,52 @@ def test_gluon_kernel_compiles_for_sm90(hd: int, tile: tuple[int, int]) -> None:
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
     assert "cvt.rn.f16x2.e4m3x2" in ptx
     assert "cp.async.cg.shared.global" in ptx and "ldmatrix.sync.aligned" in ptx
+
+
+_COMPILE_BARE = """
+import re, subprocess, sys, tempfile
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvyard.bench.gpu_kvquant import BARE_GRID
+from kvyard.workers.attention import triton_decode_bare as tb
+kernel = tb.decode_bare_kernel
+names = list(kernel.arg_names)
+ptrs = {"q_ptr": "*bf16", "k_ptr": "*u8", "v_ptr": "*u8", "kw_ptr": "*i32", "vw_ptr": "*i32", "bt_ptr": "*i32",
+        "lens_ptr": "*i32", "o_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "scale_log2": "fp32"}
+attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr") or n.startswith("stride_")}
+tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+for v, bn, w, st in BARE_GRID:
+    if not v.endswith(tb.PREFETCH):
+        continue
+    const = dict(G=4, GP=16, HD=128, BS=16, BLOCK_N=bn, NUM_SPLITS=1, PREC="tf32", F16=True, ASM=True,
+                 ALIGNED=True, WORDS=tb.VARIANTS[v], PF=True)
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
+    c = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": w, "num_stages": st})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(c.asm["cubin"])
+        f.flush()
+        res = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\\d+) STACK:(\\d+)", res)
+    print(v, bn, w, m.group(1), m.group(2))
+"""
+
+
+def test_bare_prefetch_tiles_the_tune_tries_compile_for_sm90_without_spills() -> None:
+    """Each "-pf" tile in gpu_kvquant's BARE_GRID, compiled for sm_90 here (no GPU needed, in a
+    process without TRITON_INTERPRET): no stack (spills would turn the prefetch into local-memory
+    traffic), and the registers that let 2-3 programs share an SM."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE_BARE], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line.split() for line in r.stdout.splitlines()]
+    assert len(rows) >= 3, r.stdout
+    for v, bn, w, regs, stack in rows:
+        assert stack == "0", (v, bn, w, regs, stack)
+        assert 65536 // (int(regs) * 32 * int(w)) >= 2, (v, bn, w, regs)
