@@ -11,8 +11,10 @@ HBM roofline for the bytes the step reads (weights as stored + the batch's KV), 
 copy bandwidth measured in the same run; prefill TFLOP/s (one 2,048-token prompt, the
 matmul FLOPs 2 x params x tokens plus causal attention). On the demo model (float32
 activations), each mode's greedy (top-1) agreement and mean KL against the unquantized
-model over windows of the shipped text, on the GPU. KV-cache dtypes are not part of
-this file (the KV format's own bench measures them).
+model over windows of the shipped text, on the GPU. Each mode decodes over each of
+`--kv-dtypes` (bf16, and the quantized formats of `--kv-cache-dtype`: the same K/V re-stored,
+the roofline's KV bytes as stored); the KV format's own bench (gpu_kvquant) times the
+attention kernels alone.
 """
 from __future__ import annotations
 
@@ -75,7 +77,18 @@ def _time(torch, fn, iters: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def measure_mode(torch, method: str | None, layers: int, ctx: int, bw: float, narrow: bool = False) -> dict[str, Any]:
+def in_kv_format(torch, b, name: str) -> None:
+    """The batch's paged caches re-stored in KV format `name` (bf16: left as they are), layer by
+    layer, in the engine's physical order."""
+    from kvyard.bench.gpu_kvquant import quantized
+
+    if name != "bf16":
+        for i, p in enumerate(b.paged):
+            b.paged[i] = quantized(torch, p, name)
+
+
+def measure_mode(torch, method: str | None, layers: int, ctx: int, bw: float, narrow: bool = False,
+                 kv_dtypes: tuple[str, ...] = ("bf16",)) -> dict[str, Any]:
     from dataclasses import replace
 
     from kvyard.bench import gpu_step as gs
@@ -91,15 +104,19 @@ def measure_mode(torch, method: str | None, layers: int, ctx: int, bw: float, na
     out: dict[str, Any] = {"load_s": time.perf_counter() - t0,
                            "memory_gb": (torch.cuda.memory_allocated() - base) / 1e9,
                            "decode_tok_s": {}, "roofline_frac": {}, "step_ms": {}}
-    for batch in BATCHES:
-        b = gs.make_batch(batch, ctx, layers, dense=False, max_len=None if narrow else ctx + 2048)
-        graph, _ = gs.capture(gs.engine_step_fn(model, b))
-        s = _time(torch, graph.replay, 20)
-        out["decode_tok_s"][str(batch)] = batch / s
-        out["step_ms"][str(batch)] = s * 1e3
-        out["roofline_frac"][str(batch)] = roofline_frac(step_bytes(model, b.kv_bytes()), s, bw)
-        del graph, b
-        torch.cuda.empty_cache()
+    for kv in kv_dtypes:   # bf16's figures at the top level, the others under kv_NAME
+        rec = out if kv == "bf16" else out.setdefault(f"kv_{kv}", {"decode_tok_s": {}, "roofline_frac": {},
+                                                                   "step_ms": {}})
+        for batch in BATCHES:
+            b = gs.make_batch(batch, ctx, layers, dense=False, max_len=None if narrow else ctx + 2048)
+            in_kv_format(torch, b, kv)
+            graph, _ = gs.capture(gs.engine_step_fn(model, b))
+            s = _time(torch, graph.replay, 20)
+            rec["decode_tok_s"][str(batch)] = batch / s
+            rec["step_ms"][str(batch)] = s * 1e3
+            rec["roofline_frac"][str(batch)] = roofline_frac(step_bytes(model, b.kv_bytes()), s, bw)
+            del graph, b
+            torch.cuda.empty_cache()
     n = 2048
     from kvyard.workers.attention.reference import SeqStep, build_metadata
     from kvyard.workers.model import kv_cache_shape
@@ -158,9 +175,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--windows", type=int, default=4, help="text windows of 256 tokens for agreement/KL")
     p.add_argument("--profile", default="", help="modes whose eager batch-1 step is profiled per kernel, last")
+    p.add_argument("--kv-dtypes", default="bf16,fp8_e4m3",
+                   help="KV caches each mode decodes over: bf16 (always) and any of fp8_e4m3, fp8, int8")
     p.add_argument("--narrow-tables", action="store_true",
                    help="block tables only as wide as the context (its splits, not the engine's)")
     a = p.parse_args(argv)
+    from kvyard.workers.attention.kv_quant import KV_CACHE_DTYPES
+
+    kv_dtypes = ("bf16", *dict.fromkeys(k for k in a.kv_dtypes.split(",") if k and k != "bf16"))
+    if not set(kv_dtypes[1:]) <= set(KV_CACHE_DTYPES) - {"auto"}:
+        p.error(f"--kv-dtypes: bf16 and any of {', '.join(k for k in KV_CACHE_DTYPES if k != 'auto')}")
     import torch
 
     if not torch.cuda.is_available():
@@ -170,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"card": torch.cuda.get_device_name(), "copy_gb_s": bw / 1e9, "layers": a.layers,
                            "ctx": a.ctx, "narrow_tables": a.narrow_tables, "quant": {}}
     for name in filter(None, a.modes.split(",")):  # --modes= : the demo accuracy alone
-        res["quant"][name] = measure_mode(torch, MODES[name], a.layers, a.ctx, bw, a.narrow_tables)
+        res["quant"][name] = measure_mode(torch, MODES[name], a.layers, a.ctx, bw, a.narrow_tables, kv_dtypes)
         torch.cuda.empty_cache()
         print(name, json.dumps(res["quant"][name]), flush=True)
     try:

@@ -88,8 +88,11 @@ class Batch:
     dense: list[Any]    # per layer (k, v), each [B, KV_HEADS, ctx, HEAD_DIM]
 
     def kv_bytes(self) -> int:
+        """K and V rows of every context token, each row as the paged cache stores it (bf16, or a
+        quantized format's codes and scale)."""
         B, ctx = self.tables.shape[0], int(self.lens[0])
-        return len(self.paged) * 2 * B * ctx * KV_HEADS * HEAD_DIM * 2
+        row = self.paged[0].shape[-1] * self.paged[0].element_size()
+        return len(self.paged) * 2 * B * ctx * KV_HEADS * row
 
 
 def make_batch(batch: int, ctx: int, layers: int, dense: bool = True, max_len: int | None = None) -> Batch:

@@ -82,6 +82,32 @@ def test_engine_step_batch_has_the_engines_table_width(monkeypatch: pytest.Monke
     assert decode_config(1, gs.KV_HEADS, 1024 + 2048, 132).num_splits > ctx_splits
 
 
+@pytest.mark.parametrize("kv,row", [("fp8_e4m3", 128), ("fp8", 132), ("int8", 132)])
+def test_gpu_quant_restores_the_batch_in_each_kv_format(monkeypatch: pytest.MonkeyPatch, kv: str,
+                                                        row: int) -> None:
+    """Each weight mode also decodes over quantized KV: the batch's caches re-stored in the format
+    (the same K/V to the format's precision), the roofline's KV bytes those rows as stored."""
+    from kvyard.bench import gpu_step as gs
+    from kvyard.workers.attention import kv_quant
+
+    monkeypatch.setattr(gs, "DEV", "cpu")
+    b = gs.make_batch(2, 32, 2, dense=False)
+    bf16_bytes, before = b.kv_bytes(), b.paged[1].clone()
+    gpu_quant.in_kv_format(torch, b, kv)
+    assert kv_quant.format_of(b.paged[1]).name == kv
+    assert b.kv_bytes() * 256 == bf16_bytes * row
+    back = kv_quant.dequantize(b.paged[1]).float()
+    assert torch.allclose(back, before.float(), rtol=0.07, atol=0.02)
+    gpu_quant.in_kv_format(torch, b, "bf16")   # bf16: left as it is
+    assert kv_quant.format_of(b.paged[1]).name == kv
+
+
+def test_gpu_quant_refuses_unknown_kv_dtypes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        gpu_quant.main(["--out", os.devnull, "--kv-dtypes", "bf16,fp4"])
+    assert "--kv-dtypes" in capsys.readouterr().err
+
+
 def test_gpu_gemv_products_are_an_8b_layers_weights() -> None:
     """gpu_gemv times the four GEMVs of a decode layer: together they are the layer's weights."""
     from kvyard.bench import gpu_gemv
