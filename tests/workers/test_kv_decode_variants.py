@@ -44,9 +44,10 @@ def test_variant_matches_reference(variant: str, fmt: kv_quant.KVFormat, dtype: 
 
 
 def _check_decode(variant: str, fmt: kv_quant.KVFormat, dtype: torch.dtype, splits: int, gqa: int, hd: int,
-                  seed: int, lens: tuple[int, ...] = (1, 17, 32, 75), config: DecodeConfig | None = None) -> None:
+                  seed: int, lens: tuple[int, ...] = (1, 17, 32, 75),
+                  config: DecodeConfig | None = None) -> torch.Tensor:
     """Lengths 1, 17, 32, 75 (or `lens`) over 4 KV heads of 16-token blocks, against the
-    dequantized reference."""
+    dequantized reference; the kernel's output."""
     bs, nkv = 16, 4
     batch = _Batch([(n - 1, 1) for n in lens], bs, nkv, nkv * gqa, hd, dtype, seed=seed)
     _dequantized_context(batch, fmt)
@@ -57,6 +58,7 @@ def _check_decode(variant: str, fmt: kv_quant.KVFormat, dtype: torch.dtype, spli
                        config=config or _config(variant, splits))
     assert torch.isfinite(out).all(), "every output element is written"
     assert _rel(out, batch.reference(hd ** -0.5)) < 2 * TOL[dtype]
+    return out
 
 
 @pytest.mark.parametrize("variant", VARIANTS[1:])
@@ -170,21 +172,10 @@ def test_bare_prefetch_variants_walk_many_tiles(variant: str, splits: int) -> No
     """The variants that request a tile's codes one iteration ahead, over 16-key tiles so each
     program walks several (the last one partial, past-the-end prefetches masked off): the
     reference's answer, and the very bits of the variant that loads each tile where it uses it."""
-    plain = variant.removesuffix(BARE_PREFETCH)
-    lens = (1, 17, 32, 75, 130)
-    for v in (variant, plain):
-        cfg = DecodeConfig(num_splits=splits, block_n=BLOCK_N, quant_variant=v, quant_block_n=16)
-        _check_decode(v, kv_quant.FP8_E4M3, DTYPES[-1], splits, gqa=4, hd=64, seed=splits + 21, lens=lens, config=cfg)
-    outs = []
-    for v in (variant, plain):
-        bs, nkv, gqa, hd = 16, 4, 4, 64
-        batch = _Batch([(n - 1, 1) for n in lens], bs, nkv, nkv * gqa, hd, DTYPES[-1], seed=splits + 21)
-        _dequantized_context(batch, kv_quant.FP8_E4M3)
-        cache = _quantized(batch, kv_quant.FP8_E4M3)
-        write_kv(*batch.new_kv(), cache, batch.slots())
-        cfg = DecodeConfig(num_splits=splits, block_n=BLOCK_N, quant_variant=v, quant_block_n=16)
-        outs.append(paged_decode(batch.q, cache, batch.tables(), batch.lens(), hd ** -0.5,
-                                 out=_poisoned(batch.q), config=cfg))
+    outs = [_check_decode(v, kv_quant.FP8_E4M3, DTYPES[-1], splits, gqa=4, hd=64, seed=splits + 21,
+                          lens=(1, 17, 32, 75, 130),
+                          config=DecodeConfig(num_splits=splits, block_n=BLOCK_N, quant_variant=v, quant_block_n=16))
+            for v in (variant, variant.removesuffix(BARE_PREFETCH))]
     assert torch.equal(outs[0], outs[1])
 
 
