@@ -185,9 +185,10 @@ def envoy_validates(text: str, where: Path) -> None:
 
 
 def signal_under_load(state: StackState, victim: str, sig: int, clients: int, wait_until,
-                      timeout: float = 10.0) -> tuple[float, list[tuple[float, int]]]:
+                      timeout: float = 10.0, bodies: list | None = None) -> tuple[float, list[tuple[float, int]]]:
     """`clients` closed-loop chat clients on the gateway; `sig` to the `victim` process
-    group after 40 requests, then 80 more. (signal time, [(start, status)])."""
+    group after 40 requests, then 80 more. (signal time, [(start, status)]); `bodies`, if
+    given, collects (start, status, body) of every reply but a 200, for a failure's message."""
     import os
     import threading
     import uuid
@@ -200,6 +201,8 @@ def signal_under_load(state: StackState, victim: str, sig: int, clients: int, wa
             t0 = time.monotonic()
             r = request(state.gateway_url, chat_body(f"{uuid.uuid4()}"), timeout=timeout)
             results.append((t0, r.status))
+            if bodies is not None and r.status != 200:
+                bodies.append((t0, r.status, r.body[:300]))
 
     threads = [threading.Thread(target=load) for _ in range(clients)]
     try:
