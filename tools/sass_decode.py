@@ -5,7 +5,7 @@ compiles one decode kernel for the 8B shape (GQA 4, head_dim 128, block 16, unsp
 and prints the key loop's instruction mix: warp instructions per byte of K/V read and the
 opcodes that dominate. VARIANT: a scaled-format kernel of triton_decode_quant_fast (words,
 asm, bytes, bytes_t, win), `bf16` (triton_decode's own), `bare-bytes`, `bare-words`,
-`bare-mixed`, `bare-bytes-pf` etc. (fp8_e4m3's, triton_decode_bare) or `gluon` (its Gluon kernel, gluon_decode_bare).
+`bare-mixed` (fp8_e4m3's, triton_decode_bare) or `gluon` (its Gluon kernel, gluon_decode_bare).
 The counts only rank; the device measures (docs/gpu-notes.md).
 """
 from __future__ import annotations
@@ -43,13 +43,12 @@ def kernel_for(variant: str) -> tuple[object, dict, dict, int]:
     if variant == "gluon":
         from kvyard.workers.attention import gluon_decode_bare
         ptr.update(k_ptr="*u8", v_ptr="*u8")
-        return gluon_decode_bare.decode_bare_gluon_kernel, ptr, {}, 128
+        return gluon_decode_bare.decode_bare_gluon_kernel, ptr, {"STAGES": None}, 128   # None: the STAGES argument
     if variant.startswith("bare-"):
         ptr.update(k_ptr="*u8", v_ptr="*u8", kw_ptr="*i32", vw_ptr="*i32")
         name = variant.removeprefix("bare-")
         return (triton_decode_bare.decode_bare_kernel, ptr,
-                dict(PREC="tf32", F16=True, ASM=True, ALIGNED=True, WORDS=triton_decode_bare.VARIANTS[name],
-                     PF=name.endswith(triton_decode_bare.PREFETCH)), 128)
+                dict(PREC="tf32", F16=True, ASM=True, ALIGNED=True, WORDS=triton_decode_bare.VARIANTS[name]), 128)
     words = variant in ("asm", "win", "words")
     t = "*i32" if words else "*u8"
     ptr.update(k_ptr=t, v_ptr=t, kf_ptr="*i32" if words else "*fp32", vf_ptr="*i32" if words else "*fp32")
@@ -63,7 +62,7 @@ def kernel_for(variant: str) -> tuple[object, dict, dict, int]:
 def compile_sass(variant: str, block_n: int, warps: int, stages: int) -> tuple[str, int]:
     kernel, ptr, const, row = kernel_for(variant)
     names = list(kernel.arg_names)
-    const = {k: v for k, v in {**SHAPE, "BLOCK_N": block_n, **const}.items() if k in names}
+    const = {k: stages if v is None else v for k, v in {**SHAPE, "BLOCK_N": block_n, **const}.items() if k in names}
     sig = {n: "constexpr" if n in const else ptr.get(n, "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIV16 if n in names}
     source = GluonASTSource if variant == "gluon" else ASTSource

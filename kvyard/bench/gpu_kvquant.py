@@ -152,12 +152,25 @@ def profile_once(torch, B: int, ctx: int, fmts: list[str]) -> int:
 
 BARE_GRID = [(v, bn, w, st) for v in ("mixed", "words", "bytes") for bn, w, st in
              ((128, 4, 2), (128, 4, 3), (128, 8, 2), (64, 4, 2))] + \
-    [("gluon", bn, w, 2) for bn, w in ((64, 4), (128, 4), (128, 8), (256, 4), (256, 8))] + \
-    [("words-pf", 64, 4, 2), ("words-pf", 128, 8, 2), ("mixed-pf", 64, 4, 2)]
-# gluon: its own double buffer. The prefetching ("-pf") tiles that compile for sm_90 without
-# spilling and keep the most tile bytes in flight an SM (static registers x programs an SM:
-# words-pf 64/4 96 KiB at 3 programs against words 64/4's 64 KiB at 4; `bytes-pf` and
-# `mixed-pf` at 128 keys and 4 warps spill).
+    [("gluon", bn, w, st) for bn, w, st in ((64, 4, 2), (128, 4, 2), (64, 4, 4), (64, 2, 4), (64, 2, 6),
+                                            (32, 2, 3), (32, 2, 4), (32, 2, 5), (32, 2, 6), (32, 2, 8),
+                                            (32, 1, 4), (32, 1, 6), (16, 1, 4), (16, 1, 6), (16, 1, 8),
+                                            (16, 1, 12))]
+# gluon: its stages are its ring of cp.async buffers (2: double-buffered). Deeper rings keep
+# more tiles in flight a program without the registers a register prefetch costs; small
+# one-warp programs fit many an SM (sm_90 builds: 16/1 x4 at 157 registers and 20 KiB of shared
+# memory, 11 programs, 132 KiB in flight; 64/4 x2 3 programs, 48 KiB).
+
+
+def use_ring() -> str:
+    """Launch fp8_e4m3 decode as triton_decode_bare.RING (the Gluon ring the tune picked) in this
+    process; a label for the results."""
+    from kvyard.workers.attention import triton_decode_bare
+
+    tile, splits_x = triton_decode_bare.RING
+    triton_decode_bare.TILES.update(split=tile, unsplit=tile)
+    triton_decode_bare.SPLITS_X = splits_x
+    return "/".join(map(str, tile)) + f" splits x{splits_x}"
 
 
 def pick_bare(times: dict[str, dict[str, dict[tuple, float]]]) -> dict[str, Any]:
@@ -176,10 +189,11 @@ def pick_bare(times: dict[str, dict[str, dict[tuple, float]]]) -> dict[str, Any]
     return pick
 
 
-def bare_tune(torch, shapes: list[tuple[int, int]], rounds: int) -> dict[str, Any]:
+def bare_tune(torch, shapes: list[tuple[int, int]], rounds: int, variants: set[str] | None = None) -> dict[str, Any]:
     """fp8_e4m3's kernel (triton_decode_bare.py) per variant and tile at each shape, and the one
     (variant, tile) per split/unsplit launch with the best geomean time, split launches also over
-    decode_config's splits x 1, 2, 4: what to put in its TILES and SPLITS_X."""
+    decode_config's splits x 1, 2, 4: what to put in its TILES and SPLITS_X. `variants`: only
+    BARE_GRID's tiles of these."""
     from dataclasses import replace
 
     from kvyard.bench.gpu_kernels import _time_ms
@@ -197,7 +211,7 @@ def bare_tune(torch, shapes: list[tuple[int, int]], rounds: int) -> dict[str, An
         for mult in ((1, 2, 4) if base.num_splits > 1 else (1,)):
             S = max(1, min(64, base.num_splits * mult, ctx // 128))
             ws = DecodeWorkspace.allocate(B, NH, HD, S, "cuda") if S > 1 else None
-            for v, bn, w, st in BARE_GRID:
+            for v, bn, w, st in (t for t in BARE_GRID if variants is None or t[0] in variants):
                 cfg = replace(base, num_splits=S, quant_variant=v, quant_block_n=bn, quant_num_warps=w,
                               quant_num_stages=st)
                 try:
@@ -229,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time every shape with decode_config's splits times each M (`split_sweep` in the JSON)")
     p.add_argument("--bare-tune", action="store_true",
                    help="first time fp8_e4m3's kernel per variant and tile (`bare_tune`) and run with its pick")
+    p.add_argument("--ring", action="store_true",
+                   help="fp8_e4m3 decode launches triton_decode_bare.RING (the Gluon ring) in place of TILES")
+    p.add_argument("--bare-variants", default=None, metavar="V,V,..",
+                   help="the bare tune times only these variants' tiles (default: all of BARE_GRID)")
     args = p.parse_args(argv)
     import torch
 
@@ -255,10 +273,13 @@ def main(argv: list[str] | None = None) -> int:
         return profile_once(torch, B, ctx, args.formats)
     rounds = 3 if args.quick else 7
     tune = None
+    if args.ring:
+        print("fp8_e4m3 kernel:", use_ring(), flush=True)
     if args.bare_tune:
         from kvyard.workers.attention import triton_decode_bare
 
-        tune = bare_tune(torch, QUICK_SHAPES if args.quick else SHAPES, 5)
+        tune = bare_tune(torch, QUICK_SHAPES if args.quick else SHAPES, 5,
+                         set(args.bare_variants.split(",")) if args.bare_variants else None)
         pick = tune["suggested"]
         for kind, t in pick.items():
             triton_decode_bare.TILES[kind] = (t["variant"], *t["tile"])

@@ -31,3 +31,15 @@ def test_splits_for_scales_only_split_launches(monkeypatch) -> None:
     assert triton_decode_bare.splits_for(2, 512) == 4             # at least 128 tokens a split
     monkeypatch.setattr(triton_decode_bare, "SPLITS_X", 1)
     assert triton_decode_bare.splits_for(5, 8192) == 5
+
+
+def test_use_ring_launches_the_tunes_gluon_ring_in_this_process(monkeypatch) -> None:
+    from kvyard.bench.gpu_kvquant import BARE_GRID, use_ring
+
+    monkeypatch.setattr(triton_decode_bare, "TILES", dict(triton_decode_bare.TILES))
+    monkeypatch.setattr(triton_decode_bare, "SPLITS_X", triton_decode_bare.SPLITS_X)
+    tile, splits_x = triton_decode_bare.RING
+    assert tile[0] == triton_decode_bare.GLUON and tile in BARE_GRID, "the tune can pick the ring it names"
+    assert use_ring() == "gluon/16/1/4 splits x2"
+    assert triton_decode_bare.TILES == {"split": tile, "unsplit": tile}
+    assert triton_decode_bare.SPLITS_X == splits_x == 2

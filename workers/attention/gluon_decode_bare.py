@@ -16,7 +16,9 @@ instructions per 128 keys against the bf16 kernel's 420 per 64 (tools/sass_decod
 - V needs its keys along the MMA's k, across rows in memory (sm_90 has no 8-bit transposing
   ldmatrix), so its codes are widened to fp16 in a row layout and staged through shared memory
   once for a transposing ldmatrix;
-- tiles are double-buffered: the next tile's copies are in flight during this tile's math.
+- tiles go through a ring of STAGES shared buffers: the next STAGES - 1 tiles' copies are in
+  flight during this tile's math (2: double-buffered; more keep more bytes in flight a program
+  without the registers a register prefetch costs).
 
 Numerics equal the Triton kernel's: fp16 dots of exact E4M3 values and fp16 q, float32
 accumulation and online softmax in log2 units, the same split partials and lse. Masked copies
@@ -64,9 +66,9 @@ def decode_bare_gluon_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_ptr, part_
                              stride_qb, stride_qh, stride_ob, stride_oh, stride_bt, stride_cb, stride_ct,
                              stride_ch, stride_pb, stride_ph, stride_lb, stride_lh, scale_log2, group,
                              G: gl.constexpr, GP: gl.constexpr, HD: gl.constexpr, BS: gl.constexpr,
-                             BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr):
+                             BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr):
     """Grid (batch, KV head, split); k/v: the caches as bytes; `group` equals G. GP must be 16 (one
-    MMA's rows)."""
+    MMA's rows); STAGES >= 2."""
     W: gl.constexpr = gl.num_warps()
     KC: gl.constexpr = BLOCK_N // W
     TPR: gl.constexpr = HD // 16                     # threads a 16-byte-per-thread row takes
@@ -95,8 +97,8 @@ def decode_bare_gluon_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_ptr, part_
     # to zero and rebuild every MMA operand quad around the zeros with moves, every tile.
     q = gl.load(q_ptr + b * stride_qb + q_off, mask=(om < group)[None, :, None], other=0.0).to(gl.float16)
 
-    k_smem = gl.allocate_shared_memory(gl.uint8, [2, W, KC, HD], codes_l)
-    v_smem = gl.allocate_shared_memory(gl.uint8, [2, W, KC, HD], codes_l)
+    k_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, W, KC, HD], codes_l)
+    v_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, W, KC, HD], codes_l)
     h_smem = gl.allocate_shared_memory(gl.float16, [W, KC, HD], half_l)
 
     mb = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(1, mma)))
@@ -106,18 +108,24 @@ def decode_bare_gluon_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_ptr, part_
     l_i = gl.zeros([W, GP], gl.float32, layout=gl.SliceLayout(2, mma))
     acc = gl.zeros([W, GP, HD], gl.float32, layout=mma)
 
-    if start < end:
-        _issue(k_smem.index(0), v_smem.index(0), k_ptr, v_ptr, bt_row, start, end, kh,
-               stride_cb, stride_ct, stride_ch, cp, W, KC, HD, BS)
+    # Every iteration commits one copy group (empty past the end), so waiting until at most
+    # STAGES - 1 groups are pending always means this tile's copies have landed.
+    for st in gl.static_range(STAGES - 1):
+        if start + st * BLOCK_N < end:
+            _issue(k_smem.index(st), v_smem.index(st), k_ptr, v_ptr, bt_row, start + st * BLOCK_N, end, kh,
+                   stride_cb, stride_ct, stride_ch, cp, W, KC, HD, BS)
+        else:
+            async_copy.commit_group()
     i = 0
     for n0 in range(start, end, BLOCK_N):
-        buf = i % 2
-        if n0 + BLOCK_N < end:   # the next tile's copies fly while this one computes
-            _issue(k_smem.index(1 - buf), v_smem.index(1 - buf), k_ptr, v_ptr, bt_row, n0 + BLOCK_N, end, kh,
-                   stride_cb, stride_ct, stride_ch, cp, W, KC, HD, BS)
-            async_copy.wait_group(1)
+        buf = i % STAGES
+        nxt = n0 + (STAGES - 1) * BLOCK_N
+        if nxt < end:   # into the buffer the previous iteration freed
+            _issue(k_smem.index((i + STAGES - 1) % STAGES), v_smem.index((i + STAGES - 1) % STAGES), k_ptr, v_ptr,
+                   bt_row, nxt, end, kh, stride_cb, stride_ct, stride_ch, cp, W, KC, HD, BS)
         else:
-            async_copy.wait_group(0)
+            async_copy.commit_group()
+        async_copy.wait_group(STAGES - 1)
         gl.thread_barrier()
         kt = _widen(k_smem.index(buf).permute([0, 2, 1]).load(kb))            # [W, HD, KC]
         sc = mma_v2(q, kt, gl.zeros([W, GP, KC], gl.float32, layout=mma)) * scale_log2
@@ -166,7 +174,7 @@ def supported(q: torch.Tensor, kv_bytes: torch.Tensor, group_pad: int, block_n: 
 
 
 def decode_bare_gluon(q, kc, vc, block_tables, seq_lens, out, part, lse, scale_log2: float, *, group: int,
-                      group_pad: int, splits: int, block_n: int, warps: int) -> None:
+                      group_pad: int, splits: int, block_n: int, warps: int, stages: int = 2) -> None:
     """Launch over the K and V halves of a bare E4M3 cache as bytes (see `supported`)."""
     B, _, hd = q.shape
     decode_bare_gluon_kernel[(B, kc.shape[2], splits)](
@@ -174,4 +182,4 @@ def decode_bare_gluon(q, kc, vc, block_tables, seq_lens, out, part, lse, scale_l
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kc.stride(0), kc.stride(1), kc.stride(2), part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
         scale_log2, group, G=group, GP=group_pad, HD=hd, BS=kc.shape[1], BLOCK_N=block_n, NUM_SPLITS=splits,
-        num_warps=warps)
+        STAGES=max(2, stages), num_warps=warps)

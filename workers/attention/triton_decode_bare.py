@@ -34,18 +34,23 @@ except ImportError:   # a Triton without Gluon: the Triton kernel everywhere
 # (variant, block_n, num_warps, num_stages) for split and unsplit launches of a 16-bit q. Variants
 # (VARIANTS; see _tile): "bytes", K and V as 8-bit tiles widened whole; "words", both read as
 # int32 words; "mixed", K as bytes (its operand needs no transpose, so the 8-bit tile reaches the
-# dot through ldmatrix and widens there) and V as words; a "-pf" suffix requests the next tile's
-# codes before the current tile's math (the loads are register gathers through the block table,
-# which Triton does not pipeline through shared memory, so a program otherwise has one tile in
-# flight: fp8's tiles hold half of bf16's bytes, at fewer programs an SM). The picks of
-# `kvyard.bench.gpu_kvquant --bare-tune` on an H100 (docs/bench/gpu-wave3-kvquant-h100.json).
-TILES = {"split": ("bytes", 128, 4, 2), "unsplit": ("words", 64, 4, 2)}
-VARIANTS = {"bytes": 0, "words": 1, "mixed": 2, "bytes-pf": 0, "words-pf": 1, "mixed-pf": 2}
-PREFETCH = "-pf"
-# "gluon" in TILES or a config's quant_variant: the Gluon kernel (gluon_decode_bare.py) where
-# `supported` says it can run, these Triton tiles elsewhere.
+# dot through ldmatrix and widens there) and V as words. These kernels' K/V loads are register
+# gathers through the block table, which Triton does not pipeline through shared memory, so a
+# program has about one tile in flight, and fp8's tiles hold half of bf16's bytes.
+# "gluon" (GLUON) names the Gluon kernel (gluon_decode_bare.py), where `supported` says it can
+# run: its copies go through a ring of `num_stages` cp.async buffers, so small one-warp programs
+# keep several tiles each in flight. TILES holds the engine's launches: the Triton picks of
+# `kvyard.bench.gpu_kvquant --bare-tune` (docs/bench/gpu-wave3-kvquant-h100.json). The same
+# tune over Gluon rings picks RING (16 keys, one warp, a ring of 4, splits x 2), 1.12x faster on
+# an H100; it becomes the default once the engine's graph/eager/prefix-hit agreement test
+# (tests/workers/test_kv_dtype_cuda.py) has passed with it on a GPU (docs/gpu-notes.md).
+# TRITON_TILES: the Triton launches a Gluon tile falls back to where that kernel cannot run
+# (float32 q, cards before sm_89, unaligned caches).
 GLUON = "gluon"
+TILES = {"split": ("bytes", 128, 4, 2), "unsplit": ("words", 64, 4, 2)}
 TRITON_TILES = dict(TILES)
+RING = ((GLUON, 16, 1, 4), 2)
+VARIANTS = {"bytes": 0, "words": 1, "mixed": 2}
 # Split launches take decode_config's splits times this (at most 64): a split's bytes are half
 # of bf16's, so the per-split prologue and the merge weigh more.
 SPLITS_X = 4
@@ -79,43 +84,19 @@ def _widen(x, F16: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _codes(c_ptr, w_ptr, row, valid, d, WORDS: tl.constexpr):
-    """Rows [BLOCK_N, HD] at byte offsets `row` as stored: bytes, or int32 words (WORDS)."""
+def _tile(c_ptr, w_ptr, row, valid, d, F16: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr):
+    """Rows [BLOCK_N, HD] at byte offsets `row`, widened. WORDS: read as int32 words and widened
+    4 codes a word (the asm variant's slices, re-interleaved), so no 8-bit tile reaches the dot."""
     if WORDS:
         HD4: tl.constexpr = d.shape[0] // 4
         d4 = tl.arange(0, HD4)
-        x = tl.load(w_ptr + (row // 4)[:, None] + d4[None, :], mask=valid[:, None], other=0)
-    else:
-        x = tl.load(c_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0)
-    return x
-
-
-@triton.jit
-def _widened(x, F16: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr):
-    """_codes' rows widened. WORDS: 4 codes a word (the asm variant's slices, re-interleaved), so
-    no 8-bit tile reaches the dot."""
-    if WORDS:
-        y = _natural(x, 2, ASM)
+        w = tl.load(w_ptr + (row // 4)[:, None] + d4[None, :], mask=valid[:, None], other=0)
+        y = _natural(w, 2, ASM)
         if not F16:
             y = y.to(tl.float32)
     else:
-        y = _widen(x, F16, ASM)
+        y = _widen(tl.load(c_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0), F16, ASM)
     return y
-
-
-@triton.jit
-def _tile(c_ptr, w_ptr, row, valid, d, F16: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr):
-    """Rows [BLOCK_N, HD] at byte offsets `row`, widened."""
-    return _widened(_codes(c_ptr, w_ptr, row, valid, d, WORDS), F16, ASM, WORDS)
-
-
-@triton.jit
-def _tile_rows(bt_row, n0, end, kh, BS: tl.constexpr, BLOCK_N: tl.constexpr, stride_cb, stride_ct, stride_ch,
-               ALIGNED: tl.constexpr):
-    valid, row = _rows(bt_row, n0, end, kh, BS, BLOCK_N, stride_cb, stride_ct, stride_ch)
-    if ALIGNED:
-        row = tl.multiple_of(row, 16)
-    return valid, row
 
 
 @triton.jit
@@ -124,11 +105,9 @@ def decode_bare_kernel(q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, bt_ptr, lens_ptr, o_
                        stride_pb, stride_ph, stride_lb, stride_lh, scale_log2,
                        G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
                        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
-                       F16: tl.constexpr, ASM: tl.constexpr, ALIGNED: tl.constexpr, WORDS: tl.constexpr,
-                       PF: tl.constexpr):
+                       F16: tl.constexpr, ASM: tl.constexpr, ALIGNED: tl.constexpr, WORDS: tl.constexpr):
     """k/v: the caches as bytes, kw/vw as int32 words. ALIGNED: every row starts on a 16-byte
-    boundary. WORDS: VARIANTS' value (0 neither, 1 K and V, 2 V only read as words). PF: each
-    tile's codes are requested one iteration ahead."""
+    boundary. WORDS: VARIANTS' value (0 neither, 1 K and V, 2 V only read as words)."""
     b, kh, s, start, end, g, heads, gmask = program_range(lens_ptr, G, GP, BLOCK_N, NUM_SPLITS)
     d = tl.arange(0, HD)
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask, other=0.0)
@@ -138,30 +117,15 @@ def decode_bare_kernel(q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, bt_ptr, lens_ptr, o_
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, HD], tl.float32)
     bt_row = bt_ptr + b * stride_bt
-    if PF:
-        valid, row = _tile_rows(bt_row, start, end, kh, BS, BLOCK_N, stride_cb, stride_ct, stride_ch, ALIGNED)
-        kx = _codes(k_ptr, kw_ptr, row, valid, d, WORDS == 1)
-        vx = _codes(v_ptr, vw_ptr, row, valid, d, WORDS >= 1)
-        for n0 in range(start, end, BLOCK_N):
-            # the next tile (all rows masked off past the end: no traffic) before this one's math
-            valid_n, row_n = _tile_rows(bt_row, n0 + BLOCK_N, end, kh, BS, BLOCK_N, stride_cb, stride_ct,
-                                        stride_ch, ALIGNED)
-            kx_n = _codes(k_ptr, kw_ptr, row_n, valid_n, d, WORDS == 1)
-            vx_n = _codes(v_ptr, vw_ptr, row_n, valid_n, d, WORDS >= 1)
-            k = _widened(kx, F16, ASM, WORDS == 1)
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-            p, alpha, m_i, l_i = _online(qk, valid, m_i, l_i)
-            v = _widened(vx, F16, ASM, WORDS >= 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            kx, vx, valid = kx_n, vx_n, valid_n
-    else:
-        for n0 in range(start, end, BLOCK_N):
-            valid, row = _tile_rows(bt_row, n0, end, kh, BS, BLOCK_N, stride_cb, stride_ct, stride_ch, ALIGNED)
-            k = _tile(k_ptr, kw_ptr, row, valid, d, F16, ASM, WORDS == 1)
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-            p, alpha, m_i, l_i = _online(qk, valid, m_i, l_i)
-            v = _tile(v_ptr, vw_ptr, row, valid, d, F16, ASM, WORDS >= 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    for n0 in range(start, end, BLOCK_N):
+        valid, row = _rows(bt_row, n0, end, kh, BS, BLOCK_N, stride_cb, stride_ct, stride_ch)
+        if ALIGNED:
+            row = tl.multiple_of(row, 16)
+        k = _tile(k_ptr, kw_ptr, row, valid, d, F16, ASM, WORDS == 1)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        p, alpha, m_i, l_i = _online(qk, valid, m_i, l_i)
+        v = _tile(v_ptr, vw_ptr, row, valid, d, F16, ASM, WORDS >= 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     _finish(acc, m_i, l_i, b, s, g, heads, gmask, o_ptr, part_ptr, lse_ptr, stride_ob, stride_oh,
             stride_pb, stride_ph, stride_lb, stride_lh, G, HD, NUM_SPLITS, 1.0)
 
@@ -177,16 +141,18 @@ def decode_bare(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
     variant, bn, warps, stages = TILES[kind] if q.dtype != torch.float32 else ("bytes", 32, 4, 2)
     if config.quant_variant in VARIANTS or config.quant_variant == GLUON:
         variant = config.quant_variant
-    bn, warps, stages = (config.quant_block_n or bn, config.quant_num_warps or warps,
-                         config.quant_num_stages or stages)
     cb = kv_cache.view(torch.uint8)
     kc, vc = cb[0], cb[1]
-    if variant == GLUON:
-        if gluon_decode_bare is not None and gluon_decode_bare.supported(q, cb, group_pad, bn, warps):
-            gluon_decode_bare.decode_bare_gluon(q, kc, vc, block_tables, seq_lens, out, part, lse, scale_log2,
-                                                group=group, group_pad=group_pad, splits=S, block_n=bn, warps=warps)
-            return
+    if variant == GLUON and not (gluon_decode_bare is not None and gluon_decode_bare.supported(
+            q, cb, group_pad, config.quant_block_n or bn, config.quant_num_warps or warps)):
         variant, bn, warps, stages = TRITON_TILES[kind] if q.dtype != torch.float32 else ("bytes", 32, 4, 2)
+    bn, warps, stages = (config.quant_block_n or bn, config.quant_num_warps or warps,
+                         config.quant_num_stages or stages)
+    if variant == GLUON:
+        gluon_decode_bare.decode_bare_gluon(q, kc, vc, block_tables, seq_lens, out, part, lse, scale_log2,
+                                            group=group, group_pad=group_pad, splits=S, block_n=bn, warps=warps,
+                                            stages=stages)
+        return
     B, _, hd = q.shape
     aligned = cb.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in cb.stride()[:4])
     asm = (not isinstance(decode_bare_kernel, InterpretedFunction) and q.is_cuda
@@ -197,5 +163,5 @@ def decode_bare(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kc.stride(0), kc.stride(1), kc.stride(2), part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
         scale_log2, G=group, GP=group_pad, HD=hd, BS=kc.shape[1], BLOCK_N=bn, NUM_SPLITS=S, PREC=prec,
-        F16=q.dtype != torch.float32, ASM=asm, ALIGNED=aligned, WORDS=VARIANTS[variant], PF=variant.endswith(PREFETCH),
+        F16=q.dtype != torch.float32, ASM=asm, ALIGNED=aligned, WORDS=VARIANTS[variant],
         num_warps=warps, num_stages=stages)
