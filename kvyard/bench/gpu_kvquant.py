@@ -167,10 +167,10 @@ def use_ring() -> str:
     process; a label for the results."""
     from kvyard.workers.attention import triton_decode_bare
 
-    tile, splits_x = triton_decode_bare.RING
-    triton_decode_bare.TILES.update(split=tile, unsplit=tile)
+    tiles, splits_x = triton_decode_bare.ring_launches()
+    triton_decode_bare.TILES.update(tiles)
     triton_decode_bare.SPLITS_X = splits_x
-    return "/".join(map(str, tile)) + f" splits x{splits_x}"
+    return "/".join(map(str, triton_decode_bare.RING[0])) + f" splits x{splits_x}"
 
 
 def pick_bare(times: dict[str, dict[str, dict[tuple, float]]]) -> dict[str, Any]:

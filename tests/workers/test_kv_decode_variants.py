@@ -206,58 +206,16 @@ def test_gluon_kernel_stays_off_where_it_cannot_run() -> None:
         assert not gluon_decode_bare.supported(qc, cc, 16, 32, 4)
 
 
-_COMPILE = """
-import sys
-from triton import compile
+_BUILD_SM90 = """
+import json, re, subprocess, sys, tempfile
+from pathlib import Path
+import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from kvyard.workers.attention.gluon_decode_bare import decode_bare_gluon_kernel as kernel
 names = list(kernel.arg_names)
 hd, block_n, warps, stages = map(int, sys.argv[1:5])
 const = dict(G=4, GP=16, HD=hd, BS=16, BLOCK_N=block_n, NUM_SPLITS=1, STAGES=stages)
-ptrs = {"q_ptr": "*bf16", "k_ptr": "*u8", "v_ptr": "*u8", "bt_ptr": "*i32", "lens_ptr": "*i32",
-        "o_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "scale_log2": "fp32"}
-sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
-attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr") or n.startswith("stride_")}
-c = compile(GluonASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
-            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-print(c.asm["ptx"])
-"""
-
-
-@pytest.mark.parametrize("hd,tile", [(128, (128, 4, 2)), (64, (64, 4, 2)), (128, (256, 8, 2)), (128, (64, 4, 4))])
-def test_gluon_kernel_compiles_for_sm90(hd: int, tile: tuple[int, int, int]) -> None:
-    """Compiled for sm_90 here, no GPU needed, in a process without TRITON_INTERPRET (under it
-    Gluon's helpers turn into interpreted functions its compiler refuses): fp16 MMAs, the E4M3
-    pair widening, 16-byte cp.async copies (.cg takes no other size) and ldmatrix reads
-    (tools/sass_decode.py gluon counts the key loop's instructions), and the ring's wait for
-    all but its STAGES - 1 newest copy groups."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE, str(hd), *map(str, tile)], capture_output=True, text=True,
-                       env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    ptx = r.stdout
-    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
-    assert "cvt.rn.f16x2.e4m3x2" in ptx
-    assert "cp.async.cg.shared.global" in ptx and "ldmatrix.sync.aligned" in ptx
-    assert re.search(rf"cp\.async\.wait_group\s+{tile[2] - 1};", ptx)
-
-
-_RING_RESOURCES = """
-import re, subprocess, tempfile
-from pathlib import Path
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from kvyard.workers.attention.gluon_decode_bare import decode_bare_gluon_kernel as kernel
-from kvyard.workers.attention.triton_decode_bare import RING
-(_, bn, warps, stages), _ = RING
-names = list(kernel.arg_names)
-const = dict(G=4, GP=16, HD=128, BS=16, BLOCK_N=bn, NUM_SPLITS=1, STAGES=stages)
 ptrs = {"q_ptr": "*bf16", "k_ptr": "*u8", "v_ptr": "*u8", "bt_ptr": "*i32", "lens_ptr": "*i32",
         "o_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "scale_log2": "fp32"}
 sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
@@ -270,27 +228,51 @@ with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
     f.flush()
     res = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
 m = re.search(r"REG:(\\d+) STACK:(\\d+)", res)
-print(bn, warps, stages, m.group(1), m.group(2), c.metadata.shared)
+print(json.dumps({"ptx": c.asm["ptx"], "regs": int(m.group(1)), "stack": int(m.group(2)),
+                  "shared": c.metadata.shared}))
 """
 
 
-def test_the_ring_keeps_several_tiles_in_flight_on_sm90() -> None:
-    """RING compiled for sm_90 here (no GPU needed, in a process without TRITON_INTERPRET): no
-    stack (spills), and registers and shared memory that let enough programs share an SM to keep
-    128 KiB or more of K/V in flight, each program with stages - 1 tiles of copies pending (an
-    H100 SM: 64K registers, 227 KiB of shared memory, 32 programs; bf16's Triton tile keeps 160
-    KiB, fp8_e4m3's Triton picks 64-96 KiB)."""
+def _gluon_sm90(hd: int, block_n: int, warps: int, stages: int) -> dict:
+    """The Gluon kernel compiled for sm_90 here, no GPU needed, in a process without
+    TRITON_INTERPRET (under it Gluon's helpers turn into interpreted functions its compiler
+    refuses): its PTX, registers, stack bytes and shared memory."""
+    import json
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _RING_RESOURCES], capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run([sys.executable, "-c", _BUILD_SM90, *map(str, (hd, block_n, warps, stages))],
+                       capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    bn, warps, stages, regs, stack, smem = map(int, r.stdout.split())
-    assert stack == 0, r.stdout
-    programs = min(65536 // (regs * 32 * warps), 227 * 1024 // smem, 32)
-    assert programs * (stages - 1) * bn * 128 * 2 >= 128 * 1024, (r.stdout, programs)
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("hd,tile", [(128, (128, 4, 2)), (64, (64, 4, 2)), (128, (256, 8, 2)), (128, (64, 4, 4))])
+def test_gluon_kernel_compiles_for_sm90(hd: int, tile: tuple[int, int, int]) -> None:
+    """fp16 MMAs, the E4M3 pair widening, 16-byte cp.async copies (.cg takes no other size) and
+    ldmatrix reads (tools/sass_decode.py gluon counts the key loop's instructions), and the
+    ring's wait for all but its STAGES - 1 newest copy groups."""
+    ptx = _gluon_sm90(hd, *tile)["ptx"]
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
+    assert "cvt.rn.f16x2.e4m3x2" in ptx
+    assert "cp.async.cg.shared.global" in ptx and "ldmatrix.sync.aligned" in ptx
+    assert re.search(rf"cp\.async\.wait_group\s+{tile[2] - 1};", ptx)
+
+
+def test_the_ring_keeps_several_tiles_in_flight_on_sm90() -> None:
+    """RING's sm_90 build: no stack (spills), and registers and shared memory that let enough
+    programs share an SM to keep 128 KiB or more of K/V in flight, each program with stages - 1
+    tiles of copies pending (an H100 SM: 64K registers, 227 KiB of shared memory, 32 programs;
+    bf16's Triton tile keeps 160 KiB, fp8_e4m3's Triton picks 64-96 KiB)."""
+    from kvyard.workers.attention.triton_decode_bare import RING
+
+    (_, bn, warps, stages), _ = RING
+    b = _gluon_sm90(128, bn, warps, stages)
+    assert b["stack"] == 0, b["regs"]
+    programs = min(65536 // (b["regs"] * 32 * warps), 227 * 1024 // b["shared"], 32)
+    assert programs * (stages - 1) * bn * 128 * 2 >= 128 * 1024, (b["regs"], b["shared"], programs)
 
 
 def test_ring_launches_fall_back_to_the_triton_tiles_where_gluon_cannot_run(monkeypatch) -> None:
@@ -298,8 +280,7 @@ def test_ring_launches_fall_back_to_the_triton_tiles_where_gluon_cannot_run(monk
     GPU here) takes the Triton kernel and still matches the reference (on a GPU: the ring)."""
     from kvyard.workers.attention import triton_decode_bare
 
-    tile, _ = triton_decode_bare.RING
-    monkeypatch.setattr(triton_decode_bare, "TILES", {"split": tile, "unsplit": tile})
+    monkeypatch.setattr(triton_decode_bare, "TILES", triton_decode_bare.ring_launches()[0])
     for splits in (1, 3):
         _check_decode(BARE_GLUON, kv_quant.FP8_E4M3, DTYPES[-1], splits, gqa=4, hd=64, seed=40 + splits,
                       config=DecodeConfig(num_splits=splits, block_n=BLOCK_N))

@@ -51,8 +51,8 @@ LAUNCHES = [(kv, "tiles") for kv in BOUNDS] + [("fp8_e4m3", "ring")]
 
 def _launch(monkeypatch, launch: str) -> None:
     if launch == "ring":
-        tile, splits_x = triton_decode_bare.RING
-        monkeypatch.setattr(triton_decode_bare, "TILES", {"split": tile, "unsplit": tile})
+        tiles, splits_x = triton_decode_bare.ring_launches()
+        monkeypatch.setattr(triton_decode_bare, "TILES", tiles)
         monkeypatch.setattr(triton_decode_bare, "SPLITS_X", splits_x)
 
 

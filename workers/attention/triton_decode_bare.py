@@ -56,6 +56,12 @@ VARIANTS = {"bytes": 0, "words": 1, "mixed": 2}
 SPLITS_X = 4
 
 
+def ring_launches() -> tuple[dict[str, tuple[str, int, int, int]], int]:
+    """The TILES and SPLITS_X that launch RING for both kinds of launch."""
+    tile, splits_x = RING
+    return {"split": tile, "unsplit": tile}, splits_x
+
+
 def splits_for(num_splits: int, max_context: int) -> int:
     """The splits of a launch over this format where decode_config gives `num_splits`."""
     if num_splits == 1:
