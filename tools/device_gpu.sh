@@ -2,7 +2,7 @@
 # kvyard's CUDA tests and `kvyard bench gpu` on the device tool's GPU host (docs/gpu-notes.md
 # lists the stages and what to carry).
 # Usage: bash tools/device_gpu.sh STAGE [ARGS]; STAGE is one of tests, kv, stall, bench, hf,
-# wake, wakeserve, serve, servemodes, kernels, lora, worker, pytest, ncu, module (the case below). Results go to $OUT.
+# wake, wakeserve, serve, servemodes, kernels, lora, worker, pytest, py, ncu, module (the case below). Results go to $OUT.
 # The host has no network and kvyard is not installed there, so a shim tree maps kvyard.workers
 # etc. as setup.py does, and the packages the engine imports beyond the host's (gguf, redis-py)
 # come as wheels in the ignored .whl/. The demo GGUF is larger than one call may carry, so it
@@ -63,6 +63,8 @@ case "$1" in
       --section WarpStateStats --section SchedulerStats --section InstructionStats -k "regex:$2" \
       python3 -W ignore -m "kvyard.bench.$3" --out "$OUT/$3-ncu.json" "${@:4}" > $OUT/ncu.txt 2>&1
     grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Achieved Occupancy|Registers Per|Shared Memory Configuration Size|L1/TEX Hit|Mem Busy|Max Bandwidth|Executed Ipc A" $OUT/ncu.txt | head -120 ;;
+  py)  # a Python file of the working tree: py FILE [ARGS] (output in $OUT/py.log)
+    python3 -W ignore - "${@:3}" < "$R/$2" 2>&1 | tee -a $OUT/py.log ;;  # stdin: the shim, not $R, heads sys.path
   module)  # a standalone bench module: module NAME [ARGS] (kvyard.bench.NAME --out $OUT/NAME.json)
     python3 -W ignore -m "kvyard.bench.$2" --out "$OUT/$2.json" "${@:3}" 2>&1 | tee -a "$OUT/$2.log" ;;
   lora)

@@ -162,15 +162,20 @@ BARE_GRID = [(v, bn, w, st) for v in ("mixed", "words", "bytes") for bn, w, st i
 # memory, 11 programs, 132 KiB in flight; 64/4 x2 3 programs, 48 KiB).
 
 
-def use_ring() -> str:
-    """Launch fp8_e4m3 decode as triton_decode_bare.RING (the Gluon ring the tune picked) in this
-    process; a label for the results."""
+def use_triton() -> str:
+    """Launch fp8_e4m3 decode with the Triton kernel's picks (triton_decode_bare.TRITON_TILES and
+    TRITON_SPLITS_X) in place of the engine's default, the Gluon ring, in this process; a label
+    for the results."""
     from kvyard.workers.attention import triton_decode_bare
 
-    tiles, splits_x = triton_decode_bare.ring_launches()
+    tiles, splits_x = triton_decode_bare.triton_launches()
     triton_decode_bare.TILES.update(tiles)
     triton_decode_bare.SPLITS_X = splits_x
-    return "/".join(map(str, triton_decode_bare.RING[0])) + f" splits x{splits_x}"
+    return f"{launch_label(tiles['split'], splits_x)}, unsplit {launch_label(tiles['unsplit'])}"
+
+
+def launch_label(tile: tuple, splits_x: int | None = None) -> str:
+    return "/".join(map(str, tile)) + ("" if splits_x is None else f" splits x{splits_x}")
 
 
 def pick_bare(times: dict[str, dict[str, dict[tuple, float]]]) -> dict[str, Any]:
@@ -243,8 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time every shape with decode_config's splits times each M (`split_sweep` in the JSON)")
     p.add_argument("--bare-tune", action="store_true",
                    help="first time fp8_e4m3's kernel per variant and tile (`bare_tune`) and run with its pick")
-    p.add_argument("--ring", action="store_true",
-                   help="fp8_e4m3 decode launches triton_decode_bare.RING (the Gluon ring) in place of TILES")
+    p.add_argument("--triton", action="store_true",
+                   help="fp8_e4m3 decode launches the Triton kernel's picks (TRITON_TILES) in place of the Gluon ring")
     p.add_argument("--bare-variants", default=None, metavar="V,V,..",
                    help="the bare tune times only these variants' tiles (default: all of BARE_GRID)")
     args = p.parse_args(argv)
@@ -271,13 +276,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.ncu:
         B, ctx = (int(x) for x in args.ncu.split(","))
         return profile_once(torch, B, ctx, args.formats)
+    from kvyard.workers.attention import triton_decode_bare
+
     rounds = 3 if args.quick else 7
     tune = None
-    if args.ring:
-        print("fp8_e4m3 kernel:", use_ring(), flush=True)
+    if args.triton:
+        print("fp8_e4m3 kernel:", use_triton(), flush=True)
     if args.bare_tune:
-        from kvyard.workers.attention import triton_decode_bare
-
         tune = bare_tune(torch, QUICK_SHAPES if args.quick else SHAPES, 5,
                          set(args.bare_variants.split(",")) if args.bare_variants else None)
         pick = tune["suggested"]
@@ -285,12 +290,15 @@ def main(argv: list[str] | None = None) -> int:
             triton_decode_bare.TILES[kind] = (t["variant"], *t["tile"])
         triton_decode_bare.SPLITS_X = pick.get("split", {}).get("splits_x", 1)
         print("fp8_e4m3 kernel:", triton_decode_bare.TILES, "splits x", triton_decode_bare.SPLITS_X, flush=True)
+    launches = {"split": launch_label(triton_decode_bare.TILES["split"], triton_decode_bare.SPLITS_X),
+                "unsplit": launch_label(triton_decode_bare.TILES["unsplit"])}
     rows = []
     for B, ctx in (QUICK_SHAPES if args.quick else SHAPES):
         rows.append(measure(torch, B, ctx, args.formats, rounds))
         print(json.dumps(rows[-1]), flush=True)
     summary = {"device": torch.cuda.get_device_name(0), "shape": {"heads": NH, "kv_heads": NKV, "head_dim": HD,
-                                                                   "block_size": BS}, "rows": rows}
+                                                                   "block_size": BS},
+               "fp8_e4m3_launches": launches, "rows": rows}
     if tune:
         summary["bare_tune"] = tune
     if args.split_mults:

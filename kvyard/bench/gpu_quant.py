@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="KV caches each mode decodes over: bf16 (always) and any of fp8_e4m3, fp8, int8")
     p.add_argument("--narrow-tables", action="store_true",
                    help="block tables only as wide as the context (its splits, not the engine's)")
-    p.add_argument("--ring", action="store_true",
-                   help="fp8_e4m3 KV decodes with triton_decode_bare.RING (the Gluon ring) in place of TILES")
+    p.add_argument("--triton", action="store_true",
+                   help="fp8_e4m3 KV decodes with the Triton kernel's picks in place of the Gluon ring")
     a = p.parse_args(argv)
     from kvyard.workers.attention.kv_quant import KV_CACHE_DTYPES
 
@@ -195,10 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth(torch)
     res: dict[str, Any] = {"card": torch.cuda.get_device_name(), "copy_gb_s": bw / 1e9, "layers": a.layers,
                            "ctx": a.ctx, "narrow_tables": a.narrow_tables, "quant": {}}
-    if a.ring:
-        from kvyard.bench.gpu_kvquant import use_ring
+    if a.triton:
+        from kvyard.bench.gpu_kvquant import use_triton
 
-        res["fp8_e4m3_kernel"] = use_ring()
+        res["fp8_e4m3_kernel"] = use_triton()
     for name in filter(None, a.modes.split(",")):  # --modes= : the demo accuracy alone
         res["quant"][name] = measure_mode(torch, MODES[name], a.layers, a.ctx, bw, a.narrow_tables, kv_dtypes)
         torch.cuda.empty_cache()

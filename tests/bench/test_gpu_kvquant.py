@@ -33,13 +33,16 @@ def test_splits_for_scales_only_split_launches(monkeypatch) -> None:
     assert triton_decode_bare.splits_for(5, 8192) == 5
 
 
-def test_use_ring_launches_the_tunes_gluon_ring_in_this_process(monkeypatch) -> None:
-    from kvyard.bench.gpu_kvquant import BARE_GRID, use_ring
+def test_the_engine_launches_the_tunes_gluon_ring_and_use_triton_the_triton_picks(monkeypatch) -> None:
+    from kvyard.bench.gpu_kvquant import BARE_GRID, use_triton
 
-    monkeypatch.setattr(triton_decode_bare, "TILES", dict(triton_decode_bare.TILES))
-    monkeypatch.setattr(triton_decode_bare, "SPLITS_X", triton_decode_bare.SPLITS_X)
     tile, splits_x = triton_decode_bare.RING
     assert tile[0] == triton_decode_bare.GLUON and tile in BARE_GRID, "the tune can pick the ring it names"
-    assert use_ring() == "gluon/16/1/4 splits x2"
-    assert triton_decode_bare.TILES == {"split": tile, "unsplit": tile}
-    assert triton_decode_bare.SPLITS_X == splits_x == 2
+    if triton_decode_bare.gluon_decode_bare is not None:
+        assert triton_decode_bare.TILES == {"split": tile, "unsplit": tile}
+        assert triton_decode_bare.SPLITS_X == splits_x == 2
+    monkeypatch.setattr(triton_decode_bare, "TILES", dict(triton_decode_bare.TILES))
+    monkeypatch.setattr(triton_decode_bare, "SPLITS_X", triton_decode_bare.SPLITS_X)
+    assert use_triton() == "bytes/128/4/2 splits x4, unsplit words/64/4/2"
+    assert triton_decode_bare.TILES == triton_decode_bare.TRITON_TILES
+    assert triton_decode_bare.SPLITS_X == triton_decode_bare.TRITON_SPLITS_X == 4

@@ -276,8 +276,8 @@ def test_the_ring_keeps_several_tiles_in_flight_on_sm90() -> None:
 
 
 def test_ring_launches_fall_back_to_the_triton_tiles_where_gluon_cannot_run(monkeypatch) -> None:
-    """With the engine's launches set to the Gluon ring, a launch the Gluon kernel cannot run (no
-    GPU here) takes the Triton kernel and still matches the reference (on a GPU: the ring)."""
+    """With the engine's launches the Gluon ring (its default), a launch the Gluon kernel cannot
+    run (no GPU here) takes the Triton kernel and still matches the reference (on a GPU: the ring)."""
     from kvyard.workers.attention import triton_decode_bare
 
     monkeypatch.setattr(triton_decode_bare, "TILES", triton_decode_bare.ring_launches()[0])

@@ -39,27 +39,33 @@ except ImportError:   # a Triton without Gluon: the Triton kernel everywhere
 # program has about one tile in flight, and fp8's tiles hold half of bf16's bytes.
 # "gluon" (GLUON) names the Gluon kernel (gluon_decode_bare.py), where `supported` says it can
 # run: its copies go through a ring of `num_stages` cp.async buffers, so small one-warp programs
-# keep several tiles each in flight. TILES holds the engine's launches: the Triton picks of
-# `kvyard.bench.gpu_kvquant --bare-tune` (docs/bench/gpu-wave3-kvquant-h100.json). The same
-# tune over Gluon rings picks RING (16 keys, one warp, a ring of 4, splits x 2), 1.12x faster on
-# an H100; it becomes the default once the engine's graph/eager/prefix-hit agreement test
-# (tests/workers/test_kv_dtype_cuda.py) has passed with it on a GPU (docs/gpu-notes.md).
-# TRITON_TILES: the Triton launches a Gluon tile falls back to where that kernel cannot run
-# (float32 q, cards before sm_89, unaligned caches).
+# keep several tiles each in flight. `kvyard.bench.gpu_kvquant --bare-tune` over both kernels
+# picks RING (16 keys, one warp, a ring of 4, splits x 2): on an H100 0.92x bf16's throughput per
+# byte, where the Triton kernel's best launches (TRITON_TILES, TRITON_SPLITS_X) reach 0.82x
+# (docs/benchmarks.md). TILES and SPLITS_X hold the engine's launches: RING, or the Triton
+# launches with a Triton that has no Gluon. A launch the Gluon kernel cannot run (float32 q,
+# cards before sm_89, unaligned caches) takes TRITON_TILES' tile with the engine's SPLITS_X.
 GLUON = "gluon"
-TILES = {"split": ("bytes", 128, 4, 2), "unsplit": ("words", 64, 4, 2)}
-TRITON_TILES = dict(TILES)
-RING = ((GLUON, 16, 1, 4), 2)
-VARIANTS = {"bytes": 0, "words": 1, "mixed": 2}
+TRITON_TILES = {"split": ("bytes", 128, 4, 2), "unsplit": ("words", 64, 4, 2)}
 # Split launches take decode_config's splits times this (at most 64): a split's bytes are half
 # of bf16's, so the per-split prologue and the merge weigh more.
-SPLITS_X = 4
+TRITON_SPLITS_X = 4
+RING = ((GLUON, 16, 1, 4), 2)
+VARIANTS = {"bytes": 0, "words": 1, "mixed": 2}
 
 
 def ring_launches() -> tuple[dict[str, tuple[str, int, int, int]], int]:
     """The TILES and SPLITS_X that launch RING for both kinds of launch."""
     tile, splits_x = RING
     return {"split": tile, "unsplit": tile}, splits_x
+
+
+def triton_launches() -> tuple[dict[str, tuple[str, int, int, int]], int]:
+    """The TILES and SPLITS_X that launch the Triton kernel's picks."""
+    return dict(TRITON_TILES), TRITON_SPLITS_X
+
+
+TILES, SPLITS_X = ring_launches() if gluon_decode_bare is not None else triton_launches()
 
 
 def splits_for(num_splits: int, max_context: int) -> int:
