@@ -43,7 +43,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprob
 # (TIE), and how far the paths may move a logprob of the same context (DRIFT). A flipped code
 # moves logprobs whatever the activations' precision (float32's own rounding moves logits by
 # about 1e-5 of bf16's steps): on the H100 the eight questions' paths drifted by up to 0.62
-# nats in bf16 and 0.49 in float32, and first differed at gaps of up to 0.75 and 0.04.
+# nats in bf16 and 0.49 in float32 (int8, the one format measured there), and first differed at
+# gaps of up to 0.75 and 0.04 (docs/bench/gpu-wave3-kvdefault-h100.json).
 TIE = {"auto": 1.0, "float32": 0.1}
 DRIFT = {"auto": 1.0, "float32": 1.0}
 BOUNDS = {"int8": (0.9, 0.01), "fp8": (0.85, 0.03), "fp8_e4m3": (0.85, 0.03)}
@@ -54,8 +55,8 @@ def _llm(kv: str, eager: bool = False, prefix: bool = True, dtype: str = "auto")
                             enable_prefix_caching=prefix, kv_cache_memory_bytes=256 << 20, gpu_memory_utilization=0.5))
 
 
-# fp8_e4m3 also through the Triton kernel's launches, where the engine's default is the Gluon
-# ring (triton_decode_bare.py): the launches of cards without Gluon and of a float32 q.
+# fp8_e4m3 also through the Triton kernel's picks (TRITON_TILES), the engine's launches with a
+# Triton that has no Gluon; its default is the Gluon ring (triton_decode_bare.py).
 LAUNCHES = [(kv, "default") for kv in BOUNDS] + [("fp8_e4m3", "triton")]
 
 
