@@ -29,12 +29,18 @@ the interpreter, float32 q, pre-sm_89 cards and unaligned caches.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .triton_decode_quant import split_range
+
+# `supported` runs at every layer of every eager decode step (the ring is the default launch):
+# a device's capability is asked once.
+_capability = functools.lru_cache(maxsize=None)(torch.cuda.get_device_capability)
 
 
 @gluon.jit
@@ -168,7 +174,7 @@ def supported(q: torch.Tensor, kv_bytes: torch.Tensor, group_pad: int, block_n: 
     hd = q.shape[-1]
     kc = block_n // warps
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and group_pad == 16
-            and torch.cuda.get_device_capability(q.device) >= (8, 9)
+            and _capability(q.device) >= (8, 9)
             and hd in (64, 128) and kc % 16 == 0 and block_n % warps == 0
             and kv_bytes.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in kv_bytes.stride()[:4]))
 
